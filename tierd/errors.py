@@ -1,0 +1,87 @@
+"""Typed errors shared by the core, the API and the client.
+
+Each class maps to exactly one gRPC status (see tierd.api.status); the API
+sends the class name in trailing metadata so the client raises the same class.
+Errors keep the offending values as attributes.
+"""
+
+from __future__ import annotations
+
+
+class TierdError(Exception):
+    """Base of every error tierd raises on purpose."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(TierdError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(TierdError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(TierdError):
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(TierdError):
+    code = "FAILED_PRECONDITION"
+
+
+class IdentityMismatch(FailedPrecondition):
+    """A snapshot was asked to go into memory of another model or layout."""
+
+
+class ResourceExhausted(TierdError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DataLoss(TierdError):
+    """A checksum did not match: the bytes are never returned."""
+
+    code = "DATA_LOSS"
+
+
+class Unauthenticated(TierdError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(TierdError):
+    code = "PERMISSION_DENIED"
+
+
+class Unavailable(TierdError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(TierdError):
+    code = "DEADLINE_EXCEEDED"
+
+
+ALL_ERRORS: dict[str, type[TierdError]] = {
+    cls.__name__: cls
+    for cls in (
+        TierdError,
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        IdentityMismatch,
+        ResourceExhausted,
+        DataLoss,
+        Unauthenticated,
+        PermissionDenied,
+        Unavailable,
+        DeadlineExceeded,
+    )
+}
