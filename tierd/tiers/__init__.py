@@ -1,0 +1,39 @@
+"""Tiers: where bytes live (device VRAM, host shared memory, disk slabs).
+
+Mechanism only: a tier allocates, frees and exposes its bytes; it never
+decides what to move or why. Names are ordered fastest first.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tierd.tiers.allocator import Piece
+
+TIER_ORDER = ("device", "host", "disk")
+
+
+def tier_rank(name: str) -> int:
+    return TIER_ORDER.index(name)
+
+
+class Tier(Protocol):
+    name: str
+    budget: int
+
+    @property
+    def used(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    def alloc_pages(self, n_pages: int, page_bytes: int) -> list[Piece] | None: ...
+
+    def free(self, piece: Piece) -> None: ...
+
+    def set_budget(self, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+__all__ = ["TIER_ORDER", "Piece", "Tier", "tier_rank"]

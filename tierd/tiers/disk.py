@@ -1,0 +1,167 @@
+"""Disk tier: pages in extents inside preallocated slab files under the data dir.
+
+POSIX backend: O_DIRECT pread/pwrite of aligned buffers, cut into chunks that
+run on a prioritised thread pool; where the file system refuses O_DIRECT
+(tmpfs, some overlays) buffered I/O with fdatasync. The kvikio backend
+(GPUDirect Storage) plugs in beside it when libcuda and kvikio are present.
+Slab files are named by number only; what they hold lives in the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from concurrent.futures import Future
+
+import numpy as np
+
+from tierd.tiers.slabs import SlabTier
+from tierd.transfer.ioqueue import Priority, PriorityExecutor, wait_all
+
+log = logging.getLogger("tierd.tiers.disk")
+ALIGN = 4096
+IO_CHUNK = 4 << 20
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT."""
+    size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)[:nbytes]
+
+
+def probe_direct_io(directory: str) -> bool:
+    """True if O_DIRECT writes and reads work in this directory."""
+    path = os.path.join(directory, ".direct-io-probe")
+    buf = aligned_buffer(ALIGN)
+    buf[:] = 0x5A
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        os.pwritev(fd, [buf], 0)
+        back = aligned_buffer(ALIGN)
+        os.preadv(fd, [back], 0)
+        return bool(np.array_equal(back, buf))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class DiskTier(SlabTier):
+    name = "disk"
+
+    def __init__(self, budget: int, directory: str, executor: PriorityExecutor, slab_bytes: int = 1 << 30,
+                 direct: bool | None = None) -> None:
+        super().__init__(budget, slab_bytes, granule=ALIGN)
+        self.directory = directory
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.direct = probe_direct_io(directory) if direct is None else direct
+        self.backend = "posix-odirect" if self.direct else "posix-buffered"
+        self._executor = executor
+        self._fds: dict[int, int] = {}
+        self._dirty: set[int] = set()
+
+    def slab_path(self, index: int) -> str:
+        return os.path.join(self.directory, f"slab-{index:06d}.bin")
+
+    def existing_slabs(self) -> int:
+        """How many slab files a previous run left, counted from 0 without gaps."""
+        n = 0
+        while os.path.exists(self.slab_path(n)):
+            n += 1
+        return n
+
+    def open_existing(self) -> None:
+        """Map the slabs on disk into the address space (before recovery)."""
+        with self._lock:
+            for _ in range(self.existing_slabs()):
+                self._open_slab(self.allocator.add_slab())
+
+    def _open_slab(self, index: int) -> None:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(self.slab_path(index), flags, 0o600)
+        try:
+            if os.fstat(fd).st_size < self.slab_bytes:
+                os.posix_fallocate(fd, 0, self.slab_bytes)
+        except OSError:
+            os.close(fd)
+            raise
+        self._fds[index] = fd
+
+    def _close_slab(self, index: int) -> None:
+        fd = self._fds.pop(index, None)
+        if fd is not None:
+            os.close(fd)
+        if index >= self.allocator.num_slabs:
+            # Removed from the address space: the file goes too.
+            try:
+                os.unlink(self.slab_path(index))
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    # -- I/O ---------------------------------------------------------------
+
+    def _spans(self, offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
+        """(fd, file offset, buffer offset, length) chunks of at most IO_CHUNK."""
+        slab, off = self.locate(offset)
+        if off + nbytes > self.slab_bytes:
+            raise ValueError(f"I/O [{offset}, {offset + nbytes}) crosses a slab boundary")
+        fd = self._fds[slab]
+        return [(fd, off + pos, pos, min(IO_CHUNK, nbytes - pos)) for pos in range(0, nbytes, IO_CHUNK)]
+
+    def _check_buffer(self, buf: np.ndarray, offset: int) -> None:
+        if self.direct and (buf.ctypes.data % ALIGN or buf.nbytes % ALIGN or offset % ALIGN):
+            raise ValueError("O_DIRECT I/O needs a 4096-aligned buffer, length and offset")
+
+    def read(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMAND) -> None:
+        """Fill buf (uint8, contiguous) from the tier's bytes at offset."""
+        wait_all(self.read_async(offset, buf, priority))
+
+    def read_async(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMAND) -> list[Future]:
+        """Queue the reads that fill buf; wait_all(result) waits for them."""
+        self._check_buffer(buf, offset)
+        return [self._executor.submit(priority, _pread_exact, fd, buf[pos : pos + n], foff)
+                for fd, foff, pos, n in self._spans(offset, buf.nbytes)]
+
+    def write(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMOTION) -> None:
+        """Write buf at offset; durable only after sync()."""
+        self._check_buffer(buf, offset)
+        slab, _ = self.locate(offset)
+        wait_all([self._executor.submit(priority, _pwrite_exact, fd, buf[pos : pos + n], foff)
+                  for fd, foff, pos, n in self._spans(offset, buf.nbytes)])
+        with self._lock:
+            self._dirty.add(slab)
+
+    def sync(self) -> None:
+        """fdatasync every slab written since the last sync."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for slab in sorted(dirty):
+            fd = self._fds.get(slab)
+            if fd is not None:
+                os.fdatasync(fd)
+
+
+def _pread_exact(fd: int, view: np.ndarray, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read at {offset + done}: slab file truncated")
+        done += n
+
+
+def _pwrite_exact(fd: int, view: np.ndarray, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwritev(fd, [view[done:]], offset + done)

@@ -1,0 +1,88 @@
+"""Probe the machine once at start and build the tiers it supports.
+
+Each choice is logged in one line and kept in `backends`, which the metrics
+expose: whether there is a device tier (and on what), whether the host arena
+is pinned for DMA, and which disk I/O path runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+
+from tierd.config import AUTO, Config
+from tierd.core.index import DiskIndex
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.host import HostTier
+from tierd.transfer.copier import CopyEngine
+from tierd.transfer.ioqueue import PriorityExecutor
+
+log = logging.getLogger("tierd.tiers")
+
+
+@dataclass
+class Machine:
+    tiers: dict
+    copier: CopyEngine
+    index: DiskIndex
+    executor: PriorityExecutor
+    backends: dict[str, str] = field(default_factory=dict)  # what was chosen, beside each tier's .backend
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+
+def arena_prefix(data_dir: str) -> str:
+    """Shared-memory names for one data dir: a second daemon on another data
+    dir never touches them, and a restart on this one clears what a crash left."""
+    return "tierd-" + hashlib.sha256(os.path.realpath(data_dir).encode()).hexdigest()[:12]
+
+
+def probe_device(cfg: Config):
+    """(DeviceTier or None, description)."""
+    if cfg.device == "none":
+        return None, "absent (disabled by configuration)"
+    if cfg.device == "cpu":
+        from tierd.tiers.device import DeviceTier
+
+        budget = cfg.device_budget if cfg.device_budget != AUTO else 256 << 20
+        return DeviceTier(int(budget), "cpu", cfg.device_slab), "emulated in host memory (device=cpu)"
+    try:
+        import torch
+    except ImportError:
+        return None, "absent (torch is not installed)"
+    if not torch.cuda.is_available():
+        return None, "absent (no CUDA device)"
+    from tierd.tiers.device import DeviceTier
+
+    name = "cuda" if cfg.device in (AUTO, "cuda") else cfg.device
+    dev = torch.device(name)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    budget = total // 4 if cfg.device_budget == AUTO else int(cfg.device_budget)
+    return DeviceTier(budget, str(dev), cfg.device_slab), f"{torch.cuda.get_device_name(dev)} ({dev}) through torch"
+
+
+def build(cfg: Config) -> Machine:
+    """Tiers, copy engine and index for this machine; budgets must be resolved."""
+    data_dir = os.path.abspath(cfg.data_dir)
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    executor = PriorityExecutor(cfg.io_workers)
+    device, device_text = probe_device(cfg)
+    log.info("device tier: %s", device_text)
+    prefix = arena_prefix(data_dir)
+    stale = HostTier.remove_stale(prefix)
+    if stale:
+        log.info("host arena: removed %d shared-memory slabs left by an earlier run", stale)
+    pin = device is not None and device.device.type == "cuda"
+    host = HostTier(int(cfg.host_budget), prefix, cfg.host_slab, pin=pin)
+    disk = DiskTier(int(cfg.disk_budget), os.path.join(data_dir, "slabs"), executor, cfg.disk_slab)
+    log.info("disk tier: %s I/O under %s", disk.backend, disk.directory)
+    tiers = {"host": host, "disk": disk}
+    if device is not None:
+        tiers["device"] = device
+    verify = ("disk",) if cfg.verify == "disk" else tuple(tiers)
+    backends = {"device": str(device.device) if device is not None else "absent"}
+    index = DiskIndex(os.path.join(data_dir, "index.db"))
+    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify), index, executor, backends)

@@ -1,0 +1,120 @@
+"""Host tier: an arena of shared-memory slabs that other processes can map.
+
+Each slab is a file under /dev/shm (mode 0600) mapped into the daemon; an
+engine on the same machine can map the same file by name, so pages move
+between engine and daemon without passing through messages. Allocations are
+backed with posix_fallocate (a full /dev/shm then fails the allocation instead
+of killing the daemon with SIGBUS) and freed ranges are punched out, so the
+arena costs only what it holds. With a GPU, each slab is registered with CUDA
+(cudaHostRegister through cupy) so device copies run by DMA.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import mmap
+import os
+
+import numpy as np
+
+from tierd.tiers.allocator import Piece
+from tierd.tiers.slabs import SlabTier
+
+log = logging.getLogger("tierd.tiers.host")
+SHM_DIR = "/dev/shm"
+
+
+class HostTier(SlabTier):
+    name = "host"
+
+    def __init__(self, budget: int, prefix: str, slab_bytes: int = 1 << 30, shm_dir: str = SHM_DIR,
+                 pin: bool = False) -> None:
+        super().__init__(budget, slab_bytes)
+        self.prefix = prefix
+        self.shm_dir = shm_dir
+        self.pin = pin
+        self.pinned = False
+        self._maps: dict[int, mmap.mmap] = {}
+        self._fds: dict[int, int] = {}
+        self._arrays: dict[int, np.ndarray] = {}
+        self._registered: dict[int, object] = {}
+
+    @property
+    def backend(self) -> str:
+        return "shm-pinned" if self.pinned else "shm-pageable"
+
+    @staticmethod
+    def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> int:
+        """Delete slabs a previous daemon with this prefix left behind."""
+        stale = glob.glob(os.path.join(shm_dir, glob.escape(prefix) + ".*"))
+        for path in stale:
+            os.unlink(path)
+        return len(stale)
+
+    def slab_name(self, index: int) -> str:
+        return f"{self.prefix}.{index}"
+
+    def slab_path(self, index: int) -> str:
+        return os.path.join(self.shm_dir, self.slab_name(index))
+
+    def _open_slab(self, index: int) -> None:
+        fd = os.open(self.slab_path(index), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(fd, self.slab_bytes)
+        mm = mmap.mmap(fd, self.slab_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._fds[index], self._maps[index] = fd, mm
+        self._arrays[index] = np.frombuffer(mm, dtype=np.uint8)
+        if self.pin:
+            self._register(index)
+
+    def _register(self, index: int) -> None:
+        from tierd.tiers import cuda_host
+
+        handle = cuda_host.register(self._arrays[index])
+        if handle is None:
+            if self.pinned or not self._registered:
+                log.warning("host arena: cudaHostRegister failed; copies to the GPU use pageable memory")
+            self.pinned = False
+            return
+        self._registered[index] = handle
+        self.pinned = len(self._registered) == len(self._maps)
+
+    def _close_slab(self, index: int) -> None:
+        handle = self._registered.pop(index, None)
+        if handle is not None:
+            from tierd.tiers import cuda_host
+
+            cuda_host.unregister(handle)
+        self._arrays.pop(index, None)
+        mm = self._maps.pop(index, None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # A view is still alive somewhere; the mapping goes with it.
+                pass
+        fd = self._fds.pop(index, None)
+        if fd is not None:
+            os.close(fd)
+            try:
+                os.unlink(self.slab_path(index))
+            except FileNotFoundError:
+                pass
+
+    def _on_alloc(self, piece: Piece) -> bool:
+        slab, off = self.locate(piece.offset)
+        try:
+            os.posix_fallocate(self._fds[slab], off, piece.alloc_bytes)
+        except OSError as exc:
+            log.warning("host arena: cannot back %d bytes in %s: %s", piece.alloc_bytes, self.shm_dir, exc)
+            return False
+        return True
+
+    def _on_free(self, piece: Piece) -> None:
+        slab, off = self.locate(piece.offset)
+        self._maps[slab].madvise(mmap.MADV_REMOVE, off, piece.alloc_bytes)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The arena's bytes [offset, offset + nbytes) as a writable uint8 array (no copy)."""
+        slab, off = self.locate(offset)
+        return self._arrays[slab][off : off + nbytes]

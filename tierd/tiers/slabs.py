@@ -1,0 +1,113 @@
+"""Budget and slab bookkeeping shared by the host, disk and device tiers.
+
+A tier's address space is a row of equal slabs (one shared-memory file, one
+slab file or one VRAM allocation each), opened lazily as the allocator needs
+room, up to the budget. Subclasses open and close slabs; this class decides
+nothing beyond "does it fit the budget".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from tierd.tiers.allocator import ExtentAllocator, Piece
+
+log = logging.getLogger("tierd.tiers")
+
+
+class SlabTier:
+    name = "tier"
+
+    def __init__(self, budget: int, slab_bytes: int, granule: int = 4096) -> None:
+        if budget < 0:
+            raise ValueError(f"{self.name} budget must not be negative")
+        self.budget = budget
+        self.allocator = ExtentAllocator(slab_bytes, granule)
+        self._lock = threading.Lock()
+
+    # Subclasses -------------------------------------------------------------
+
+    def _open_slab(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _close_slab(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _on_alloc(self, piece: Piece) -> bool:
+        """Back the piece with real memory or space; False if that failed."""
+        return True
+
+    def _on_free(self, piece: Piece) -> None:
+        """Return the piece's memory to the system where that is cheap."""
+
+    # Tier -------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.allocator.slab_bytes
+
+    def max_slabs(self) -> int:
+        return -(-self.budget // self.slab_bytes)
+
+    def alloc_pages(self, n_pages: int, page_bytes: int) -> list[Piece] | None:
+        if n_pages <= 0:
+            return []
+        with self._lock:
+            if self.used + self.allocator.round(n_pages * page_bytes) > self.budget:
+                return None
+            while True:
+                pieces = self.allocator.alloc_pages(n_pages, page_bytes)
+                if pieces is not None or self.allocator.num_slabs >= self.max_slabs():
+                    break
+                index = self.allocator.add_slab()
+                try:
+                    self._open_slab(index)
+                except OSError as exc:
+                    self.allocator.remove_last_slab()
+                    log.warning("%s tier: cannot open slab %d: %s", self.name, index, exc)
+                    return None
+            if pieces is None:
+                return None
+            backed: list[Piece] = []
+            for p in pieces:
+                if not self._on_alloc(p):
+                    for q in backed:
+                        self._on_free(q)
+                    for q in pieces:
+                        self.allocator.free(q.offset, q.alloc_bytes)
+                    return None
+                backed.append(p)
+            return pieces
+
+    def free(self, piece: Piece) -> None:
+        with self._lock:
+            self._on_free(piece)
+            self.allocator.free(piece.offset, piece.alloc_bytes)
+
+    def set_budget(self, nbytes: int) -> None:
+        """Change the budget. The caller moves data out first when shrinking;
+        slabs left empty past the new budget are closed."""
+        with self._lock:
+            self.budget = nbytes
+            while self.allocator.num_slabs > self.max_slabs() and self.allocator.slab_is_free(self.allocator.num_slabs - 1):
+                index = self.allocator.num_slabs - 1
+                self.allocator.remove_last_slab()
+                self._close_slab(index)
+
+    def close(self) -> None:
+        with self._lock:
+            for index in range(self.allocator.num_slabs):
+                self._close_slab(index)
+
+    def locate(self, offset: int) -> tuple[int, int]:
+        """(slab index, offset inside the slab)."""
+        return divmod(offset, self.slab_bytes)

@@ -1,0 +1,1 @@
+"""Copy engine: runs, routes between media, prioritised I/O, bandwidth."""
