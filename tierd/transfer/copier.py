@@ -1,0 +1,318 @@
+"""The copy engine: every byte tierd moves goes through here.
+
+Tier-to-tier moves are routed by (source medium, destination medium) to one
+handler each; engine gathers and scatters go run by run, one copy per run and
+segment. Pages read back from a tier that could corrupt them are checked
+against their checksums before anything leaves the copy engine. Counts copy
+operations and keeps a moving average of bandwidth per route.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierd.checksum import page_checksum
+from tierd.errors import DataLoss
+from tierd.layout import EngineLayout
+from tierd.tiers.disk import aligned_buffer
+from tierd.transfer import memory
+from tierd.transfer.ioqueue import Priority, wait_all
+from tierd.transfer.runs import Geometry, MoveRun, Span, block_runs, overlap_runs
+
+DEFAULT_WINDOW = 64 << 20
+EWMA_ALPHA = 0.3
+
+
+@dataclass(eq=False)
+class EngineMemory:
+    """An engine's KV memory as the copy engine sees it: 1-D uint8 buffers
+    (numpy on the host, torch on a GPU) and where each block lies in them."""
+
+    layout: EngineLayout
+    regions: list[Any]
+
+    @property
+    def medium(self) -> str:
+        return "device" if any(memory.is_device(r) for r in self.regions) else "host"
+
+
+class CopyEngine:
+    def __init__(self, tiers: dict[str, Any], window_bytes: int = DEFAULT_WINDOW,
+                 verify_tiers: tuple[str, ...] = ("disk",)) -> None:
+        self.tiers = tiers
+        self.window_bytes = window_bytes
+        self.verify_tiers = set(verify_tiers)
+        self.copy_ops = 0
+        self.bandwidth: dict[str, float] = {}
+        self.moved_bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._routes: dict[tuple[str, str], Callable[[MoveRun, Geometry, np.ndarray, int], None]] = {
+            ("host", "disk"): self._host_to_disk,
+            ("disk", "host"): self._disk_to_host,
+            ("host", "device"): self._view_to_view,
+            ("device", "host"): self._view_to_view,
+            ("host", "host"): self._view_to_view,
+            ("device", "device"): self._view_to_view,
+            ("disk", "device"): self._disk_to_device,
+            ("device", "disk"): self._device_to_disk,
+        }
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def _count(self, n: int = 1) -> None:
+        with self._lock:
+            self.copy_ops += n
+
+    def record(self, route: str, nbytes: int, seconds: float) -> None:
+        """Fold one transfer into the route's bandwidth average (bytes/s)."""
+        if nbytes <= 0:
+            return
+        rate = nbytes / max(seconds, 1e-9)
+        with self._lock:
+            old = self.bandwidth.get(route)
+            self.bandwidth[route] = rate if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * rate
+            self.moved_bytes[route] = self.moved_bytes.get(route, 0) + nbytes
+
+    def _view(self, tier: str, offset: int, nbytes: int) -> Any:
+        return self.tiers[tier].view(offset, nbytes)
+
+    def _verify(self, buf: Any, first_page: int, count: int, geom: Geometry, checksums: np.ndarray,
+                tier: str = "disk") -> None:
+        host = memory.to_host(buf)
+        stride = geom.stride
+        for i in range(count):
+            page = first_page + i
+            got = page_checksum(host[i * stride : i * stride + geom.size_of(page)])
+            if got != int(checksums[page]):
+                raise DataLoss(f"page {page} failed its checksum in the {tier} tier", page=page, tier=tier,
+                               want=int(checksums[page]), got=got)
+
+    # -- reading pages out of tiers -----------------------------------------
+
+    def windows(self, spans: list[Span], geom: Geometry, checksums: np.ndarray,
+                priority: int = Priority.DEMAND) -> Iterator[tuple[int, int, str, Any]]:
+        """(first page, count, tier, buffer) over the spans' pages, checked where
+        the tier is verified. Host and device spans come out as views (no copy);
+        disk spans through two aligned bounce buffers, the next read in flight
+        while the caller uses the current one."""
+        stride = geom.stride
+        per_window = max(1, self.window_bytes // stride)
+        disk_jobs: list[tuple[int, int, int]] = []
+        for span in spans:
+            if span.tier != "disk":
+                yield from self._flush_disk(disk_jobs, geom, checksums, priority)
+                disk_jobs = []
+                buf = self._view(span.tier, span.offset, span.n_pages * stride)
+                if span.tier in self.verify_tiers:
+                    self._verify(buf, span.first_page, span.n_pages, geom, checksums, span.tier)
+                yield span.first_page, span.n_pages, span.tier, buf
+                continue
+            for k in range(0, span.n_pages, per_window):
+                count = min(per_window, span.n_pages - k)
+                disk_jobs.append((span.first_page + k, count, span.offset + k * stride))
+        yield from self._flush_disk(disk_jobs, geom, checksums, priority)
+
+    def _flush_disk(self, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
+                    priority: int) -> Iterator[tuple[int, int, str, Any]]:
+        if not jobs:
+            return
+        disk = self.tiers["disk"]
+        stride = geom.stride
+        size = min(self.window_bytes, max(c for _, c, _ in jobs) * stride)
+        buffers = [aligned_buffer(max(size, stride)), aligned_buffer(max(size, stride))]
+        def start(i: int) -> tuple[list[Future], float]:
+            _, count, offset = jobs[i]
+            return disk.read_async(offset, buffers[i % 2][: count * stride], priority), time.perf_counter()
+
+        pending: tuple[list[Future], float] | None = start(0)
+        try:
+            for i, (page, count, _) in enumerate(jobs):
+                assert pending is not None
+                futures, t0 = pending
+                pending = None
+                wait_all(futures)
+                self.record("disk->host", count * stride, time.perf_counter() - t0)
+                pending = start(i + 1) if i + 1 < len(jobs) else None
+                buf = buffers[i % 2][: count * stride]
+                self._verify(buf, page, count, geom, checksums)
+                yield page, count, "disk", buf
+        finally:
+            if pending is not None:
+                try:
+                    wait_all(pending[0])
+                except BaseException:
+                    pass
+
+    # -- engine <-> tier -----------------------------------------------------
+
+    def gather(self, engine: EngineMemory, block_ids: np.ndarray, dst: list[Span], geom: Geometry,
+               first_page: int) -> None:
+        """Copy engine blocks into tier pages [first_page, first_page + len(block_ids))."""
+        layout = engine.layout
+        t0 = time.perf_counter()
+        touched = []
+        for run in block_runs(dst, block_ids, geom.stride, first_page):
+            buf = self._view(run.tier, run.offset, run.count * geom.stride)
+            touched.append(buf)
+            for seg, seg_off in zip(layout.segments, layout.page_offsets):
+                src = memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
+                                  seg.stride, seg.nbytes)
+                memory.copy(memory.rows(buf, seg_off, run.count, geom.stride, seg.nbytes), src)
+                self._count()
+        memory.synchronize(*touched, *engine.regions)
+        self.record(f"engine->{dst[0].tier}" if dst else "engine", len(block_ids) * geom.page_bytes,
+                    time.perf_counter() - t0)
+
+    def scatter(self, src: list[Span], engine: EngineMemory, block_ids: np.ndarray, geom: Geometry,
+                checksums: np.ndarray, priority: int = Priority.DEMAND) -> None:
+        """Copy pages [0, len(block_ids)) into engine blocks block_ids."""
+        layout = engine.layout
+        n = len(block_ids)
+        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority):
+            t0 = time.perf_counter()
+            window = [Span(first, count, tier, 0)]
+            for run in block_runs(window, block_ids[first : first + count], geom.stride, first):
+                for seg, seg_off in zip(layout.segments, layout.page_offsets):
+                    dst = memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
+                                      seg.stride, seg.nbytes)
+                    memory.copy(dst, memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes))
+                    self._count()
+            memory.synchronize(buf, *engine.regions)
+            self.record(f"{tier}->engine", count * geom.page_bytes, time.perf_counter() - t0)
+
+    # -- tier <-> tier -------------------------------------------------------
+
+    def move(self, src: list[Span], dst: list[Span], geom: Geometry, checksums: np.ndarray,
+             priority: int = Priority.DEMOTION) -> int:
+        """Copy the pages of dst's spans from src's spans; returns bytes moved."""
+        moved = 0
+        for run in overlap_runs(src, dst, geom.stride):
+            t0 = time.perf_counter()
+            self._routes[(run.src_tier, run.dst_tier)](run, geom, checksums, priority)
+            nbytes = run.count * geom.stride
+            self.record(f"{run.src_tier}->{run.dst_tier}", nbytes, time.perf_counter() - t0)
+            moved += nbytes
+        return moved
+
+    def _view_to_view(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        nbytes = run.count * geom.stride
+        src = self._view(run.src_tier, run.src_offset, nbytes)
+        if run.src_tier in self.verify_tiers:
+            self._verify(src, run.page, run.count, geom, checksums, run.src_tier)
+        dst = self._view(run.dst_tier, run.dst_offset, nbytes)
+        memory.copy(dst, src)
+        memory.synchronize(dst, src)
+        self._count()
+
+    def _host_to_disk(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        src = self._view("host", run.src_offset, run.count * geom.stride)
+        if "host" in self.verify_tiers:
+            self._verify(src, run.page, run.count, geom, checksums, "host")
+        self.tiers["disk"].write(run.dst_offset, src, priority)
+        self._count()
+
+    def _disk_to_host(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        dst = self._view("host", run.dst_offset, run.count * geom.stride)
+        self.tiers["disk"].read(run.src_offset, dst, priority)
+        self._count()
+        self._verify(dst, run.page, run.count, geom, checksums)
+
+    def _disk_to_device(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        span = Span(run.page, run.count, "disk", run.src_offset)
+        for first, count, _, buf in self.windows([span], geom, checksums, priority):
+            dst = self._view("device", run.dst_offset + (first - run.page) * geom.stride, count * geom.stride)
+            memory.copy(dst, buf)
+            memory.synchronize(dst)
+            self._count()
+
+    def _device_to_disk(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        stride = geom.stride
+        per_window = max(1, self.window_bytes // stride)
+        bounce = aligned_buffer(min(run.count, per_window) * stride)
+        for k in range(0, run.count, per_window):
+            count = min(per_window, run.count - k)
+            src = self._view("device", run.src_offset + k * stride, count * stride)
+            memory.copy(bounce[: count * stride], src)
+            memory.synchronize(src)
+            if "device" in self.verify_tiers:
+                self._verify(bounce, run.page + k, count, geom, checksums, "device")
+            self.tiers["disk"].write(run.dst_offset + k * stride, bounce[: count * stride], priority)
+            self._count()
+
+    # -- byte streams (Put / Get) ------------------------------------------------
+
+    def write_stream(self, dst: list[Span], geom: Geometry, chunks: Iterator[Any]) -> int:
+        """Write a stream of byte chunks, of any sizes, into the pages of dst
+        (host spans) in page order; returns the bytes received, which may
+        differ from geom.nbytes (the caller checks) but never overflow it."""
+        slots = []  # (page, view of the page's bytes)
+        for span in sorted(dst, key=lambda s: s.first_page):
+            buf = self._view(span.tier, span.offset, span.n_pages * geom.stride)
+            for i in range(span.n_pages):
+                page = span.first_page + i
+                slots.append(buf[i * geom.stride : i * geom.stride + geom.size_of(page)])
+        total, slot, within = 0, 0, 0
+        t0 = time.perf_counter()
+        for chunk in chunks:
+            data = np.frombuffer(chunk, dtype=np.uint8) if not isinstance(chunk, np.ndarray) else chunk.reshape(-1)
+            pos = 0
+            while pos < data.nbytes:
+                if slot >= len(slots):
+                    return total + data.nbytes - pos  # more than fits: the caller refuses it
+                take = min(data.nbytes - pos, slots[slot].nbytes - within)
+                slots[slot][within : within + take] = data[pos : pos + take]
+                pos, within, total = pos + take, within + take, total + take
+                if within == slots[slot].nbytes:
+                    slot, within = slot + 1, 0
+        self.record(f"client->{dst[0].tier}" if dst else "client", total, time.perf_counter() - t0)
+        return total
+
+    def read_stream(self, src: list[Span], geom: Geometry, checksums: np.ndarray, chunk_bytes: int,
+                    priority: int = Priority.DEMAND) -> Iterator[bytes]:
+        """The snapshot's logical bytes, in chunks of chunk_bytes (the last may be
+        shorter), whatever the page size: a byte cursor over the pages."""
+        out = bytearray()
+        for first, count, _, buf in self.windows(src, geom, checksums, priority):
+            host = memory.to_host(buf)
+            for i in range(count):
+                page = memoryview(host[i * geom.stride : i * geom.stride + geom.size_of(first + i)])
+                while len(page):
+                    take = min(len(page), chunk_bytes - len(out))
+                    out += page[:take]
+                    page = page[take:]
+                    if len(out) == chunk_bytes:
+                        yield bytes(out)
+                        out.clear()
+        if out:
+            yield bytes(out)
+
+    # -- checksums -----------------------------------------------------------
+
+    def checksums(self, spans: list[Span], geom: Geometry) -> np.ndarray:
+        """Checksums of freshly stored pages (host or device spans), page order."""
+        out = np.empty(sum(s.n_pages for s in spans), dtype=np.uint64)
+        base = min(s.first_page for s in spans) if spans else 0
+        stride = geom.stride
+        for span in spans:
+            host = memory.to_host(self._view(span.tier, span.offset, span.n_pages * stride))
+            for i in range(span.n_pages):
+                page = span.first_page + i
+                out[page - base] = page_checksum(host[i * stride : i * stride + geom.size_of(page)])
+        return out
+
+
+def _clip(spans: list[Span], n_pages: int) -> list[Span]:
+    """The spans' parts below page n_pages, in page order."""
+    out = []
+    for s in sorted(spans, key=lambda s: s.first_page):
+        if s.first_page >= n_pages:
+            break
+        out.append(Span(s.first_page, min(s.n_pages, n_pages - s.first_page), s.tier, s.offset))
+    return out

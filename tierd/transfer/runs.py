@@ -1,0 +1,118 @@
+"""Maximal runs: the unit of every copy.
+
+A restore into a block table costs one copy per run of pages that are
+consecutive both in the tier (same extent) and in the engine (consecutive
+block ids), per segment of the engine layout: never one per block. Pages sit
+in tiers at a stride rounded up to 4 KiB, so every run starts aligned and
+disk I/O needs no read-modify-write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ALIGN = 4096
+
+
+def page_stride(page_bytes: int) -> int:
+    return -(-page_bytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """How a snapshot's pages are sized: every page holds page_bytes except the
+    last, which holds last_bytes (opaque snapshots end short)."""
+
+    page_bytes: int
+    n_pages: int
+    last_bytes: int
+
+    @property
+    def stride(self) -> int:
+        return page_stride(self.page_bytes)
+
+    def size_of(self, page: int) -> int:
+        return self.last_bytes if page == self.n_pages - 1 else self.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.n_pages == 0 else (self.n_pages - 1) * self.page_bytes + self.last_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Pages [first_page, first_page + n_pages) stored contiguously in a tier at offset."""
+
+    first_page: int
+    n_pages: int
+    tier: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """count pages from page, in a tier at offset, to or from engine blocks block.."""
+
+    page: int
+    count: int
+    tier: str
+    offset: int
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRun:
+    """count pages from page, from src_tier at src_offset to dst_tier at dst_offset."""
+
+    page: int
+    count: int
+    src_tier: str
+    src_offset: int
+    dst_tier: str
+    dst_offset: int
+
+
+def block_runs(spans: list[Span], block_ids: np.ndarray, stride: int, first_page: int = 0) -> list[BlockRun]:
+    """Runs for pages [first_page, first_page + len(block_ids)) going to or from
+    engine blocks block_ids; the spans must cover those pages."""
+    n = len(block_ids)
+    if n == 0:
+        return []
+    ids = np.asarray(block_ids, dtype=np.int64)
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1  # sorted, relative to first_page
+    runs: list[BlockRun] = []
+    for span in spans:
+        lo = max(span.first_page, first_page) - first_page
+        hi = min(span.first_page + span.n_pages, first_page + n) - first_page
+        if lo >= hi:
+            continue
+        inner = cuts[np.searchsorted(cuts, lo, side="right") : np.searchsorted(cuts, hi, side="left")]
+        bounds = [lo, *inner.tolist(), hi]
+        for a, b in zip(bounds, bounds[1:]):
+            page = first_page + a
+            runs.append(BlockRun(page, b - a, span.tier, span.offset + (page - span.first_page) * stride, int(ids[a])))
+    covered = sum(r.count for r in runs)
+    if covered != n:
+        raise ValueError(f"spans cover {covered} of {n} pages")
+    return runs
+
+
+def overlap_runs(src: list[Span], dst: list[Span], stride: int) -> list[MoveRun]:
+    """One run per overlap of a source span and a destination span."""
+    runs: list[MoveRun] = []
+    src, dst = sorted(src, key=lambda s: s.first_page), sorted(dst, key=lambda s: s.first_page)
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        s, d = src[i], dst[j]
+        lo = max(s.first_page, d.first_page)
+        hi = min(s.first_page + s.n_pages, d.first_page + d.n_pages)
+        if lo < hi:
+            runs.append(MoveRun(lo, hi - lo, s.tier, s.offset + (lo - s.first_page) * stride,
+                                d.tier, d.offset + (lo - d.first_page) * stride))
+        if s.first_page + s.n_pages <= d.first_page + d.n_pages:
+            i += 1
+        else:
+            j += 1
+    return runs
