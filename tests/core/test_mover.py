@@ -1,0 +1,59 @@
+import threading
+import time
+
+from tierd.core.model import SessionKey
+from tierd.core.mover import Job, Mover
+from tierd.transfer.ioqueue import Priority
+
+
+def _merge(old, new):
+    changed = new.priority > old.priority
+    old.priority = max(old.priority, new.priority)
+    return changed
+
+
+def test_jobs_run_by_class_then_priority_and_merge_per_session():
+    gate, ran = threading.Event(), []
+
+    def run(job):
+        if job.key.session_id == "blocker":
+            gate.wait()
+        ran.append((job.key.session_id, job.priority))
+
+    mover = Mover(run, workers=1)
+    key = lambda n: SessionKey("t", n)  # noqa: E731
+    mover.submit(Job(key("blocker"), "host", "prefetch", Priority.PREFETCH), _merge)
+    while mover.pending(key("blocker")) is None or key("blocker") not in mover._running:
+        time.sleep(0.001)  # until the only worker is busy
+    mover.submit(Job(key("wb"), "disk", "writeback", Priority.WRITEBACK), _merge)
+    mover.submit(Job(key("low"), "host", "prefetch", Priority.PREFETCH, priority=1), _merge)
+    mover.submit(Job(key("x"), "host", "prefetch", Priority.PREFETCH, priority=0), _merge)
+    mover.submit(Job(key("x"), "host", "prefetch", Priority.PREFETCH, priority=9), _merge)  # merged: x jumps ahead
+    mover.submit(Job(key("gone"), "host", "prefetch", Priority.PREFETCH), _merge)
+    assert mover.cancel(key("gone")).cancelled
+    gate.set()
+    assert mover.drain(5)
+    assert ran == [("blocker", 0), ("x", 9), ("low", 1), ("wb", 0)]
+    mover.close()
+
+
+def test_one_move_per_session_at_a_time():
+    gate, ran = threading.Event(), []
+    key = SessionKey("t", "s")
+
+    def run(job):
+        if job.reason == "first":
+            gate.wait()
+        ran.append(job.reason)
+
+    mover = Mover(run, workers=2)
+    mover.submit(Job(key, "host", "first", Priority.PREFETCH), lambda o, n: False)
+    while key not in mover._running:
+        time.sleep(0.001)
+    mover.submit(Job(key, "disk", "second", Priority.DEMOTION), lambda o, n: False)
+    threading.Event().wait(0.1)
+    assert ran == []  # the second worker is free, but the session is busy
+    gate.set()
+    assert mover.drain(5)
+    assert ran == ["first", "second"]
+    mover.close()

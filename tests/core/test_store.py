@@ -1,0 +1,300 @@
+"""Scenario tests for the store, each step commented, on a fake clock."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import SPEC, Harness, HostEngine
+from tierd.core.store import make_key
+from tierd.errors import FailedPrecondition, IdentityMismatch, InvalidArgument, NotFound, ResourceExhausted
+from tierd.layout import KVSpec
+from tierd.policy import PolicyConfig
+
+MiB = 1 << 20
+A = make_key("default", "a")
+B = make_key("default", "b")
+
+
+def tick(store):
+    moves = store.tick()
+    assert store.drain(30)
+    return [(m.key.session_id, m.target, m.reason) for m in moves]
+
+
+@pytest.fixture
+def three_tiers(tmp_path):
+    h = Harness(str(tmp_path), device_budget=16 * MiB)
+    yield h
+    h.close()
+
+
+def test_idle_session_walks_down_the_tiers_and_comes_back(three_tiers):
+    store, clock = three_tiers.open(), three_tiers.clock
+    eng = HostEngine(seed=1)
+    blocks = [3, 4, 5, 9]
+    # save 60 tokens into the device tier, then release
+    store.save(A, eng.memory, SPEC, blocks, 60, tier="device")
+    store.release(A)
+    assert store.stat(A).tier == "device" and store.stat(A).state == "idle"
+    # idle 11 s -> a disk copy is written, the device copy stays authoritative
+    clock.advance(11)
+    assert tick(store) == [("a", "disk", "writeback")]
+    info = store.stat(A)
+    assert info.tier == "device" and info.durable and set(info.tier_bytes) == {"device", "disk"}
+    # idle 31 s -> host
+    clock.advance(20)
+    assert tick(store) == [("a", "host", "idle")]
+    assert set(store.stat(A).tier_bytes) == {"host", "disk"}
+    # idle 601 s -> disk only; the disk copy was clean, so nothing is written again
+    written = store.copier.moved_bytes.get("host->disk", 0)
+    clock.advance(570)
+    assert tick(store) == [("a", "disk", "idle")]
+    assert store.stat(A).tier_bytes.keys() == {"disk"}
+    assert store.copier.moved_bytes.get("host->disk", 0) == written
+    # prefetch -> host, then restore byte-exact
+    assert store.prefetch(A, "host") == "queued"
+    assert store.wait_ready(A, "host", timeout=10) == (True, "host")
+    out = HostEngine(seed=2)
+    result = store.restore(A, out.memory, SPEC, [10, 11, 12, 13])
+    assert result.num_tokens == 60 and result.source_tier == "host"
+    assert out.pages([10, 11, 12, 13]) == eng.pages(blocks)
+    assert store.stat(A).state == "active"
+
+
+def test_append_saves_only_the_new_pages(store):
+    eng = HostEngine(seed=3)
+    # turn 1: 40 tokens = 3 pages (the last one partial)
+    store.save(A, eng.memory, SPEC, [0, 1, 2], 40)
+    first_pieces = list(store._sessions[A].snap.pieces("host"))
+    ops = store.copier.copy_ops
+    # turn 2: the engine rewrites the partial block and adds one: tokens 32..60
+    store.save(A, eng.memory, SPEC, [2, 7], 60, start_token=32)
+    assert store.copier.copy_ops - ops == 2 * len(eng.layout.segments)  # blocks 2 and 7: two runs
+    assert store._sessions[A].snap.pieces("host")[0].offset == first_pieces[0].offset  # pages 0-1 untouched
+    info = store.stat(A)
+    assert (info.num_tokens, info.num_pages) == (60, 4)
+    out = HostEngine(seed=4)
+    store.restore(A, out.memory, SPEC, [20, 21, 22, 23])
+    assert out.pages([20, 21, 22, 23]) == eng.pages([0, 1, 2, 7])
+
+
+def test_rewrite_from_token_zero_replaces_even_the_identity(store):
+    eng = HostEngine(seed=5)
+    store.save(A, eng.memory, SPEC, [0, 1, 2], 48)
+    other = KVSpec("test/other", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+    eng2 = HostEngine(other, seed=6)
+    store.save(A, eng2.memory, other, [4], 10)
+    info = store.stat(A)
+    assert info.model_id == "test/other" and info.num_pages == 1
+    assert store.tiers["host"].used == store._sessions[A].snap.bytes_in("host")  # old pages freed
+
+
+def test_appending_needs_the_same_identity_and_no_gap(store):
+    eng = HostEngine(seed=7)
+    store.save(A, eng.memory, SPEC, [0, 1], 32)
+    other = KVSpec("test/llama-tiny", "r2", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16",
+                   block_tokens=16)
+    with pytest.raises(IdentityMismatch, match="revision"):
+        store.save(A, HostEngine(other).memory, other, [2], 48, start_token=32)
+    with pytest.raises(FailedPrecondition, match="past the 32 tokens"):
+        store.save(A, eng.memory, SPEC, [3], 64, start_token=48)
+    with pytest.raises(NotFound):
+        store.save(B, eng.memory, SPEC, [3], 64, start_token=48)
+    with pytest.raises(IdentityMismatch):
+        store.restore(A, HostEngine(other).memory, other, [0, 1])
+    assert store.stat(A).num_tokens == 32
+
+
+def test_full_host_evicts_the_least_recently_used_to_disk(tmp_path):
+    h = Harness(str(tmp_path), host_budget=4 * MiB, host_slab=4 * MiB)
+    store, clock = h.open(), h.clock
+    eng = HostEngine(num_blocks=200, seed=8)
+    per = SPEC.page_bytes * 40  # 40 pages each: 1.25 MiB, three fit in 4 MiB
+    for i, name in enumerate("abc"):
+        clock.advance(1)
+        store.save(make_key("default", name), eng.memory, SPEC, list(range(i * 40, i * 40 + 40)), 640)
+    assert store.tiers["host"].used == 3 * per
+    store.pin(make_key("default", "a"))
+    # d needs room: a is older but pinned, so b (next least recent) goes to disk
+    clock.advance(1)
+    store.save(make_key("default", "d"), eng.memory, SPEC, list(range(120, 160)), 640)
+    assert store.stat(make_key("default", "a")).tier == "host"
+    assert store.stat(make_key("default", "b")).tier == "disk"
+    assert store.stat(make_key("default", "c")).tier == "host"
+    assert store.tiers["host"].used == 3 * per
+    out = HostEngine(num_blocks=200, seed=9)
+    store.restore(make_key("default", "b"), out.memory, SPEC, list(range(40)))
+    assert out.pages(range(40)) == eng.pages(range(40, 80))
+    h.close()
+
+
+def test_without_a_disk_tier_the_least_recent_session_is_dropped(tmp_path):
+    h = Harness(str(tmp_path), host_budget=2 * MiB, host_slab=2 * MiB, disk=False)
+    store = h.open()
+    eng = HostEngine(num_blocks=100, seed=10)
+    store.save(A, eng.memory, SPEC, list(range(40)), 640)
+    h.clock.advance(1)
+    store.save(B, eng.memory, SPEC, list(range(40, 80)), 640)
+    with pytest.raises(NotFound):
+        store.stat(A)
+    assert store.stat(B).tier == "host"
+    h.close()
+
+
+def test_shrinking_the_device_budget_demotes_at_once(three_tiers):
+    store, clock = three_tiers.open(), three_tiers.clock
+    eng = HostEngine(num_blocks=64, seed=11)
+    store.save(A, eng.memory, SPEC, list(range(20)), 320, tier="device")
+    clock.advance(1)
+    store.save(B, eng.memory, SPEC, list(range(20, 40)), 320, tier="device")
+    used = store.tiers["device"].used
+    # shrink to one session's worth: a (least recent) moves to host now
+    result = store.set_budget("device", used // 2)
+    assert result.released_bytes == used // 2 and result.moved_sessions == 1
+    assert store.stat(A).tier == "host" and store.stat(B).tier == "device"
+    # pinned sessions cannot be squeezed out: refused, nothing changes
+    store.pin(B)
+    with pytest.raises(FailedPrecondition, match="unpin"):
+        store.set_budget("device", 0)
+    assert store.tiers["device"].budget == used // 2 and store.stat(B).tier == "device"
+
+
+def test_two_prefetches_make_one_move(store):
+    eng = HostEngine(seed=12)
+    store.save(A, eng.memory, SPEC, list(range(6)), 96)
+    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    before = store.copier.moved_bytes.get("disk->host", 0)
+    assert store.prefetch(A) == "queued"
+    store.prefetch(A, priority=5)
+    assert store.drain(10)
+    assert store.copier.moved_bytes["disk->host"] - before == 6 * SPEC.page_bytes
+    assert store.prefetch(A) == "ready"
+
+
+def test_drop_mid_prefetch_leaves_nothing(store):
+    eng = HostEngine(seed=12)
+    store.save(A, eng.memory, SPEC, list(range(6)), 96)
+    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    store.prefetch(A)
+    store.drop(A)
+    assert store.drain(10)
+    with pytest.raises(NotFound):
+        store.stat(A)
+    assert store.tiers["host"].used == 0 and store.tiers["disk"].used == 0
+    assert store.index.count() == (0, 0)
+
+
+def test_restore_mid_prefetch_waits_for_that_move(store):
+    eng = HostEngine(seed=13)
+    store.save(A, eng.memory, SPEC, list(range(8)), 128)
+    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    moved = store.copier.moved_bytes.get("disk->host", 0)
+    store.prefetch(A)
+    out = HostEngine(seed=14)
+    store.restore(A, out.memory, SPEC, list(range(8)))
+    assert out.pages(range(8)) == eng.pages(range(8))
+    store.drain(10)
+    # one promotion's worth of bytes came off disk, not two
+    assert store.copier.moved_bytes.get("disk->host", 0) - moved <= 8 * SPEC.page_bytes
+
+
+def test_wait_ready_times_out_with_where_the_session_is(store):
+    eng = HostEngine(seed=15)
+    store.save(A, eng.memory, SPEC, [0], 16)
+    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    assert store.wait_ready(A, "host", timeout=0.05) == (False, "disk")
+    with pytest.raises(InvalidArgument):
+        store.wait_ready(A, "nowhere", 1)
+
+
+def test_pins_never_go_negative(store):
+    store.save(A, HostEngine().memory, SPEC, [0], 16)
+    store.pin(A)
+    store.unpin(A)
+    with pytest.raises(FailedPrecondition, match="not pinned"):
+        store.unpin(A)
+    assert store.stat(A).pins == 0
+
+
+def test_put_get_roundtrip_and_failed_put_leaves_nothing(store):
+    spec = KVSpec.opaque("llama.cpp/test", page_bytes=64 * 1024)
+    data = np.random.default_rng(16).integers(0, 256, 300_001, dtype=np.uint8).tobytes()
+    store.put(A, spec, 123, len(data), [data[i : i + 50_000] for i in range(0, len(data), 50_000)])
+    info, chunks = store.get(A, 70_000)
+    assert b"".join(chunks) == data and info.num_tokens == 123
+    used = store.tiers["host"].used
+    with pytest.raises(InvalidArgument, match="carried 1000 bytes"):
+        store.put(B, spec, 1, 5000, [b"x" * 1000])
+    with pytest.raises(NotFound):
+        store.stat(B)
+    assert store.tiers["host"].used == used
+
+
+def test_list_pages_through_every_session(store):
+    eng = HostEngine()
+    names = [f"s{i:02d}" for i in range(7)]
+    for n in names:
+        store.save(make_key("default", n), eng.memory, SPEC, [0], 16)
+    store.save(make_key("other", "x"), eng.memory, SPEC, [0], 16)
+    seen, token = [], ""
+    while True:
+        page, token = store.list("default", after=token, limit=3)
+        seen += [i.session_id for i in page]
+        if not token:
+            break
+    assert seen == names
+
+
+def test_advise_uses_the_measured_route(store):
+    eng = HostEngine()
+    store.save(A, eng.memory, SPEC, list(range(4)), 64)
+    store.restore(A, HostEngine(seed=1).memory, SPEC, list(range(4)))
+    advice = store.advise(A, prefill_tokens_per_s=1.0)
+    assert advice.source_tier == "host" and advice.restore
+    assert advice.bandwidth_bytes_per_s == store.copier.bandwidth["host->engine"]
+
+
+def test_graceful_close_flushes_and_restart_recovers(harness):
+    store = harness.open()
+    eng = HostEngine(seed=17)
+    store.save(A, eng.memory, SPEC, [5, 6, 7], 40)
+    assert not store.stat(A).durable
+    store = harness.reopen(flush=True)
+    info = store.stat(A)
+    assert info.durable and info.tier == "disk" and info.num_tokens == 40
+    out = HostEngine(seed=18)
+    store.restore(A, out.memory, SPEC, [0, 1, 2])
+    assert out.pages([0, 1, 2]) == eng.pages([5, 6, 7])
+
+
+def test_crash_keeps_the_last_durable_prefix(harness):
+    store = harness.open()
+    eng = HostEngine(seed=19)
+    store.save(A, eng.memory, SPEC, [0, 1], 32)
+    store.placement.write_disk(store._sessions[A], 3)
+    store.save(A, eng.memory, SPEC, [2, 3], 64, start_token=32)  # not on disk yet
+    store = harness.reopen(flush=False)  # a crash: nothing flushed
+    info = store.stat(A)
+    assert (info.num_tokens, info.durable) == (32, True)
+    out = HostEngine(seed=20)
+    store.restore(A, out.memory, SPEC, [8, 9])
+    assert out.pages([8, 9]) == eng.pages([0, 1])
+
+
+def test_too_big_for_every_tier_is_resource_exhausted(tmp_path):
+    h = Harness(str(tmp_path), host_budget=1 * MiB, host_slab=1 * MiB)
+    store = h.open()
+    with pytest.raises(ResourceExhausted, match="host tier"):
+        store.save(A, HostEngine(num_blocks=40).memory, SPEC, list(range(40)), 640)
+    assert store.keys() == []
+    h.close()
+
+
+def test_ttl_drops_idle_sessions(tmp_path):
+    h = Harness(str(tmp_path), policy=PolicyConfig(disk_ttl=100))
+    store = h.open()
+    store.save(A, HostEngine().memory, SPEC, [0], 16)
+    store.release(A)
+    h.clock.advance(101)
+    assert tick(store) == [("a", "drop", "ttl")]
+    assert store.keys() == []
+    h.close()

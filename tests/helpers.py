@@ -1,0 +1,113 @@
+"""Shared test helpers: a store on a temporary data dir, and engine memory
+laid out the way real engines lay it out (numpy regions, real bytes)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tierd.clock import FakeClock
+from tierd.core.index import DiskIndex
+from tierd.core.store import Store
+from tierd.layout import EngineLayout, KVSpec
+from tierd.policy import PolicyConfig
+from tierd.tiers.device import DeviceTier
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.host import HostTier
+from tierd.transfer.copier import CopyEngine, EngineMemory
+from tierd.transfer.ioqueue import PriorityExecutor
+
+MiB = 1 << 20
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+
+
+@dataclass
+class Harness:
+    """Builds stores over one data dir; reopen() simulates a daemon restart."""
+
+    root: str
+    clock: FakeClock = field(default_factory=FakeClock)
+    host_budget: int = 64 * MiB
+    disk_budget: int = 256 * MiB
+    device_budget: int | None = None
+    host_slab: int = 16 * MiB
+    disk_slab: int = 64 * MiB
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    verify: tuple[str, ...] = ("disk",)
+    disk: bool = True
+    store: Store | None = None
+    executor: PriorityExecutor | None = None
+
+    def open(self) -> Store:
+        self.executor = PriorityExecutor(4)
+        tiers: dict = {"host": HostTier(self.host_budget, f"tierd-test-{uuid.uuid4().hex[:12]}", self.host_slab)}
+        index = None
+        if self.disk:
+            tiers["disk"] = DiskTier(self.disk_budget, os.path.join(self.root, "slabs"), self.executor, self.disk_slab)
+            index = DiskIndex(os.path.join(self.root, "index.db"))
+        if self.device_budget is not None:
+            tiers["device"] = DeviceTier(self.device_budget, "cpu", 8 * MiB)
+        self.store = Store(tiers, CopyEngine(tiers, window_bytes=4 * MiB, verify_tiers=self.verify), index,
+                           clock=self.clock, policy=self.policy)
+        return self.store
+
+    def close(self, flush: bool = False) -> None:
+        if self.store is not None:
+            self.store.close(flush=flush)
+            self.store = None
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+    def reopen(self, flush: bool = False) -> Store:
+        self.close(flush)
+        return self.open()
+
+
+class HostEngine:
+    """An engine's paged KV memory on the host: random bytes in numpy regions."""
+
+    def __init__(self, spec: KVSpec = SPEC, num_blocks: int = 64, kind: str = "layer_major", seed: int = 0,
+                 device: str | None = None) -> None:
+        self.spec = spec
+        layout = EngineLayout.layer_major(spec, num_blocks) if kind == "layer_major" else \
+            EngineLayout.cross_layer(spec, num_blocks)
+        rng = np.random.default_rng(seed)
+        sizes = [0] * (max(s.region for s in layout.segments) + 1)
+        for s in layout.segments:
+            sizes[s.region] = max(sizes[s.region], s.offset + num_blocks * s.stride)
+        self.regions = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
+        regions = self.regions
+        if device is not None:
+            import torch
+
+            regions = [torch.from_numpy(r).to(device) for r in self.regions]
+        self.memory = EngineMemory(layout, regions)
+
+    @property
+    def layout(self) -> EngineLayout:
+        return self.memory.layout
+
+    def page(self, block: int) -> bytes:
+        """A block's bytes in page order (the concatenation of its segments)."""
+        regions = [r if isinstance(r, np.ndarray) else r.cpu().numpy() for r in self.memory.regions]
+        return b"".join(regions[s.region][s.offset + block * s.stride : s.offset + block * s.stride + s.nbytes]
+                        .tobytes() for s in self.layout.segments)
+
+    def pages(self, blocks) -> list[bytes]:
+        return [self.page(int(b)) for b in blocks]
+
+    def randomize(self, blocks, seed: int) -> None:
+        """New random bytes in these blocks (host regions only)."""
+        rng = np.random.default_rng(seed)
+        for b in blocks:
+            for s in self.layout.segments:
+                start = s.offset + int(b) * s.stride
+                self.memory.regions[s.region][start : start + s.nbytes] = rng.integers(0, 256, s.nbytes, dtype=np.uint8)
+
+    def clear(self) -> None:
+        for r in self.memory.regions:
+            r[:] = 0

@@ -1,0 +1,94 @@
+import pytest
+
+from tierd.core.model import SessionKey
+from tierd.policy import (
+    PolicyConfig,
+    SessionView,
+    advise,
+    budget_moves,
+    eviction_order,
+    idle_moves,
+    plan_eviction,
+    pressure_moves,
+)
+
+CFG = PolicyConfig(device_idle=30, host_idle=600, writeback_idle=10, priority_weight=60)
+ALL = ("device", "host", "disk")
+
+
+def view(name, tiers, last=0.0, released=0.0, **kw):
+    return SessionView(SessionKey("t", name), tiers, last, released, **kw)
+
+
+def test_idle_demotion_steps_down_one_threshold_at_a_time():
+    s = view("a", {"device": 100}, released=1000.0)
+    # released at 1000: idle 5 s -> nothing; 11 s -> write a disk copy; 31 s -> host; 601 s -> disk
+    assert idle_moves([s], 1005, CFG, ALL) == []
+    assert [(m.target, m.reason, m.keep) for m in idle_moves([s], 1011, CFG, ALL)] == [("disk", "writeback", True)]
+    assert [(m.target, m.reason) for m in idle_moves([s], 1031, CFG, ALL)] == [("host", "idle")]
+    assert [(m.target, m.reason) for m in idle_moves([s], 1601, CFG, ALL)] == [("disk", "idle")]
+
+
+def test_active_pinned_busy_and_durable_sessions_stay():
+    now = 10_000.0
+    views = [view("active", {"host": 1}, released=None), view("pinned", {"host": 1}, pinned=True),
+             view("busy", {"host": 1}, busy=True), view("durable", {"host": 1}, released=now - 20, durable=True)]
+    assert idle_moves(views, now, CFG, ALL) == []
+
+
+def test_no_disk_tier_means_no_disk_moves():
+    s = view("a", {"host": 100}, released=0.0)
+    assert idle_moves([s], 10_000, CFG, ("host",)) == []
+
+
+def test_ttl_drops():
+    cfg = PolicyConfig(disk_ttl=3600)
+    s = view("a", {"disk": 100}, released=0.0, durable=True)
+    assert [m.target for m in idle_moves([s], 3600, cfg, ALL)] == ["drop"]
+
+
+def test_eviction_order_is_lru_weighted_by_priority_and_never_pinned():
+    views = [view("old", {"host": 1}, last=100), view("new", {"host": 1}, last=200),
+             view("old-important", {"host": 1}, last=50, priority=3),  # 50 + 3 * 60 = 230
+             view("pinned", {"host": 1}, last=0, pinned=True), view("elsewhere", {"disk": 1}, last=0)]
+    assert [v.key.session_id for v in eviction_order(views, "host", CFG)] == ["old", "new", "old-important"]
+
+
+def test_plan_eviction_is_all_or_nothing():
+    views = [view("a", {"host": 40}, last=1), view("b", {"host": 40}, last=2), view("p", {"host": 100}, pinned=True)]
+    plan = plan_eviction(views, "host", 60, ALL, CFG)
+    assert [(m.key.session_id, m.target) for m in plan] == [("a", "disk"), ("b", "disk")]
+    assert plan_eviction(views, "host", 81, ALL, CFG) is None
+    assert [m.target for m in plan_eviction(views, "disk", 0, ALL, CFG)] == []
+    d = [view("a", {"disk": 40})]
+    assert [m.target for m in plan_eviction(d, "disk", 10, ALL, CFG)] == ["drop"]
+
+
+def test_budget_shrink_plans_demotions_or_refuses():
+    views = [view("a", {"device": 50}, last=1), view("b", {"device": 50}, last=2, pinned=True)]
+    assert budget_moves(views, "device", 100, 200, CFG, ALL) == []
+    assert [(m.key.session_id, m.target) for m in budget_moves(views, "device", 100, 50, CFG, ALL)] == [("a", "host")]
+    assert budget_moves(views, "device", 100, 40, CFG, ALL) is None
+
+
+def test_pressure_demotes_from_high_to_low_watermark():
+    cfg = PolicyConfig(high_watermark=0.9, low_watermark=0.5)
+    views = [view(str(i), {"host": 10}, last=i) for i in range(10)]
+    assert pressure_moves(views, "host", 90, 100, cfg, ALL) == []
+    moves = pressure_moves(views, "host", 95, 100, cfg, ALL)
+    assert [m.key.session_id for m in moves] == ["0", "1", "2", "3", "4"]  # 95 - 50 = 45 bytes: five sessions
+
+
+def test_advise_compares_transfer_with_prefill():
+    a = advise(10 << 30, "disk", 2e9, 40_000, 8_000)
+    assert a.restore_seconds == pytest.approx(5.37, rel=0.01) and a.recompute_seconds == 5.0 and not a.restore
+    assert advise(10 << 30, "host", 20e9, 40_000, 8_000).restore
+    with pytest.raises(ValueError):
+        advise(1, "host", 1, 1, 0)
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(ValueError):
+        PolicyConfig(host_idle=-1)
+    with pytest.raises(ValueError):
+        PolicyConfig(low_watermark=0.9, high_watermark=0.5)

@@ -1,0 +1,209 @@
+"""Typed configuration: the only place flags, environment and TOML are read.
+
+Precedence: command-line flags > environment (TIERD_<NAME>) > the TOML file
+given by --config > defaults. Defaults work on any Linux machine: a Unix
+socket in a private runtime directory, data under the user's state
+directory, a host budget of a quarter of RAM and a disk budget of half the
+data directory's free space.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable
+
+from tierd.errors import InvalidArgument
+from tierd.sizes import parse_size
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+AUTO = "auto"
+
+
+def default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(base, "tierd") if base else f"/tmp/tierd-{os.getuid()}"
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "tierd")
+
+
+def _optional_seconds(text: Any) -> float | None:
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("", "none", "off", "never")):
+        return None
+    return _seconds(text)
+
+
+def _seconds(text: Any) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"expected a number of seconds, got {text!r}") from None
+    if value < 0:
+        raise InvalidArgument(f"seconds must not be negative, got {text!r}")
+    return value
+
+
+def _size_or_auto(text: Any) -> int | str:
+    if isinstance(text, str) and text.strip().lower() == AUTO:
+        return AUTO
+    return parse_size(text)
+
+
+def _positive_int(text: Any) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise InvalidArgument(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgument(f"expected true or false, got {text!r}")
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(text: Any) -> str:
+        value = str(text).strip().lower()
+        if value not in options and not (value.startswith("cuda:") and "cuda" in options):
+            raise InvalidArgument(f"expected one of {', '.join(options)}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _host_port(text: Any) -> str:
+    value = str(text).strip()
+    if value.lower() in ("", "off", "none"):
+        return ""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(f"expected HOST:PORT, got {text!r}")
+    return value
+
+
+def _text(text: Any) -> str:
+    return str(text)
+
+
+def _opt(parse: Callable[[Any], Any], help: str, default: Any = None, factory: Callable[[], Any] | None = None) -> Any:
+    meta = {"parse": parse, "help": help}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: str = _opt(_text, "Unix socket path", factory=lambda: os.path.join(default_runtime_dir(), "tierd.sock"))
+    listen: str = _opt(_host_port, "also listen on TCP HOST:PORT", "")
+    data_dir: str = _opt(_text, "directory for the disk tier and its index", factory=default_data_dir)
+    device: str = _opt(_choice(AUTO, "none", "cuda", "cpu"), "device tier: auto, none, cuda[:N]", AUTO)
+    device_budget: int | str = _opt(_size_or_auto, "VRAM budget (auto: a quarter of the card)", AUTO)
+    host_budget: int | str = _opt(_size_or_auto, "host budget (auto: a quarter of RAM)", AUTO)
+    disk_budget: int | str = _opt(_size_or_auto, "disk budget (auto: half the data dir's free space)", AUTO)
+    device_idle: float = _opt(_seconds, "seconds idle before device -> host", 30.0)
+    host_idle: float = _opt(_seconds, "seconds idle before host -> disk", 600.0)
+    writeback_idle: float | None = _opt(_optional_seconds, "seconds idle before a disk copy is written (off: never)", 10.0)
+    disk_ttl: float | None = _opt(_optional_seconds, "seconds idle before a session is dropped (off: never)", None)
+    metrics: str = _opt(_host_port, "Prometheus HOST:PORT (off to disable)", "127.0.0.1:9464")
+    log_level: str = _opt(_choice("debug", "info", "warning", "error"), "log level", "info")
+    verify: str = _opt(_choice("disk", "all"), "verify checksums on reads from: disk, or all tiers", "disk")
+    host_slab: int = _opt(parse_size, "host arena slab size", 1 << 30)
+    disk_slab: int = _opt(parse_size, "disk slab file size", 1 << 30)
+    device_slab: int = _opt(parse_size, "VRAM slab size", 1 << 30)
+    io_workers: int = _opt(_positive_int, "disk I/O threads", 4)
+    movers: int = _opt(_positive_int, "background move threads", 2)
+    rpc_workers: int = _opt(_positive_int, "threads running data calls", 8)
+    max_concurrent_rpcs: int = _opt(_positive_int, "calls in flight before RESOURCE_EXHAUSTED", 256)
+    max_message_bytes: int = _opt(parse_size, "largest gRPC message", 64 << 20)
+    chunk_bytes: int = _opt(parse_size, "Get stream chunk size", 1 << 20)
+    tick_seconds: float = _opt(_seconds, "how often policy runs", 0.5)
+    grace_seconds: float = _opt(_seconds, "time in-flight calls get to finish at shutdown", 10.0)
+    flush_on_stop: bool = _opt(_bool, "write sessions not yet on disk at SIGTERM", True)
+
+    def __post_init__(self) -> None:
+        if not self.socket and not self.listen:
+            raise InvalidArgument("configure a socket or a TCP address to listen on")
+        if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - 4096:
+            raise InvalidArgument("chunk_bytes must be positive and fit in max_message_bytes")
+        for name in ("host_slab", "disk_slab", "device_slab"):
+            value = getattr(self, name)
+            if value <= 0 or value % 4096:
+                raise InvalidArgument(f"{name} must be a positive multiple of 4096, got {value}")
+
+    @property
+    def metrics_endpoint(self) -> tuple[str, int] | None:
+        if not self.metrics:
+            return None
+        host, _, port = self.metrics.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def env_name(name: str) -> str:
+    return "TIERD_" + name.upper()
+
+
+def _apply(values: dict[str, Any], source: str) -> dict[str, Any]:
+    out = {}
+    for name, raw in values.items():
+        key = name.replace("-", "_")
+        if key not in FIELDS:
+            raise InvalidArgument(f"{source}: unknown setting {name!r}", setting=name)
+        try:
+            out[key] = FIELDS[key].metadata["parse"](raw)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{source}: {name}: {exc}", setting=name) from None
+    return out
+
+
+def load(flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+         config_file: str | None = None) -> Config:
+    """Merge the sources in order of precedence into a Config."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = config_file or env.get("TIERD_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                merged.update(_apply(tomllib.load(f), path))
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidArgument(f"config file {path} is not valid TOML: {exc}") from None
+    merged.update(_apply({n: env[env_name(n)] for n in FIELDS if env_name(n) in env}, "environment"))
+    merged.update(_apply({k: v for k, v in (flags or {}).items() if v is not None}, "flag"))
+    return Config(**merged)
+
+
+def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | None = None) -> Config:
+    """Replace "auto" host and disk budgets by numbers measured on this machine."""
+    if cfg.host_budget == AUTO:
+        ram = total_ram if total_ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        cfg = replace(cfg, host_budget=ram // 4)
+    if cfg.disk_budget == AUTO:
+        if free_disk is None:
+            os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
+            free_disk = shutil.disk_usage(cfg.data_dir).free
+        cfg = replace(cfg, disk_budget=free_disk // 2)
+    return cfg

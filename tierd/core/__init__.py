@@ -1,0 +1,1 @@
+"""The store: sessions, snapshots, placement, durable index and lifecycle."""

@@ -1,0 +1,48 @@
+"""What the store reports as it works; the metrics module listens.
+
+The store calls these from any thread; implementations must be cheap and
+thread-safe. NullEvents ignores everything.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StoreEvents(Protocol):
+    def moved(self, src: str, dst: str, reason: str, nbytes: int, seconds: float) -> None: ...
+
+    def saved(self, tier: str, nbytes: int, seconds: float) -> None: ...
+
+    def restored(self, source: str, nbytes: int, seconds: float) -> None: ...
+
+    def checksum_failed(self, tier: str) -> None: ...
+
+    def evicted(self, tier: str, reason: str) -> None: ...
+
+    def prefetch_outcome(self, outcome: str) -> None: ...
+
+    def disk_error(self, op: str) -> None: ...
+
+
+class NullEvents:
+    def moved(self, src: str, dst: str, reason: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def saved(self, tier: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def restored(self, source: str, nbytes: int, seconds: float) -> None:
+        pass
+
+    def checksum_failed(self, tier: str) -> None:
+        pass
+
+    def evicted(self, tier: str, reason: str) -> None:
+        pass
+
+    def prefetch_outcome(self, outcome: str) -> None:
+        pass
+
+    def disk_error(self, op: str) -> None:
+        pass

@@ -1,0 +1,219 @@
+"""The disk tier's durable index: SQLite in WAL mode, synchronous=FULL.
+
+Runs inside the store; every write is one transaction. The order that makes
+it crash-safe is the caller's: page data is written and fdatasync'd before the
+transaction that points to it commits, and a transaction that forgets pages
+commits before their space is reused.
+
+A session row records a complete state of the snapshot whose every page is on
+disk: (num_tokens, num_pages, nbytes). Pieces past num_pages belong to a newer
+state that had not reached disk whole; recovery drops them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierd.core.model import SessionKey
+from tierd.layout import KVSpec
+from tierd.tiers.allocator import Piece
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    num_pages INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL,
+    priority INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS pieces (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    first_page INTEGER NOT NULL,
+    n_pages INTEGER NOT NULL,
+    offset INTEGER NOT NULL,
+    alloc_bytes INTEGER NOT NULL,
+    checksums BLOB NOT NULL,
+    PRIMARY KEY (tenant, session_id, first_page)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+"""
+FORMAT_VERSION = "1"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    spec: KVSpec
+    num_tokens: int
+    num_pages: int
+    nbytes: int
+    created: float
+    last_access: float
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    key: SessionKey
+    row: Row
+    pieces: list[Piece]
+    checksums: np.ndarray
+
+
+class IndexFormatError(RuntimeError):
+    pass
+
+
+class DiskIndex:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        found = self._db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+        if found is None:
+            self._db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT_VERSION,))
+        elif found[0] != FORMAT_VERSION:
+            raise IndexFormatError(f"index {path} has format {found[0]}, this tierd reads {FORMAT_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self, statements: list[tuple[str, tuple]]) -> None:
+        with self._lock:
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, args in statements:
+                    cur.execute(sql, args)
+                cur.execute("COMMIT")
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+
+    @staticmethod
+    def _row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
+        return (
+            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes,
+             row.created, row.last_access, row.priority),
+        )
+
+    def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray]], row: Row | None) -> None:
+        """Record pieces already written and synced; with row, mark a complete state."""
+        stmts = [
+            ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?)",
+             (key.tenant, key.session_id, p.first_page, p.n_pages, p.offset, p.alloc_bytes,
+              np.ascontiguousarray(sums, dtype="<u8").tobytes()))
+            for p, sums in pieces
+        ]
+        if row is not None:
+            stmts.append(self._row_stmt(key, row))
+        self._tx(stmts)
+
+    def truncate(self, key: SessionKey, n_pages: int, row: Row | None) -> None:
+        """Forget pages from n_pages on. row is the state that remains complete
+        on disk, or None when no complete state remains."""
+        stmts: list[tuple[str, tuple]] = [
+            ("DELETE FROM pieces WHERE tenant=? AND session_id=? AND first_page>=?", (*key, n_pages)),
+        ]
+        with self._lock:
+            cut = self._db.execute(
+                "SELECT first_page, checksums FROM pieces WHERE tenant=? AND session_id=? AND first_page<? "
+                "AND first_page+n_pages>?", (*key, n_pages, n_pages)).fetchall()
+        for first, blob in cut:
+            stmts.append((
+                "UPDATE pieces SET n_pages=?, checksums=? WHERE tenant=? AND session_id=? AND first_page=?",
+                (n_pages - first, blob[: 8 * (n_pages - first)], *key, first),
+            ))
+        if row is None:
+            stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
+        else:
+            stmts.append(self._row_stmt(key, row))
+        self._tx(stmts)
+
+    def delete(self, key: SessionKey) -> None:
+        self._tx([
+            ("DELETE FROM pieces WHERE tenant=? AND session_id=?", tuple(key)),
+            ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),
+        ])
+
+    def remove_pieces(self, key: SessionKey, first_pages: list[int]) -> None:
+        self._tx([("DELETE FROM pieces WHERE tenant=? AND session_id=? AND first_page=?", (*key, f))
+                  for f in first_pages])
+
+    def touch(self, key: SessionKey, last_access: float, priority: int) -> None:
+        self._tx([("UPDATE sessions SET last_access=?, priority=? WHERE tenant=? AND session_id=?",
+                   (last_access, priority, *key))])
+
+    def recover(self) -> tuple[list[Recovered], list[str]]:
+        """Every complete session on disk, after dropping what no complete state
+        points to. Returns (sessions, problems found and repaired)."""
+        problems: list[str] = []
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM sessions").fetchall()
+            all_pieces = self._db.execute(
+                "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums FROM pieces "
+                "ORDER BY tenant, session_id, first_page").fetchall()
+        by_key: dict[SessionKey, list[tuple]] = {}
+        for rec in all_pieces:
+            by_key.setdefault(SessionKey(rec[0], rec[1]), []).append(rec[2:])
+        out: list[Recovered] = []
+        row_keys = {SessionKey(r[0], r[1]) for r in rows}
+        orphans = [k for k in by_key if k not in row_keys]
+        broken: list[SessionKey] = []
+        trims: list[Recovered] = []
+        for r in rows:
+            key = SessionKey(r[0], r[1])
+            try:
+                spec = KVSpec.from_dict(json.loads(r[2]))
+            except Exception as exc:  # a row this version cannot read
+                problems.append(f"{key}: unreadable spec ({exc}); dropped")
+                broken.append(key)
+                continue
+            row = Row(spec, r[3], r[4], r[5], r[6], r[7], r[8])
+            recs = by_key.get(key, [])
+            pieces, sums, covered = [], np.empty(row.num_pages, dtype=np.uint64), 0
+            for first, n, offset, alloc, blob in recs:
+                if first != covered or covered >= row.num_pages:
+                    break
+                keep = min(n, row.num_pages - first)
+                pieces.append(Piece(offset, alloc, first, keep))
+                sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
+                covered += keep
+            if covered != row.num_pages:
+                problems.append(f"{key}: pieces cover {covered} of {row.num_pages} pages; dropped")
+                broken.append(key)
+                continue
+            rec = Recovered(key, row, pieces, sums)
+            out.append(rec)
+            if any(first + n > row.num_pages for first, n, *_ in recs):
+                trims.append(rec)
+        for key in orphans:
+            problems.append(f"{key}: pieces with no complete state; reclaimed")
+            self.delete(key)
+        for key in broken:
+            self.delete(key)
+        for rec in trims:
+            problems.append(f"{rec.key}: pages past the last complete state; reclaimed")
+            self.truncate(rec.key, rec.row.num_pages, rec.row)
+        return out, problems
+
+    def count(self) -> tuple[int, int]:
+        with self._lock:
+            s = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            p = self._db.execute("SELECT COUNT(*) FROM pieces").fetchone()[0]
+        return s, p

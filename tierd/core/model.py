@@ -1,0 +1,198 @@
+"""Sessions and snapshots: metadata only, no bytes and no I/O.
+
+A snapshot is an ordered list of pages. Each tier holds some of them in
+pieces (contiguous extents); a page may be in several tiers, and since pages
+never change once stored, every copy of a page is as good as any other: the
+fastest is the one served, the lower ones are clean and cost nothing to drop.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tierd.layout import KVSpec
+from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers.allocator import Piece
+from tierd.transfer.runs import Geometry, Span
+
+
+class SessionKey(NamedTuple):
+    tenant: str
+    session_id: str
+
+
+class State(str, Enum):
+    ACTIVE = "active"
+    IDLE = "idle"
+    MOVING = "moving"
+    DAMAGED = "damaged"
+
+
+@dataclass(eq=False)
+class Snapshot:
+    spec: KVSpec
+    num_tokens: int = 0
+    nbytes: int = 0
+    checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    placement: dict[str, list[Piece]] = field(default_factory=dict)
+    version: int = 0  # bumped whenever the content changes
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.checksums)
+
+    @property
+    def geometry(self) -> Geometry:
+        n = self.n_pages
+        last = self.nbytes - (n - 1) * self.spec.page_bytes if n else 0
+        return Geometry(self.spec.page_bytes, n, last)
+
+    def pieces(self, tier: str) -> list[Piece]:
+        return self.placement.get(tier, [])
+
+    def spans(self, tier: str) -> list[Span]:
+        return [Span(p.first_page, p.n_pages, tier, p.offset) for p in self.pieces(tier)]
+
+    def bytes_in(self, tier: str) -> int:
+        return sum(p.alloc_bytes for p in self.pieces(tier))
+
+    def tiers_held(self) -> list[str]:
+        return [t for t in TIER_ORDER if self.placement.get(t)]
+
+    def add_pieces(self, tier: str, pieces: list[Piece]) -> None:
+        merged = self.placement.get(tier, []) + pieces
+        self.placement[tier] = sorted(merged, key=lambda p: p.first_page)
+
+    def covered(self, tiers: tuple[str, ...] | list[str]) -> np.ndarray:
+        """A bool per page: does some tier in `tiers` hold it?"""
+        mask = np.zeros(self.n_pages, dtype=bool)
+        for t in tiers:
+            for p in self.pieces(t):
+                mask[p.first_page : p.first_page + p.n_pages] = True
+        return mask
+
+    def missing(self, tiers: tuple[str, ...] | list[str],
+                among: tuple[str, ...] | list[str] | None = None) -> list[tuple[int, int]]:
+        """(first page, count) ranges held by none of `tiers` (and, with
+        `among`, held by one of those)."""
+        mask = ~self.covered(tiers)
+        if among is not None:
+            mask &= self.covered(among)
+        return _ranges(mask)
+
+    def best_spans(self, usable: tuple[str, ...] | list[str] = TIER_ORDER) -> list[Span]:
+        """For each page, the fastest copy among usable tiers, as spans in page order."""
+        spans: list[Span] = []
+        stride = self.geometry.stride
+        todo = np.ones(self.n_pages, dtype=bool)
+        for tier in sorted(usable, key=tier_rank):
+            for p in self.pieces(tier):
+                part = todo[p.first_page : p.first_page + p.n_pages]
+                for first, count in _ranges(part):
+                    spans.append(Span(p.first_page + first, count, tier, p.offset + first * stride))
+                part[:] = False
+        if todo.any():
+            raise ValueError("some pages are in no tier")
+        return sorted(spans, key=lambda s: s.first_page)
+
+    def slowest_tier(self) -> str | None:
+        """The tier a full restore has to read its worst page from."""
+        if self.n_pages == 0:
+            return None
+        return max((s.tier for s in self.best_spans()), key=tier_rank)
+
+    def truncate(self, n_pages: int) -> list[tuple[str, Piece]]:
+        """Forget pages from n_pages on; returns the pieces to free.
+        Pieces cut in two keep their allocation until they are freed whole."""
+        freed: list[tuple[str, Piece]] = []
+        for tier, pieces in self.placement.items():
+            kept = []
+            for p in pieces:
+                if p.first_page >= n_pages:
+                    freed.append((tier, p))
+                elif p.first_page + p.n_pages > n_pages:
+                    kept.append(Piece(p.offset, p.alloc_bytes, p.first_page, n_pages - p.first_page))
+                else:
+                    kept.append(p)
+            self.placement[tier] = kept
+        self.checksums = self.checksums[:n_pages].copy()
+        self.nbytes = min(self.nbytes, n_pages * self.spec.page_bytes)
+        self.num_tokens = 0 if n_pages == 0 else min(self.num_tokens, n_pages * self.spec.block_tokens)
+        return freed
+
+    def remove_tier(self, tier: str) -> list[Piece]:
+        return self.placement.pop(tier, [])
+
+
+def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, length) of each run of True in a bool array."""
+    if not mask.any():
+        return []
+    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+@dataclass(eq=False)
+class Session:
+    key: SessionKey
+    snap: Snapshot
+    created: float
+    last_access: float
+    released_at: float | None = None  # None while the engine uses it
+    priority: int = 0
+    pins: int = 0
+    damaged: bool = False
+    moving: bool = False
+    dropped: bool = False
+    row: Any = None  # the complete state recorded in the disk index (index.Row), if any
+    row_version: int = -1  # the snapshot version that row describes
+    op: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def durable(self) -> bool:
+        """Every page of the current content is on disk and indexed."""
+        return self.row is not None and self.row_version == self.snap.version
+
+    @property
+    def state(self) -> State:
+        if self.damaged:
+            return State.DAMAGED
+        if self.moving:
+            return State.MOVING
+        return State.ACTIVE if self.released_at is None else State.IDLE
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    tenant: str
+    session_id: str
+    tier: str | None
+    tier_bytes: dict[str, int]
+    state: str
+    num_tokens: int
+    size_bytes: int
+    num_pages: int
+    durable: bool
+    last_access: float
+    created: float
+    priority: int
+    pins: int
+    model_id: str
+    fingerprint: str
+    spec: KVSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    budget: int
+    used: int
+    capacity: int
+    sessions: int
+    backend: str

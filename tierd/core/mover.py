@@ -1,0 +1,139 @@
+"""Background moves: a queue of session moves served by worker threads.
+
+Runs inside the store. Prefetches overtake demotions, which overtake
+write-backs; within a class, higher user priority first, then arrival. One
+job per session: asking again merges into the queued job, and Drop cancels
+it. A prefetch whose deadline passes before it starts is dropped as missed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tierd.core.model import SessionKey
+from tierd.transfer.ioqueue import Priority
+
+log = logging.getLogger("tierd.core.mover")
+
+
+@dataclass(eq=False)
+class Job:
+    key: SessionKey
+    target: str  # a tier name, or "drop"
+    reason: str  # prefetch, idle, pressure, writeback, ttl, ...
+    klass: Priority
+    priority: int = 0
+    deadline: float | None = None
+    keep: bool = False  # write a disk copy, keep the faster ones
+    seq: int = 0
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def sort_key(self) -> tuple[int, int, int]:
+        return (int(self.klass), -self.priority, self.seq)
+
+
+class Mover:
+    def __init__(self, run: Callable[[Job], None], workers: int = 2) -> None:
+        self._run = run
+        self._heap: list[tuple[tuple[int, int, int], Job]] = []
+        self._queued: dict[SessionKey, Job] = {}
+        self._running: dict[SessionKey, Job] = {}
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"tierd-mover-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: Job, merge: Callable[[Job, Job], bool]) -> Job:
+        """Queue job, or merge it into the job already queued for its session
+        (merge(old, new) -> True if old changed). Returns the job that will run."""
+        with self._cond:
+            old = self._queued.get(job.key)
+            if old is not None:
+                if merge(old, job):
+                    old.seq = next(self._seq)
+                    heapq.heappush(self._heap, (old.sort_key(), old))  # the stale entry is skipped
+                    self._cond.notify()
+                return old
+            job.seq = next(self._seq)
+            self._queued[job.key] = job
+            heapq.heappush(self._heap, (job.sort_key(), job))
+            self._cond.notify()
+            return job
+
+    def cancel(self, key: SessionKey) -> Job | None:
+        with self._cond:
+            job = self._queued.pop(key, None)
+            if job is not None:
+                job.cancelled = True
+                job.done.set()
+                self._cond.notify_all()
+            return job
+
+    def pending(self, key: SessionKey) -> Job | None:
+        with self._cond:
+            return self._queued.get(key) or self._running.get(key)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queued and not self._running, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for job in self._queued.values():
+                job.cancelled = True
+                job.done.set()
+            self._queued.clear()
+            self._heap.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while True:
+                job, deferred = None, []
+                while self._heap:
+                    entry = heapq.heappop(self._heap)
+                    cand = entry[1]
+                    if self._queued.get(cand.key) is not cand or entry[0] != cand.sort_key():
+                        continue  # merged or cancelled since it was pushed
+                    if cand.key in self._running:
+                        deferred.append(entry)  # one move per session at a time
+                        continue
+                    job = cand
+                    break
+                for entry in deferred:
+                    heapq.heappush(self._heap, entry)
+                if job is not None:
+                    del self._queued[job.key]
+                    self._running[job.key] = job
+                    return job
+                if self._closed:
+                    return None
+                self._cond.wait()
+
+    def _work(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except Exception:
+                log.exception("move of %s to %s failed", job.key, job.target)
+            finally:
+                with self._cond:
+                    self._running.pop(job.key, None)
+                    job.done.set()
+                    self._cond.notify_all()

@@ -1,0 +1,194 @@
+"""Placement: moving a session's pages between tiers, two-phase.
+
+Runs inside the store, called with the session's op lock held. Every move is
+prepare (allocate in the destination), copy, complete: the new pieces join
+the snapshot only after the copy succeeded (and, for disk, after fdatasync and
+the index commit); on failure they are freed and the old copies stay
+authoritative. Where to make room is the store's business (make_room).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from tierd.core.events import StoreEvents
+from tierd.core.index import DiskIndex, Row
+from tierd.core.model import Session, SessionKey
+from tierd.errors import DataLoss, ResourceExhausted
+from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers.allocator import Piece
+from tierd.transfer.copier import CopyEngine
+from tierd.transfer.ioqueue import Priority
+from tierd.transfer.runs import Span
+
+log = logging.getLogger("tierd.core.placement")
+MakeRoom = Callable[[str, int, SessionKey, Priority], bool]
+
+
+class Placement:
+    def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, events: StoreEvents,
+                 lock: threading.RLock) -> None:
+        self.tiers = tiers
+        self.copier = copier
+        self.index = index
+        self.events = events
+        self.lock = lock
+        self.make_room: MakeRoom = lambda tier, need, protect, klass: False
+
+    # -- allocation ------------------------------------------------------------
+
+    def alloc(self, tier: str, ranges: list[tuple[int, int]], stride: int, protect: SessionKey,
+              klass: Priority) -> list[Piece]:
+        """Pieces in `tier` for page ranges [(first, count)], making room if
+        needed. All or nothing; raises ResourceExhausted."""
+        t = self.tiers[tier]
+        total = sum(t.allocator.round(n * stride) for _, n in ranges)
+        for attempt in range(3):
+            got: list[Piece] = []
+            for first, n in ranges:
+                pieces = t.alloc_pages(n, stride)
+                if pieces is None:
+                    break
+                got += [Piece(p.offset, p.alloc_bytes, p.first_page + first, p.n_pages) for p in pieces]
+            else:
+                return got
+            for p in got:
+                t.free(p)
+            # First ask for what the budget lacks; if fragmentation still bites, for all of it.
+            need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
+            if total > t.budget or not self.make_room(tier, need, protect, klass):
+                break
+        raise ResourceExhausted(
+            f"the {tier} tier has no room for {total} bytes (budget {t.budget}, used {t.used})",
+            tier=tier, need=total, budget=t.budget, used=t.used)
+
+    def free(self, tier: str, pieces: list[Piece]) -> None:
+        for p in pieces:
+            self.tiers[tier].free(p)
+
+    # -- moves -------------------------------------------------------------------
+
+    def promote(self, session: Session, target: str, klass: Priority) -> int:
+        """Copy into `target` every page whose fastest copy is slower; returns bytes moved."""
+        snap = session.snap
+        missing = snap.missing([t for t in TIER_ORDER if tier_rank(t) <= tier_rank(target)])
+        if not missing:
+            return 0
+        return self._copy_in(session, target, missing, klass, "prefetch")
+
+    def demote(self, session: Session, target: str, klass: Priority, reason: str) -> None:
+        """Leave no page faster than `target`: copy the faster pages that
+        `target` lacks into it (to disk: every page), then free the faster pieces."""
+        snap = session.snap
+        faster = [t for t in TIER_ORDER if tier_rank(t) < tier_rank(target) and snap.pieces(t)]
+        if not faster:
+            return
+        if target == "disk":
+            self.write_disk(session, klass, reason)
+        else:
+            missing = snap.missing([target], among=faster)
+            if missing:
+                self._copy_in(session, target, missing, klass, reason)
+        with self.lock:
+            dropped = {t: snap.remove_tier(t) for t in faster}
+        for t, pieces in dropped.items():
+            self.free(t, pieces)
+            self.events.evicted(t, reason)
+
+    def _copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], klass: Priority,
+                 reason: str) -> int:
+        snap = session.snap
+        geom = snap.geometry
+        pieces = self.alloc(target, missing, geom.stride, session.key, klass)
+        dst = [Span(p.first_page, p.n_pages, target, p.offset) for p in pieces]
+        src = [s for s in snap.best_spans() if s.tier != target]
+        t0 = time.perf_counter()
+        try:
+            moved = self.copier.move(src, dst, geom, snap.checksums, klass)
+        except BaseException as exc:
+            self.free(target, pieces)
+            if isinstance(exc, DataLoss):
+                self._damaged(session, exc)
+            raise
+        with self.lock:
+            snap.add_pieces(target, pieces)
+        source = max((s.tier for s in src), key=tier_rank)
+        self.events.moved(source, target, reason, moved, time.perf_counter() - t0)
+        return moved
+
+    def write_disk(self, session: Session, klass: Priority, reason: str = "writeback") -> None:
+        """Give every page a disk copy and record the session as durable."""
+        if self.index is None or "disk" not in self.tiers:
+            raise ResourceExhausted("there is no disk tier")
+        snap = session.snap
+        if session.durable:
+            return
+        missing = snap.missing(["disk"])
+        pieces: list[Piece] = []
+        if missing:
+            geom = snap.geometry
+            pieces = self.alloc("disk", missing, geom.stride, session.key, klass)
+            dst = [Span(p.first_page, p.n_pages, "disk", p.offset) for p in pieces]
+            src = [s for s in snap.best_spans() if s.tier != "disk"]
+            t0 = time.perf_counter()
+            try:
+                moved = self.copier.move(src, dst, geom, snap.checksums, klass)
+                self.tiers["disk"].sync()
+            except BaseException as exc:
+                self.free("disk", pieces)
+                if isinstance(exc, DataLoss):
+                    self._damaged(session, exc)
+                elif isinstance(exc, OSError):
+                    self.events.disk_error("write")
+                raise
+            source = max((s.tier for s in src), key=tier_rank)
+            self.events.moved(source, "disk", reason, moved, time.perf_counter() - t0)
+        row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
+                  session.priority)
+        try:
+            self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages])
+                                                for p in pieces], row)
+        except BaseException:
+            self.free("disk", pieces)
+            raise
+        with self.lock:
+            snap.add_pieces("disk", pieces)
+            session.row, session.row_version = row, snap.version
+
+    def truncate(self, session: Session, n_pages: int) -> list[tuple[str, Piece]]:
+        """Forget pages from n_pages on (the index first); returns pieces to free."""
+        snap = session.snap
+        if n_pages >= snap.n_pages:
+            return []
+        if self.index is not None and (snap.pieces("disk") or session.row is not None):
+            row = session.row
+            if row is not None and row.num_pages > n_pages:
+                row = None if snap.spec.is_opaque or n_pages == 0 else Row(
+                    row.spec, min(row.num_tokens, n_pages * row.spec.block_tokens), n_pages,
+                    n_pages * row.spec.page_bytes, row.created, row.last_access, row.priority)
+            self.index.truncate(session.key, n_pages, row)
+            session.row = row
+        with self.lock:
+            freed = snap.truncate(n_pages)
+            snap.version += 1
+        return freed
+
+    def forget(self, session: Session) -> None:
+        """Remove every copy: the index entry first, then the space."""
+        if self.index is not None and (session.row is not None or session.snap.pieces("disk")):
+            self.index.delete(session.key)
+            session.row = None
+        with self.lock:
+            placement = dict(session.snap.placement)
+            session.snap.placement.clear()
+        for tier, pieces in placement.items():
+            self.free(tier, pieces)
+
+    def _damaged(self, session: Session, exc: DataLoss) -> None:
+        log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)
+        with self.lock:
+            session.damaged = True
+        self.events.checksum_failed(str(exc.details.get("tier", "disk")))

@@ -1,0 +1,677 @@
+"""The store: per-session KV snapshots across tiers, and everything done to them.
+
+Runs in the daemon (the API calls it from worker threads) and in tests
+directly. Its operations: save (gather engine blocks into a snapshot, may
+append), restore (scatter it back), put/get (snapshots as bytes), release,
+pin/unpin, drop, prefetch/wait_ready, stat/list/stats, set_budget, advise,
+and tick (apply policy). Locks: one lock per session serialises data work on
+it; the store lock guards metadata and is never held across a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierd.clock import Clock, SystemClock
+from tierd.core.events import NullEvents, StoreEvents
+from tierd.core.index import DiskIndex
+from tierd.core.model import Session, SessionInfo, SessionKey, Snapshot, TierStats
+from tierd.core.mover import Job, Mover
+from tierd.core.placement import Placement
+from tierd.errors import (
+    DataLoss,
+    FailedPrecondition,
+    IdentityMismatch,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TierdError,
+)
+from tierd.layout import KVSpec
+from tierd.policy import (
+    Advice,
+    Move,
+    PolicyConfig,
+    SessionView,
+    advise,
+    budget_moves,
+    idle_moves,
+    plan_eviction,
+    pressure_moves,
+)
+from tierd.policy.rules import DROP
+from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.transfer.copier import CopyEngine, EngineMemory
+from tierd.transfer.ioqueue import Priority
+from tierd.transfer.runs import Geometry, Span
+
+log = logging.getLogger("tierd.core.store")
+_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}$")
+# Used by advise() until a route has been measured (bytes/s).
+DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
+
+
+def check_id(name: str, value: object) -> str:
+    if not isinstance(value, str) or not _ID.match(value) or ".." in value:
+        raise InvalidArgument(
+            f"{name} must be 1-256 characters of letters, digits and ._:@+=~- , not starting with '.' "
+            f"or '-' and without '..', got {value!r}",
+            field=name,
+            value=value,
+        )
+    return value
+
+
+def make_key(tenant: str, session_id: str) -> SessionKey:
+    return SessionKey(check_id("tenant", tenant), check_id("session_id", session_id))
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    num_tokens: int
+    num_pages: int
+    source_tier: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetResult:
+    tier: str
+    old_budget: int
+    new_budget: int
+    released_bytes: int
+    moved_sessions: int
+    seconds: float
+
+
+class Store:
+    def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *,
+                 clock: Clock | None = None, policy: PolicyConfig | None = None,
+                 events: StoreEvents | None = None, movers: int = 2) -> None:
+        if "host" not in tiers:
+            raise ValueError("the host tier is required")
+        if (index is None) != ("disk" not in tiers):
+            raise ValueError("a disk tier and its index come together")
+        self.tiers = tiers
+        self.copier = copier
+        self.index = index
+        self.clock = clock or SystemClock()
+        self.policy = policy or PolicyConfig()
+        self.events = events or NullEvents()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._sessions: dict[SessionKey, Session] = {}
+        self._key_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.placement = Placement(tiers, copier, index, self.events, self._changed)
+        self.placement.make_room = self._make_room
+        self.recovery_problems = self._recover() if index is not None else []
+        self.mover = Mover(self._run_job, movers)
+        self._closed = False
+
+    # -- recovery ------------------------------------------------------------
+
+    def _recover(self) -> list[str]:
+        disk = self.tiers["disk"]
+        disk.open_existing()
+        assert self.index is not None
+        recovered, problems = self.index.recover()
+        kept = []
+        for rec in recovered:
+            if any(p.offset + p.alloc_bytes > disk.capacity for p in rec.pieces):
+                problems.append(f"{rec.key}: pieces past the end of the slab files; dropped")
+                self.index.delete(rec.key)
+                continue
+            kept.append(rec)
+        disk.allocator.reserve_all([(p.offset, p.alloc_bytes) for rec in kept for p in rec.pieces])
+        now = self.clock.now()
+        for rec in kept:
+            snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces})
+            self._sessions[rec.key] = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
+                                              priority=rec.row.priority, row=rec.row, row_version=snap.version)
+        for p in problems:
+            log.warning("recovery: %s", p)
+        log.info("recovered %d sessions from the disk index", len(kept))
+        return problems
+
+    # -- helpers -------------------------------------------------------------
+
+    def _key_lock(self, key: SessionKey) -> threading.Lock:
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is not None:
+                return session.op
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = threading.Lock()
+                self._key_locks[key] = lock
+            return lock
+
+    def _get(self, key: SessionKey) -> Session:
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+        return session
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _landing(self, engine: EngineMemory | None) -> str:
+        if engine is not None and engine.medium == "device" and "device" in self.tiers:
+            return "device"
+        return "host"
+
+    @staticmethod
+    def _check_identity(session: Session, spec: KVSpec) -> None:
+        have = session.snap.spec
+        if have.fingerprint != spec.fingerprint:
+            fields = sorted(k for k, v in have.to_dict().items() if spec.to_dict().get(k) != v)
+            raise IdentityMismatch(
+                f"session {session.key.session_id!r} was saved by {have.model_id!r} with another identity "
+                f"(differs in {', '.join(fields)})",
+                want=have.fingerprint, got=spec.fingerprint, fields=fields)
+
+    @staticmethod
+    def _check_blocks(block_ids: Iterable[int], num_blocks: int) -> np.ndarray:
+        try:
+            ids = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"block ids must be integers: {exc}", field="block_ids") from None
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise InvalidArgument("block ids must be a flat list of integers", field="block_ids")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+            bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+            raise InvalidArgument(f"block id {bad} is outside the engine's {num_blocks} blocks",
+                                  field="block_ids", value=bad)
+        if np.unique(ids).size != ids.size:
+            raise InvalidArgument("block ids repeat: each block can hold one page", field="block_ids")
+        return ids
+
+    def _info(self, s: Session) -> SessionInfo:
+        snap = s.snap
+        return SessionInfo(
+            tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
+            tier_bytes={t: snap.bytes_in(t) for t in snap.tiers_held()}, state=s.state.value,
+            num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=s.durable,
+            last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
+            model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec)
+
+    def _publish(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
+                 first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
+                 nbytes: int) -> Session:
+        """Complete a store: replace pages from first_page on with the new ones."""
+        freed = self.placement.truncate(session, first_page) if session is not None else []
+        now = self.clock.now()
+        with self._changed:
+            if session is None:
+                session = Session(key, Snapshot(spec), created=now, last_access=now, op=lock)
+                self._sessions[key] = session
+            snap = session.snap
+            if first_page == 0:
+                snap.spec = spec
+                session.damaged = False
+            snap.checksums = np.concatenate([snap.checksums[:first_page], sums])
+            snap.add_pieces(tier, pieces)
+            snap.num_tokens, snap.nbytes = num_tokens, nbytes
+            snap.version += 1
+            session.last_access, session.released_at = now, None
+            self._changed.notify_all()
+        for t, p in freed:
+            self.tiers[t].free(p)
+        return session
+
+    # -- engine memory: save / restore -----------------------------------------
+
+    def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
+             num_tokens: int, start_token: int = 0, tier: str | None = None) -> SessionInfo:
+        """Gather engine blocks holding tokens [start_token, num_tokens) into the
+        session's snapshot, replacing what it held from start_token on. The new
+        pages land in `tier` (default: device for GPU engines, else host)."""
+        if tier is not None and (tier not in self.tiers or tier == "disk"):
+            raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {tier!r}", field="tier")
+        if spec.is_opaque:
+            raise InvalidArgument("an opaque spec has no blocks: use put", field="spec")
+        bt = spec.block_tokens
+        if isinstance(start_token, bool) or not isinstance(start_token, int) or start_token < 0 or start_token % bt:
+            raise InvalidArgument(f"start_token must be a non-negative multiple of block_tokens ({bt}), "
+                                  f"got {start_token!r}", field="start_token", value=start_token)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= start_token:
+            raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}), "
+                                  f"got {num_tokens!r}", field="num_tokens", value=num_tokens)
+        ids = self._check_blocks(block_ids, engine.layout.num_blocks)
+        first_page = start_token // bt
+        n_pages = spec.pages_for_tokens(num_tokens)
+        if ids.size != n_pages - first_page:
+            raise InvalidArgument(
+                f"tokens [{start_token}, {num_tokens}) fill {n_pages - first_page} blocks of {bt}, "
+                f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
+        lock = self._key_lock(key)
+        with lock:
+            session = self._sessions.get(key)
+            if session is None and first_page:
+                raise NotFound(f"session {key.session_id!r} not found: nothing to append to", session_id=key.session_id)
+            if session is not None and first_page:
+                self._check_identity(session, spec)
+                if session.damaged:
+                    raise FailedPrecondition(f"session {key.session_id!r} is damaged: save it again from token 0")
+                if start_token > session.snap.num_tokens:
+                    raise FailedPrecondition(
+                        f"start_token {start_token} is past the {session.snap.num_tokens} tokens stored",
+                        field="start_token", have=session.snap.num_tokens)
+            tier = tier or self._landing(engine)
+            geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
+            t0 = time.perf_counter()
+            pieces = self.placement.alloc(tier, [(first_page, ids.size)], geom.stride, key, Priority.DEMAND)
+            spans = [Span(p.first_page, p.n_pages, tier, p.offset) for p in pieces]
+            try:
+                self.copier.gather(engine, ids, spans, geom, first_page)
+                sums = self.copier.checksums(spans, geom)
+            except BaseException:
+                self.placement.free(tier, pieces)
+                raise
+            session = self._publish(key, lock, session, spec, first_page, pieces, tier, sums, num_tokens,
+                                    n_pages * spec.page_bytes)
+            self.events.saved(tier, ids.size * spec.page_bytes, time.perf_counter() - t0)
+            return self._info(session)
+
+    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec,
+                block_ids: Iterable[int]) -> RestoreResult:
+        """Scatter the snapshot's first len(block_ids) pages into those blocks.
+        Waits for a move of the session in flight rather than starting another."""
+        ids = self._check_blocks(block_ids, engine.layout.num_blocks)
+        session = self._get(key)
+        with session.op:
+            session = self._get(key)
+            if session.damaged:
+                raise DataLoss(f"session {key.session_id!r} is damaged and cannot be restored", session_id=key.session_id)
+            self._check_identity(session, spec)
+            snap = session.snap
+            if not 0 < ids.size <= snap.n_pages:
+                raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; give 1 to {snap.n_pages} block ids, "
+                                      f"not {ids.size}", field="block_ids", have=snap.n_pages, got=int(ids.size))
+            spans = snap.best_spans()
+            source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
+            t0 = time.perf_counter()
+            try:
+                self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums)
+            except DataLoss as exc:
+                self.placement._damaged(session, exc)
+                raise DataLoss(f"session {key.session_id!r}: {exc}", session_id=key.session_id, **exc.details) from None
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                session.last_access, session.released_at = self.clock.now(), None
+            self.events.restored(source, ids.size * snap.spec.page_bytes, seconds)
+            return RestoreResult(min(snap.num_tokens, ids.size * snap.spec.block_tokens), int(ids.size), source, seconds)
+
+    # -- bytes: put / get --------------------------------------------------------
+
+    def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
+            chunks: Iterable[bytes | memoryview | np.ndarray]) -> SessionInfo:
+        """Store a snapshot sent as bytes, replacing any earlier one. Nothing is
+        visible unless exactly nbytes arrive."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidArgument(f"num_tokens must be a non-negative integer, got {num_tokens!r}", field="num_tokens")
+        if spec.is_opaque:
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+                raise InvalidArgument(f"size must be a positive number of bytes, got {nbytes!r}", field="size")
+            n_pages = -(-nbytes // spec.page_bytes)
+        else:
+            if num_tokens <= 0:
+                raise InvalidArgument("a KV snapshot needs num_tokens > 0", field="num_tokens")
+            n_pages = spec.pages_for_tokens(num_tokens)
+            if nbytes != n_pages * spec.page_bytes:
+                raise InvalidArgument(
+                    f"{num_tokens} tokens in blocks of {spec.block_tokens} take {n_pages * spec.page_bytes} bytes "
+                    f"for this spec, not {nbytes}", field="size", want=n_pages * spec.page_bytes, got=nbytes)
+        tier_budget = self.tiers["host"].budget
+        if nbytes > tier_budget:
+            raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
+                                    need=nbytes, budget=tier_budget)
+        geom = Geometry(spec.page_bytes, n_pages, nbytes - (n_pages - 1) * spec.page_bytes)
+        lock = self._key_lock(key)
+        with lock:
+            session = self._sessions.get(key)
+            t0 = time.perf_counter()
+            pieces = self.placement.alloc("host", [(0, n_pages)], geom.stride, key, Priority.DEMAND)
+            spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in pieces]
+            try:
+                got = self.copier.write_stream(spans, geom, iter(chunks))
+                if got != nbytes:
+                    raise InvalidArgument(f"the stream carried {got} bytes, the header announced {nbytes}",
+                                          field="size", want=nbytes, got=got)
+                sums = self.copier.checksums(spans, geom)
+            except BaseException:
+                self.placement.free("host", pieces)
+                raise
+            session = self._publish(key, lock, session, spec, 0, pieces, "host", sums, num_tokens, nbytes)
+            self.events.saved("host", nbytes, time.perf_counter() - t0)
+            return self._info(session)
+
+    def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, Iterator[bytes]]:
+        """The snapshot's info and an iterator over its bytes. The session stays
+        locked (no move starts) until the iterator is finished or closed."""
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
+            raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {chunk_bytes!r}", field="chunk_bytes")
+        session = self._get(key)
+        session.op.acquire()
+        try:
+            session = self._get(key)
+            if session.damaged:
+                raise DataLoss(f"session {key.session_id!r} is damaged and cannot be read", session_id=key.session_id)
+            info = self._info(session)
+        except BaseException:
+            session.op.release()
+            raise
+        return info, self._stream(session, chunk_bytes)
+
+    def _stream(self, session: Session, chunk_bytes: int) -> Iterator[bytes]:
+        snap = session.snap
+        t0 = time.perf_counter()
+        try:
+            yield from self.copier.read_stream(snap.best_spans(), snap.geometry, snap.checksums, chunk_bytes)
+            with self._lock:
+                session.last_access, session.released_at = self.clock.now(), None
+            self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
+        except DataLoss as exc:
+            self.placement._damaged(session, exc)
+            raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
+        finally:
+            session.op.release()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def release(self, key: SessionKey) -> SessionInfo:
+        """The engine is done with the session for now: its idle clock starts."""
+        session = self._get(key)
+        with self._lock:
+            session.released_at = session.last_access = self.clock.now()
+            return self._info(session)
+
+    def pin(self, key: SessionKey) -> SessionInfo:
+        session = self._get(key)
+        with self._lock:
+            session.pins += 1
+            return self._info(session)
+
+    def unpin(self, key: SessionKey) -> SessionInfo:
+        session = self._get(key)
+        with self._lock:
+            if session.pins == 0:
+                raise FailedPrecondition(f"session {key.session_id!r} is not pinned", session_id=key.session_id)
+            session.pins -= 1
+            return self._info(session)
+
+    def drop(self, key: SessionKey) -> None:
+        """Forget the session everywhere; a queued move for it is cancelled."""
+        self.mover.cancel(key)
+        session = self._get(key)
+        with session.op:
+            self._forget(session)
+
+    def _forget(self, session: Session, reason: str = "drop") -> None:
+        """Remove a session whose op lock the caller holds."""
+        with self._lock:
+            if self._sessions.get(session.key) is not session:
+                return
+            del self._sessions[session.key]
+            session.dropped = True
+        held = session.snap.tiers_held()
+        self.placement.forget(session)
+        for t in held:
+            self.events.evicted(t, reason)
+        self._notify()
+
+    def prefetch(self, key: SessionKey, tier: str = "host", priority: int = 0,
+                 deadline: float | None = None) -> str:
+        """Start promoting the session toward `tier`; returns "ready" if it is
+        there already, else "queued". Never waits for the move."""
+        if tier not in ("device", "host"):
+            raise InvalidArgument(f"prefetch goes to 'host' or 'device', not {tier!r}", field="tier", value=tier)
+        if tier not in self.tiers:
+            raise FailedPrecondition(f"there is no {tier} tier on this machine", field="tier", value=tier)
+        session = self._get(key)
+        if session.damaged:
+            raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
+        if tier_rank(session.snap.slowest_tier() or "device") <= tier_rank(tier):
+            self.events.prefetch_outcome("ready")
+            return "ready"
+        self.mover.submit(Job(key, tier, "prefetch", Priority.PREFETCH, priority, deadline), _merge_prefetch)
+        return "queued"
+
+    def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
+        """Wait until the whole session is in `tier` or faster; returns
+        (ready, the tier it is in)."""
+        if tier not in TIER_ORDER:
+            raise InvalidArgument(f"unknown tier {tier!r}", field="tier", value=tier)
+        end = time.monotonic() + max(0.0, timeout)
+        with self._changed:
+            while True:
+                session = self._get(key)
+                if session.damaged:
+                    raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
+                where = session.snap.slowest_tier()
+                if where is not None and tier_rank(where) <= tier_rank(tier):
+                    return True, where
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False, where
+                self._changed.wait(left)
+
+    def _run_job(self, job: Job) -> None:
+        with self._lock:
+            session = self._sessions.get(job.key)
+        if session is None:
+            if job.reason == "prefetch":
+                self.events.prefetch_outcome("missed")
+            return
+        if job.reason == "prefetch":
+            if job.deadline is not None and self.clock.now() > job.deadline:
+                self.events.prefetch_outcome("missed")
+                return
+            session.op.acquire()
+        elif not session.op.acquire(blocking=False):
+            return  # busy: policy asks again next tick
+        try:
+            if session.dropped:
+                return
+            with self._lock:
+                session.moving = True
+            if job.reason == "prefetch":
+                self.placement.promote(session, job.target, Priority.PREFETCH)
+                now = self.clock.now()
+                with self._lock:
+                    if session.released_at is not None:
+                        session.released_at = now  # fresh idle clock: the engine is about to come
+                self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
+            elif job.target == DROP:
+                self._forget(session, job.reason)
+            elif job.keep:
+                self.placement.write_disk(session, job.klass, job.reason)
+            else:
+                self._demote(session, job.target, job.klass, job.reason)
+        except TierdError as exc:
+            if job.reason == "prefetch":
+                self.events.prefetch_outcome("missed")
+            log.warning("%s of %s/%s to %s failed: %s", job.reason, job.key.tenant, job.key.session_id,
+                        job.target, exc)
+        finally:
+            with self._lock:
+                session.moving = False
+            session.op.release()
+            self._notify()
+
+    def _demote(self, session: Session, target: str, klass: Priority, reason: str) -> None:
+        """Demote toward target, or further down where target cannot take it;
+        where no lower tier can, the session is dropped (it is a cache)."""
+        lower = [] if target == DROP else [t for t in TIER_ORDER if t in self.tiers and tier_rank(t) >= tier_rank(target)]
+        for tier in lower:
+            try:
+                self.placement.demote(session, tier, klass, reason)
+                return
+            except ResourceExhausted as exc:
+                log.info("cannot demote %s/%s to %s: %s", *session.key, tier, exc)
+        if lower:
+            log.info("dropping %s/%s: no lower tier has room", *session.key)
+        self._forget(session, reason)
+
+    # -- policy ------------------------------------------------------------------------
+
+    def _views(self, exclude: SessionKey | None = None) -> list[SessionView]:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return [
+            SessionView(s.key, {t: s.snap.bytes_in(t) for t in s.snap.tiers_held()}, s.last_access, s.released_at,
+                        s.priority, s.pins > 0, s.op.locked() or self.mover.pending(s.key) is not None, s.durable)
+            for s in sessions if s.key != exclude
+        ]
+
+    def _execute(self, moves: list[Move], klass: Priority) -> int:
+        """Carry out eviction moves now, skipping sessions busy by then."""
+        done = 0
+        for mv in moves:
+            with self._lock:
+                session = self._sessions.get(mv.key)
+            if session is None or not session.op.acquire(blocking=False):
+                continue
+            try:
+                if not session.dropped:
+                    self._demote(session, mv.target, klass, mv.reason)
+                    done += 1
+            except TierdError as exc:
+                log.warning("evicting %s/%s failed: %s", mv.key.tenant, mv.key.session_id, exc)
+            finally:
+                session.op.release()
+        return done
+
+    def _make_room(self, tier: str, need: int, protect: SessionKey, klass: Priority) -> bool:
+        plan = plan_eviction(self._views(exclude=protect), tier, need, self.tiers, self.policy)
+        return plan is not None and self._execute(plan, klass) > 0
+
+    def tick(self) -> list[Move]:
+        """Apply policy once: queue due demotions, write-backs and drops."""
+        now = self.clock.now()
+        views = self._views()
+        moves = idle_moves(views, now, self.policy, self.tiers)
+        for name, tier in self.tiers.items():
+            moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers)
+        seen: set[SessionKey] = set()
+        for mv in moves:
+            if mv.key in seen:
+                continue
+            seen.add(mv.key)
+            klass = Priority.WRITEBACK if mv.keep else Priority.DEMOTION
+            self.mover.submit(Job(mv.key, mv.target, mv.reason, klass, keep=mv.keep), lambda old, new: False)
+        return moves
+
+    def drain(self, timeout: float | None = 60.0) -> bool:
+        """Wait until no move is queued or running."""
+        return self.mover.drain(timeout)
+
+    # -- inspection and control ------------------------------------------------------------
+
+    def stat(self, key: SessionKey) -> SessionInfo:
+        session = self._get(key)
+        with self._lock:
+            return self._info(session)
+
+    def list(self, tenant: str | None = None, after: str = "", limit: int = 100) -> tuple[list[SessionInfo], str]:
+        """Sessions ordered by (tenant, id), after the page token; returns the
+        page and the token of the next page ("" when done)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise InvalidArgument(f"limit must be 1 to 10000, got {limit!r}", field="limit")
+        with self._lock:
+            keys = sorted(k for k in self._sessions if tenant is None or k.tenant == tenant)
+            if after:
+                keys = [k for k in keys if "\x00".join(k) > after]
+            page = [self._info(self._sessions[k]) for k in keys[:limit]]
+            token = "\x00".join(keys[limit - 1]) if len(keys) > limit else ""
+        return page, token
+
+    def stats(self) -> list[TierStats]:
+        with self._lock:
+            counts = {t: 0 for t in self.tiers}
+            for s in self._sessions.values():
+                for t in s.snap.tiers_held():
+                    counts[t] += 1
+        return [TierStats(name, t.budget, t.used, t.capacity, counts[name], getattr(t, "backend", name))
+                for name, t in sorted(self.tiers.items(), key=lambda kv: tier_rank(kv[0]))]
+
+    def set_budget(self, tier: str, nbytes: int) -> BudgetResult:
+        """Change a tier's budget at run time; shrinking demotes the overflow now."""
+        if tier not in self.tiers:
+            raise InvalidArgument(f"no {tier!r} tier here; tiers are {sorted(self.tiers)}", field="tier", value=tier)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(f"budget must be a non-negative number of bytes, got {nbytes!r}", field="budget")
+        t = self.tiers[tier]
+        t0, used0, old = time.perf_counter(), t.used, t.budget
+        plan = budget_moves(self._views(), tier, t.used, nbytes, self.policy, self.tiers)
+        if plan is None:
+            raise FailedPrecondition(
+                f"pinned or busy sessions hold more of the {tier} tier than {nbytes} bytes; unpin some first",
+                tier=tier, used=t.used, budget=nbytes)
+        t.budget = nbytes  # no new allocation past the new budget from here on
+        moved = self._execute(plan, Priority.DEMAND)
+        t.set_budget(nbytes)
+        return BudgetResult(tier, old, nbytes, max(0, used0 - t.used), moved, time.perf_counter() - t0)
+
+    def advise(self, key: SessionKey, prefill_tokens_per_s: float) -> Advice:
+        if not isinstance(prefill_tokens_per_s, (int, float)) or not prefill_tokens_per_s > 0:
+            raise InvalidArgument("prefill_tokens_per_s must be positive", field="prefill_tokens_per_s")
+        session = self._get(key)
+        with self._lock:
+            snap = session.snap
+            source = snap.slowest_tier() or "host"
+            nbytes, tokens = snap.nbytes, snap.num_tokens
+        bandwidth = self.copier.bandwidth.get(f"{source}->engine", DEFAULT_BANDWIDTH[source])
+        return advise(nbytes, source, bandwidth, tokens, float(prefill_tokens_per_s))
+
+    def keys(self) -> list[SessionKey]:
+        with self._lock:
+            return list(self._sessions)
+
+    def close(self, flush: bool = True) -> None:
+        """Stop moving; with flush, write every session not yet durable to disk."""
+        if self._closed:
+            return
+        self._closed = True
+        self.mover.close()
+        if flush and self.index is not None:
+            for session in list(self._sessions.values()):
+                with session.op:
+                    if session.dropped or session.durable or session.damaged:
+                        continue
+                    try:
+                        self.placement.write_disk(session, Priority.WRITEBACK, "shutdown")
+                    except (TierdError, OSError) as exc:
+                        log.warning("shutdown: %s/%s not flushed: %s", *session.key, exc)
+        for tier in self.tiers.values():
+            tier.close()
+        if self.index is not None:
+            self.index.close()
+
+
+def _merge_prefetch(old: Job, new: Job) -> bool:
+    """Fold a new prefetch into a queued job: the faster target, the higher
+    priority, the earlier deadline; a prefetch replaces a queued demotion."""
+    changed = False
+    if old.reason != "prefetch":
+        old.target, old.reason, old.klass, old.keep = new.target, "prefetch", new.klass, False
+        old.priority, old.deadline = new.priority, new.deadline
+        return True
+    if tier_rank(new.target) < tier_rank(old.target):
+        old.target, changed = new.target, True
+    if new.priority > old.priority:
+        old.priority, changed = new.priority, True
+    if new.deadline is not None and (old.deadline is None or new.deadline < old.deadline):
+        old.deadline, changed = new.deadline, True
+    return changed

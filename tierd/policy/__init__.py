@@ -1,0 +1,31 @@
+"""Policy: pure decisions over session metadata, with the clock passed in.
+
+Nothing here touches bytes, tiers or locks; the store asks, then acts. Every
+call returns a full answer or None, and changes nothing.
+"""
+
+from tierd.policy.rules import (
+    Advice,
+    Move,
+    PolicyConfig,
+    SessionView,
+    advise,
+    budget_moves,
+    eviction_order,
+    idle_moves,
+    plan_eviction,
+    pressure_moves,
+)
+
+__all__ = [
+    "Advice",
+    "Move",
+    "PolicyConfig",
+    "SessionView",
+    "advise",
+    "budget_moves",
+    "eviction_order",
+    "idle_moves",
+    "plan_eviction",
+    "pressure_moves",
+]

@@ -1,0 +1,153 @@
+"""What to move and when: idle demotion, watermarks, eviction order, budget
+changes, TTL, and the restore-or-recompute estimate."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from tierd.core.model import SessionKey
+from tierd.tiers import TIER_ORDER, tier_rank
+
+DROP = "drop"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    device_idle: float = 30.0  # seconds idle before device -> host
+    host_idle: float = 600.0  # seconds idle before host -> disk
+    writeback_idle: float | None = 10.0  # seconds idle before a disk copy is written (None: never)
+    disk_ttl: float | None = None  # seconds idle before a session is dropped (None: never)
+    high_watermark: float = 0.95  # demote when a tier is fuller than this
+    low_watermark: float = 0.85  # ... until it is this full
+    priority_weight: float = 60.0  # one priority step counts as this many seconds of recency
+
+    def __post_init__(self) -> None:
+        for name in ("device_idle", "host_idle", "writeback_idle", "disk_ttl"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must not be negative, got {value}")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """What policy may know of a session."""
+
+    key: SessionKey
+    tier_bytes: Mapping[str, int]  # bytes held in each tier
+    last_access: float
+    released_at: float | None  # None: in use by the engine
+    priority: int = 0
+    pinned: bool = False
+    busy: bool = False  # a move or a data call holds it
+    durable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Make `key` live no faster than `target` (a tier name), keep a disk copy
+    (target "disk" with keep=True), or drop it (target DROP)."""
+
+    key: SessionKey
+    target: str
+    reason: str
+    keep: bool = False
+
+
+def _value(v: SessionView, cfg: PolicyConfig) -> float:
+    return v.last_access + v.priority * cfg.priority_weight
+
+
+def _next_lower(tier: str, present: Iterable[str]) -> str:
+    lower = [t for t in TIER_ORDER if tier_rank(t) > tier_rank(tier) and t in present]
+    return lower[0] if lower else DROP
+
+
+def eviction_order(views: Iterable[SessionView], tier: str, cfg: PolicyConfig) -> list[SessionView]:
+    """Sessions holding bytes in `tier` that may leave it, least valuable first:
+    least recently used, each priority step worth priority_weight seconds;
+    pinned and busy sessions never."""
+    movable = [v for v in views if v.tier_bytes.get(tier) and not v.pinned and not v.busy]
+    return sorted(movable, key=lambda v: (_value(v, cfg), v.key))
+
+
+def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: Iterable[str],
+                  cfg: PolicyConfig, reason: str = "capacity") -> list[Move] | None:
+    """Moves that free at least `need` bytes of `tier`, or None if no set can."""
+    present = list(present)
+    moves, freed = [], 0
+    for v in eviction_order(views, tier, cfg):
+        if freed >= need:
+            break
+        moves.append(Move(v.key, _next_lower(tier, present), reason))
+        freed += v.tier_bytes[tier]
+    return moves if freed >= need else None
+
+
+def idle_moves(views: Iterable[SessionView], now: float, cfg: PolicyConfig, present: Iterable[str]) -> list[Move]:
+    """Demotions, write-backs and TTL drops due for released sessions."""
+    present = set(present)
+    moves = []
+    for v in views:
+        if v.released_at is None or v.pinned or v.busy:
+            continue
+        idle = now - v.released_at
+        held = {t for t, n in v.tier_bytes.items() if n}
+        if cfg.disk_ttl is not None and idle >= cfg.disk_ttl:
+            moves.append(Move(v.key, DROP, "ttl"))
+        elif "disk" in present and held & {"device", "host"} and idle >= cfg.host_idle:
+            moves.append(Move(v.key, "disk", "idle"))
+        elif "host" in present and "device" in held and idle >= cfg.device_idle:
+            moves.append(Move(v.key, "host", "idle"))
+        elif ("disk" in present and not v.durable and cfg.writeback_idle is not None
+              and idle >= cfg.writeback_idle):
+            moves.append(Move(v.key, "disk", "writeback", keep=True))
+    return moves
+
+
+def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: int, cfg: PolicyConfig,
+                   present: Iterable[str]) -> list[Move]:
+    """Above the high watermark, demote least valuable sessions until the
+    tier would be at the low watermark (as far as movable sessions allow)."""
+    if budget <= 0 or used <= cfg.high_watermark * budget:
+        return []
+    need = used - int(cfg.low_watermark * budget)
+    present = list(present)
+    moves, freed = [], 0
+    for v in eviction_order(views, tier, cfg):
+        if freed >= need:
+            break
+        moves.append(Move(v.key, _next_lower(tier, present), "pressure"))
+        freed += v.tier_bytes[tier]
+    return moves
+
+
+def budget_moves(views: Iterable[SessionView], tier: str, used: int, new_budget: int, cfg: PolicyConfig,
+                 present: Iterable[str]) -> list[Move] | None:
+    """Moves that bring `tier` within a new budget, or None if pinned or busy
+    sessions hold more than it allows."""
+    if used <= new_budget:
+        return []
+    return plan_eviction(views, tier, used - new_budget, present, cfg, reason="budget")
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    restore_seconds: float
+    recompute_seconds: float
+    source_tier: str
+    bandwidth_bytes_per_s: float
+
+    @property
+    def restore(self) -> bool:
+        return self.restore_seconds <= self.recompute_seconds
+
+
+def advise(nbytes: int, source_tier: str, bandwidth: float, num_tokens: int, prefill_tokens_per_s: float) -> Advice:
+    """Restore when moving the bytes from where they are beats recomputing the tokens."""
+    if prefill_tokens_per_s <= 0:
+        raise ValueError("prefill_tokens_per_s must be positive")
+    restore = nbytes / bandwidth if bandwidth > 0 else float("inf")
+    return Advice(restore, num_tokens / prefill_tokens_per_s, source_tier, bandwidth)
