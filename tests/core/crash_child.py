@@ -1,0 +1,69 @@
+"""Child process for the crash test: saves, appends, demotes and drops in a
+loop, announcing each state before it may reach disk and again once it is
+durable. The parent kills it with SIGKILL at a random moment."""
+
+import hashlib
+import sys
+
+import numpy as np
+
+from tests.helpers import SPEC, Harness, HostEngine
+from tierd.core.store import make_key
+from tierd.transfer.ioqueue import Priority
+
+BT = SPEC.block_tokens
+
+
+def say(*words) -> None:
+    sys.stdout.write(" ".join(str(w) for w in words) + "\n")
+    sys.stdout.flush()
+
+
+def digest(pages: list[bytes]) -> str:
+    return hashlib.sha256(b"".join(pages)).hexdigest()
+
+
+def main(root: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    h = Harness(root, host_budget=8 << 20, host_slab=4 << 20, disk_budget=64 << 20, disk_slab=16 << 20)
+    store = h.open()
+    engine = HostEngine(num_blocks=64, seed=seed)
+    content: dict[str, list[bytes]] = {}
+    for key in store.keys():  # what survived earlier runs
+        info, chunks = store.get(key)
+        data = b"".join(chunks)
+        content[key.session_id] = [data[i : i + SPEC.page_bytes] for i in range(0, len(data), SPEC.page_bytes)]
+    say("READY")
+    step = 0
+    while True:
+        step += 1
+        name = f"s{rng.integers(0, 6)}"
+        key = make_key("default", name)
+        action = rng.choice(["save", "append", "append", "demote", "drop"])
+        if action == "drop" and name in content:
+            say("DROP", name)
+            store.drop(key)
+            del content[name]
+            continue
+        if action == "demote" and name in content:
+            store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+            continue
+        n = int(rng.integers(1, 5))
+        blocks = rng.choice(64, size=n, replace=False)
+        engine.randomize(blocks, seed * 100_000 + step)
+        if action == "append" and name in content:
+            start = len(content[name])
+            pages = content[name] + engine.pages(blocks)
+            say("STATE", name, len(pages) * BT, digest(pages))
+            store.save(key, engine.memory, SPEC, blocks, len(pages) * BT, start_token=start * BT)
+        else:
+            pages = engine.pages(blocks)
+            say("REWRITE", name, len(pages) * BT, digest(pages))
+            store.save(key, engine.memory, SPEC, blocks, len(pages) * BT)
+        content[name] = pages
+        store.placement.write_disk(store._sessions[key], Priority.WRITEBACK)
+        say("DURABLE", name, len(pages) * BT, digest(pages))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
