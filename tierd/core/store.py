@@ -357,9 +357,9 @@ class Store:
             self.events.saved("host", nbytes, time.perf_counter() - t0)
             return self._info(session)
 
-    def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, Iterator[bytes]]:
-        """The snapshot's info and an iterator over its bytes. The session stays
-        locked (no move starts) until the iterator is finished or closed."""
+    def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
+        """The snapshot's info and a reader of its bytes. The session stays
+        locked (no move starts) until the reader is exhausted or closed."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
             raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {chunk_bytes!r}", field="chunk_bytes")
         session = self._get(key)
@@ -372,21 +372,19 @@ class Store:
         except BaseException:
             session.op.release()
             raise
-        return info, self._stream(session, chunk_bytes)
+        return info, SnapshotReader(session.op, self._stream(session, chunk_bytes))
 
     def _stream(self, session: Session, chunk_bytes: int) -> Iterator[bytes]:
         snap = session.snap
         t0 = time.perf_counter()
         try:
             yield from self.copier.read_stream(snap.best_spans(), snap.geometry, snap.checksums, chunk_bytes)
-            with self._lock:
-                session.last_access, session.released_at = self.clock.now(), None
-            self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
         except DataLoss as exc:
             self.placement._damaged(session, exc)
             raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
-        finally:
-            session.op.release()
+        with self._lock:
+            session.last_access, session.released_at = self.clock.now(), None
+        self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -658,6 +656,33 @@ class Store:
             tier.close()
         if self.index is not None:
             self.index.close()
+
+
+class SnapshotReader(Iterator[bytes]):
+    """Chunks of a snapshot; holds the session's lock until exhausted or closed."""
+
+    def __init__(self, lock: threading.Lock, chunks: Iterator[bytes]) -> None:
+        self._lock = lock
+        self._chunks = chunks
+        self._open = True
+
+    def __next__(self) -> bytes:
+        if not self._open:
+            raise StopIteration
+        try:
+            return next(self._chunks)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._chunks.close()  # type: ignore[attr-defined]
+            self._lock.release()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _merge_prefetch(old: Job, new: Job) -> bool:

@@ -1,0 +1,191 @@
+"""Every bad input gets its precise status and changes nothing: after each
+case the sessions, their bytes and the tiers' usage are what they were."""
+
+import hashlib
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.api.daemon import ROOT, Daemon
+from tierd.client import (
+    DataLoss,
+    FailedPrecondition,
+    IdentityMismatch,
+    InvalidArgument,
+    KVSpec,
+    NotFound,
+    ResourceExhausted,
+    SharedKVCache,
+)
+from tierd.errors import TierdError
+from tierd.layout import EngineLayout
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+OTHER = KVSpec("test/llama-tiny", "r2", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+OPAQUE = KVSpec.opaque("llama.cpp/test")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("bad"), "--writeback-idle", "off", "--max-message-bytes", "4MiB",
+               "--chunk-bytes", "1MiB").start()
+    c = d.client()
+    kv = SharedKVCache(SPEC, 16)
+    for r in kv.regions:
+        r[:] = np.random.default_rng(0).integers(0, 256, r.size, dtype=np.uint8)
+    engine = c.register_engine(SPEC, kv)
+    other_kv = SharedKVCache(OTHER, 16)
+    other = c.register_engine(OTHER, other_kv)
+    engine.save("kv", [0, 1, 2], 40)
+    c.put("blob", b"z" * 100_000, OPAQUE, num_tokens=3)
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    yield d, c, engine, other, pb_grpc.TierdStub(channel)
+    channel.close()
+    c.close()
+    kv.close()
+    other_kv.close()
+    d.close()
+
+
+def snapshot(c):
+    sessions = sorted((s.session_id, s.num_tokens, s.size_bytes, s.fingerprint, s.tier) for s in c.list())
+    contents = {s[0]: hashlib.sha256(c.get(s[0])).hexdigest() for s in sessions}
+    used = {t.name: t.used for t in c.stats()["tiers"]}
+    return sessions, contents, used
+
+
+def _raw_put(stub, messages):
+    try:
+        stub.Put(iter(messages), timeout=30)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def _interrupted():
+    yield pb.PutRequest(header=pb.PutHeader(session_id="cut", spec=pb.KVSpec(model_id="x", kind="opaque",
+                                                                               opaque_page_bytes=4096), size=10_000))
+    yield pb.PutRequest(chunk=pb.Chunk(data=b"a" * 5000))
+    raise RuntimeError("client went away")
+
+
+CASES = {
+    # name: (call(client, engine, other_engine, stub), expected error class or grpc status)
+    "unknown session stat": (lambda c, e, o, s: c.stat("nope"), NotFound),
+    "unknown session restore": (lambda c, e, o, s: e.restore("nope", [0]), NotFound),
+    "unknown session prefetch": (lambda c, e, o, s: c.prefetch("nope"), NotFound),
+    "unknown session drop": (lambda c, e, o, s: c.drop("nope"), NotFound),
+    "unknown engine": (lambda c, e, o, s: s.Save(pb.SaveRequest(engine_id="f" * 32, session_id="kv", block_ids=[0],
+                                                                num_tokens=16)), grpc.StatusCode.NOT_FOUND),
+    "wrong spec on restore": (lambda c, e, o, s: o.restore("kv", [0, 1, 2]), IdentityMismatch),
+    "append with another identity": (lambda c, e, o, s: o.save("kv", [3], 48, start_token=32), IdentityMismatch),
+    "block id out of range on save": (lambda c, e, o, s: e.save("new", [16], 16), InvalidArgument),
+    "block id out of range on restore": (lambda c, e, o, s: e.restore("kv", [0, 1, 99]), InvalidArgument),
+    "negative block id": (lambda c, e, o, s: e.restore("kv", [-1]), InvalidArgument),
+    "repeated block id": (lambda c, e, o, s: e.restore("kv", [4, 4]), InvalidArgument),
+    "more blocks than pages": (lambda c, e, o, s: e.restore("kv", [0, 1, 2, 3]), InvalidArgument),
+    "block count does not match tokens": (lambda c, e, o, s: e.save("new", [0, 1], 16), InvalidArgument),
+    "start token not on a block": (lambda c, e, o, s: e.save("kv", [5], 48, start_token=33), InvalidArgument),
+    "start token past the end": (lambda c, e, o, s: e.save("kv", [5], 80, start_token=64), FailedPrecondition),
+    "byte count does not match the spec": (lambda c, e, o, s: c.put("new", b"x" * 1000, SPEC, 16), InvalidArgument),
+    "empty id": (lambda c, e, o, s: c.stat(""), InvalidArgument),
+    "id with a slash": (lambda c, e, o, s: c.put("a/b", b"x", OPAQUE, 1), InvalidArgument),
+    "id with dot-dot": (lambda c, e, o, s: e.save("..", [0], 16), InvalidArgument),
+    "id with NUL": (lambda c, e, o, s: c.stat("a\x00b"), InvalidArgument),
+    "id too long": (lambda c, e, o, s: c.stat("x" * 300), InvalidArgument),
+    "huge put size": (lambda c, e, o, s: _raw_put(s, [pb.PutRequest(header=pb.PutHeader(
+        session_id="huge", spec=pb.KVSpec(model_id="x", kind="opaque", opaque_page_bytes=1 << 20), size=1 << 62))]),
+        grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "zero put size": (lambda c, e, o, s: c.put("new", b"", OPAQUE, 1), InvalidArgument),
+    "oversize message": (lambda c, e, o, s: c.put("new", b"x" * (5 << 20), OPAQUE, 1, chunk_bytes=5 << 20),
+                         ResourceExhausted),
+    "put without a header": (lambda c, e, o, s: _raw_put(s, [pb.PutRequest(chunk=pb.Chunk(data=b"x"))]),
+                             grpc.StatusCode.INVALID_ARGUMENT),
+    "put with two headers": (lambda c, e, o, s: _raw_put(s, [pb.PutRequest(header=pb.PutHeader(
+        session_id="two", spec=pb.KVSpec(model_id="x", kind="opaque", opaque_page_bytes=4096), size=1))] * 2),
+        grpc.StatusCode.INVALID_ARGUMENT),
+    "put chunk damaged in transit": (lambda c, e, o, s: _raw_put(s, [
+        pb.PutRequest(header=pb.PutHeader(session_id="bad", spec=pb.KVSpec(model_id="x", kind="opaque",
+                                                                           opaque_page_bytes=4096), size=3)),
+        pb.PutRequest(chunk=pb.Chunk(data=b"abc", xxh3=12345))]), grpc.StatusCode.DATA_LOSS),
+    # grpc reports a client-side iterator failure as UNKNOWN; the daemon sees the stream cancelled
+    "put cut short": (lambda c, e, o, s: _raw_put(s, _interrupted()), grpc.StatusCode.UNKNOWN),
+    "put with too few bytes": (lambda c, e, o, s: _raw_put(s, [
+        pb.PutRequest(header=pb.PutHeader(session_id="short", spec=pb.KVSpec(model_id="x", kind="opaque",
+                                                                             opaque_page_bytes=4096), size=10)),
+        pb.PutRequest(chunk=pb.Chunk(data=b"abc"))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "spec without a model": (lambda c, e, o, s: _raw_put(s, [
+        pb.PutRequest(header=pb.PutHeader(session_id="n", spec=pb.KVSpec(kind="opaque"), size=1))]),
+        grpc.StatusCode.INVALID_ARGUMENT),
+    "spec with a bad dtype": (lambda c, e, o, s: s.RegisterEngine(pb.RegisterEngineRequest(
+        spec=pb.KVSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float64", block_tokens=16),
+        regions=[pb.Region(shm_name="none", size=4096)], num_blocks=1)), grpc.StatusCode.INVALID_ARGUMENT),
+    "region that does not exist": (lambda c, e, o, s: c.register_engine(SPEC, [("no-such-region", 1 << 20)],
+                                                                        EngineLayout.cross_layer(SPEC, 4)), NotFound),
+    "region name with a path": (lambda c, e, o, s: c.register_engine(SPEC, [("../etc/passwd", 1 << 20)],
+                                                                     EngineLayout.cross_layer(SPEC, 4)),
+                                InvalidArgument),
+    "unknown tier on prefetch": (lambda c, e, o, s: c.prefetch("kv", "moon"), InvalidArgument),
+    "device prefetch without a device": (lambda c, e, o, s: c.prefetch("kv", "device"), FailedPrecondition),
+    "unknown tier on set_budget": (lambda c, e, o, s: c.set_budget("moon", 10), InvalidArgument),
+    "negative budget": (lambda c, e, o, s: c.set_budget("host", -1), InvalidArgument),
+    "unpin of an unpinned session": (lambda c, e, o, s: c.unpin("kv"), FailedPrecondition),
+    "wait with a huge timeout": (lambda c, e, o, s: c.wait_ready("kv", timeout=1e9), InvalidArgument),
+    "negative prefetch deadline": (lambda c, e, o, s: c.prefetch("kv", deadline_seconds=-1), InvalidArgument),
+    "list with a huge limit": (lambda c, e, o, s: c.list_page(limit=1_000_000), InvalidArgument),
+    "advise with no rate": (lambda c, e, o, s: c.advise("kv", 0), InvalidArgument),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_changes_nothing(world, name):
+    d, c, engine, other, stub = world
+    before = snapshot(c)
+    call, expected = CASES[name]
+    if isinstance(expected, grpc.StatusCode):
+        try:
+            got = call(c, engine, other, stub)
+        except grpc.RpcError as err:
+            got = err.code()
+        assert got == expected, f"{name}: got {got}"
+    else:
+        with pytest.raises(expected) as info:
+            call(c, engine, other, stub)
+        assert str(info.value), "the error carries a message"
+        assert isinstance(info.value, TierdError)
+    # A cancelled stream is cleaned up on the daemon's side just after the client hears of it.
+    deadline = time.monotonic() + 5
+    while snapshot(c) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert snapshot(c) == before
+    assert "Traceback" not in d.log(), d.log()
+
+
+def test_second_daemon_on_the_same_socket_is_refused(world, tmp_path):
+    d = world[0]
+    second = subprocess.run([sys.executable, "-m", "tierd", "serve", "--socket", d.socket, "--data-dir",
+                             str(tmp_path / "other"), "--metrics", "off", "--device", "none"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1
+    assert f"socket {d.socket} is in use by another tierd (pid {d.pid()})" in second.stderr
+    assert snapshot(world[1])[0]  # the first daemon still serves
+
+
+def test_second_daemon_on_the_same_data_dir_is_refused(world, tmp_path):
+    d = world[0]
+    second = subprocess.run([sys.executable, "-m", "tierd", "serve", "--socket", str(tmp_path / "s.sock"),
+                             "--data-dir", d.data_dir, "--metrics", "off", "--device", "none"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and "is in use by another tierd" in second.stderr
+
+
+def test_bad_config_is_refused_before_anything_starts(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tierd", "serve", "--host-budget", "lots", "--data-dir",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "host_budget" in out.stderr and "cannot read size" in out.stderr

@@ -1,0 +1,121 @@
+"""End to end against a real daemon process: engine memory in shared memory,
+demotion to disk, prefetch, restore, put/get, and kill -9 recovery."""
+
+import time
+
+import numpy as np
+import pytest
+
+from tierd.client import KVSpec, SharedKVCache
+
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+
+
+def _fill(kv, seed):
+    rng = np.random.default_rng(seed)
+    for r in kv.regions:
+        r[:] = rng.integers(0, 256, r.size, dtype=np.uint8)
+
+
+def _blocks(kv, ids):
+    return [kv.block(seg, b).tobytes() for b in ids for seg in range(len(kv.layout.segments))]
+
+
+def _wait_tier(client, sid, tier, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = client.stat(sid)
+        if info.tier == tier and set(info.tier_bytes) == {tier}:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"{sid} never reached {tier}: {client.stat(sid)}")
+
+
+def test_save_release_demote_prefetch_restore_through_shared_memory(daemon):
+    with daemon.client() as c, SharedKVCache(SPEC, 64) as kv:
+        _fill(kv, 1)
+        engine = c.register_engine(SPEC, kv)
+        info = engine.save("chat-1", [3, 4, 5, 9], 60)
+        assert (info.tier, info.num_tokens, info.num_pages) == ("host", 60, 4)
+        saved = _blocks(kv, [3, 4, 5, 9])
+        c.release("chat-1")
+        # idle past --host-idle: the daemon demotes host -> disk by itself
+        info = _wait_tier(c, "chat-1", "disk")
+        assert info.durable and info.state == "idle"
+        assert c.prefetch("chat-1", "host") == "queued"
+        assert c.wait_ready("chat-1", timeout=20) == (True, "host")
+        for r in kv.regions:
+            r[:] = 0
+        result = engine.restore("chat-1", [10, 11, 12, 13])
+        assert result.num_tokens == 60 and result.source_tier == "host"
+        assert _blocks(kv, [10, 11, 12, 13]) == saved
+        engine.close()
+
+
+def test_put_get_roundtrip_with_any_data_type(daemon):
+    spec = KVSpec.opaque("llama.cpp/test")
+    data = np.random.default_rng(2).integers(0, 256, 3_000_001, dtype=np.uint8)
+    with daemon.client() as c:
+        c.put("blob", data, spec, num_tokens=77, chunk_bytes=100_000)
+        assert c.get("blob", chunk_bytes=333_333) == data.tobytes()
+        import torch
+
+        c.put("tensor", torch.arange(1000, dtype=torch.float32), spec, num_tokens=1)
+        assert np.frombuffer(c.get("tensor"), dtype=np.float32).tolist() == list(range(1000))
+        c.put("view", memoryview(b"abc" * 1000), spec, num_tokens=1)
+        assert c.get("view") == b"abc" * 1000
+        c.release("blob")
+        _wait_tier(c, "blob", "disk")
+        assert c.get("blob") == data.tobytes()  # straight from disk, checksums verified
+
+
+def test_kill_9_and_restart_keeps_every_durable_session(daemon):
+    spec = KVSpec.opaque("llama.cpp/test", page_bytes=64 * 1024)
+    payloads = {f"s{i}": np.random.default_rng(i).integers(0, 256, 200_000 + i, dtype=np.uint8).tobytes()
+                for i in range(5)}
+    with daemon.client() as c:
+        for sid, data in payloads.items():
+            c.put(sid, data, spec, num_tokens=len(data))
+            c.release(sid)
+        for sid in payloads:
+            deadline = time.monotonic() + 20
+            while not c.stat(sid).durable:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        c.put("not-yet", b"x" * 1000, spec, num_tokens=1)  # active: not written back
+    daemon.kill()
+    daemon.start()
+    with daemon.client() as c:
+        for sid, data in payloads.items():
+            info = c.stat(sid)
+            assert info.durable and info.tier == "disk"
+            assert c.get(sid) == data
+        assert sorted(s.session_id for s in c.list()) == sorted(payloads)
+
+
+def test_graceful_stop_flushes_and_exits_zero(daemon):
+    spec = KVSpec.opaque("llama.cpp/test")
+    with daemon.client() as c:
+        c.put("active", b"y" * 5000, spec, num_tokens=1)
+        assert not c.stat("active").durable
+    assert daemon.stop() == 0
+    assert "flushing" in daemon.log()
+    daemon.start()
+    with daemon.client() as c:
+        assert c.get("active") == b"y" * 5000 and c.stat("active").durable
+
+
+@pytest.mark.parametrize("kind", ["layer_major", "cross_layer"])
+def test_append_saves_only_new_blocks(daemon, kind):
+    with daemon.client() as c, SharedKVCache(SPEC, 32, kind=kind) as kv:
+        _fill(kv, 3)
+        engine = c.register_engine(SPEC, kv)
+        engine.save("conv", [0, 1], 32)
+        ops = c.stats()["copy_ops"]
+        engine.save("conv", [7], 48, start_token=32)
+        assert c.stats()["copy_ops"] - ops == len(kv.layout.segments)
+        expect = _blocks(kv, [0, 1, 7])
+        for r in kv.regions:
+            r[:] = 0
+        assert engine.restore("conv", [20, 21, 22]).num_tokens == 48
+        assert _blocks(kv, [20, 21, 22]) == expect

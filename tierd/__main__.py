@@ -1,0 +1,5 @@
+import sys
+
+from tierd.cli import main
+
+sys.exit(main())

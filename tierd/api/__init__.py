@@ -1,0 +1,1 @@
+"""The gRPC API: a thin adapter from messages to the store."""

@@ -1,0 +1,48 @@
+"""Messages <-> core types, shared by the servicer and the client."""
+
+from __future__ import annotations
+
+from tierd.core.model import SessionInfo
+from tierd.errors import InvalidArgument
+from tierd.layout import KVSpec
+from tierd.v1 import tierd_pb2 as pb
+
+_SPEC_FIELDS = [f.name for f in pb.KVSpec.DESCRIPTOR.fields]
+_DEFAULTED = {"layout_version", "arrangement", "kind"}  # may be left unset; the rest must be given
+
+
+def spec_to_pb(spec: KVSpec) -> pb.KVSpec:
+    return pb.KVSpec(**{name: getattr(spec, name) for name in _SPEC_FIELDS})
+
+
+def spec_from_pb(msg: pb.KVSpec) -> KVSpec:
+    """A KVSpec from a message; unset fields take their defaults. Raises InvalidArgument."""
+    if not msg.model_id:
+        raise InvalidArgument("spec.model_id is required", field="spec.model_id")
+    defaults = KVSpec.__dataclass_fields__
+    values = {}
+    for name in _SPEC_FIELDS:
+        value = getattr(msg, name)
+        if name in _DEFAULTED and value in ("", 0):
+            value = defaults[name].default  # unset in the message
+        values[name] = value
+    if values["kind"] == "opaque":
+        values.update(num_layers=0, num_kv_heads=0, head_dim=0, dtype="uint8", block_tokens=1)
+    return KVSpec(**values)
+
+
+def info_to_pb(info: SessionInfo) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=info.session_id, tenant=info.tenant, tier=info.tier or "", tier_bytes=info.tier_bytes,
+        state=info.state, num_tokens=info.num_tokens, size_bytes=info.size_bytes, num_pages=info.num_pages,
+        durable=info.durable, last_access=info.last_access, created=info.created, priority=info.priority,
+        pins=info.pins, spec=spec_to_pb(info.spec), fingerprint=info.fingerprint)
+
+
+def info_from_pb(msg: pb.SessionInfo) -> SessionInfo:
+    spec = spec_from_pb(msg.spec)
+    return SessionInfo(
+        tenant=msg.tenant, session_id=msg.session_id, tier=msg.tier or None, tier_bytes=dict(msg.tier_bytes),
+        state=msg.state, num_tokens=msg.num_tokens, size_bytes=msg.size_bytes, num_pages=msg.num_pages,
+        durable=msg.durable, last_access=msg.last_access, created=msg.created, priority=msg.priority,
+        pins=msg.pins, model_id=spec.model_id, fingerprint=msg.fingerprint, spec=spec)

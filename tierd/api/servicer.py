@@ -1,0 +1,281 @@
+"""The tierd.v1.Tierd servicer: converts messages and calls the store.
+
+Runs on the daemon's event loop. Calls that copy bytes or may wait run on a
+thread pool; the rest touch only in-memory metadata and run inline. Every
+call is timed, and every TierdError becomes its one gRPC status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from tierd import __version__
+from tierd.api import auth
+from tierd.api.convert import info_to_pb, spec_from_pb
+from tierd.api.status import ERROR_KEY, status_of
+from tierd.core.engines import EngineRegistry
+from tierd.core.store import Store, make_key
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, TierdError
+from tierd.layout import EngineLayout, Segment
+from tierd.metrics import Metrics
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tierd.api")
+MAX_WAIT_SECONDS = 600.0
+_END = object()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, TierdError):
+        context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
+        await context.abort(status_of(exc), exc.message)
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the daemon log")
+
+
+def _unary(blocking: bool = False) -> Callable:
+    """Wrap fn(self, request, tenant) -> response as a timed async handler;
+    blocking ones run on the thread pool."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        async def handler(self: TierdServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0, code = time.perf_counter(), None
+            try:
+                tenant = auth.tenant(context)
+                if blocking:
+                    return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self, request, tenant)
+                return fn(self, request, tenant)
+            except Exception as exc:
+                code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
+                await _abort(context, exc)
+            finally:
+                self.metrics.rpc(fn.__name__, time.perf_counter() - t0, code)
+
+        return handler
+
+    return wrap
+
+
+def _layout(req: pb.RegisterEngineRequest, spec: Any) -> EngineLayout:
+    if req.segments:
+        return EngineLayout(req.num_blocks, tuple(Segment(s.region, s.offset, s.stride, s.nbytes) for s in req.segments))
+    if spec.is_opaque:
+        raise InvalidArgument("an opaque spec has no block layout: use Put and Get", field="spec")
+    if len(req.regions) == 1:
+        return EngineLayout.cross_layer(spec, req.num_blocks)
+    if len(req.regions) == 2 * spec.num_layers:
+        return EngineLayout.layer_major(spec, req.num_blocks)
+    raise InvalidArgument(f"give segments, or 1 region (cross-layer) or {2 * spec.num_layers} regions "
+                          f"(K and V per layer); got {len(req.regions)} regions", field="segments")
+
+
+class TierdServicer(pb_grpc.TierdServicer):
+    def __init__(self, store: Store, engines: EngineRegistry, executor: Executor, metrics: Metrics,
+                 backends: dict[str, str], chunk_bytes: int) -> None:
+        self.store = store
+        self.engines = engines
+        self.executor = executor
+        self.metrics = metrics
+        self.backends = backends
+        self.chunk_bytes = chunk_bytes
+
+    # -- engine memory ---------------------------------------------------------
+
+    @_unary(blocking=True)
+    def RegisterEngine(self, req: pb.RegisterEngineRequest, tenant: str) -> pb.RegisterEngineResponse:
+        spec = spec_from_pb(req.spec)
+        regions = []
+        for i, r in enumerate(req.regions):
+            if r.WhichOneof("memory") != "shm_name":
+                raise FailedPrecondition(f"regions[{i}]: only shared-memory regions are served here", field="regions")
+            regions.append((r.shm_name, r.size))
+        engine = self.engines.register(tenant, spec, regions, _layout(req, spec))
+        return pb.RegisterEngineResponse(engine_id=engine.engine_id)
+
+    @_unary(blocking=True)
+    def UnregisterEngine(self, req: pb.EngineRequest, tenant: str) -> pb.Empty:
+        self.engines.unregister(tenant, req.engine_id)
+        return pb.Empty()
+
+    @_unary(blocking=True)
+    def Save(self, req: pb.SaveRequest, tenant: str) -> pb.SessionInfo:
+        key = make_key(tenant, req.session_id)
+        engine = self.engines.get(tenant, req.engine_id)
+        info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
+                               req.num_tokens, req.start_token, req.tier or None)
+        return info_to_pb(info)
+
+    @_unary(blocking=True)
+    def Restore(self, req: pb.RestoreRequest, tenant: str) -> pb.RestoreResponse:
+        key = make_key(tenant, req.session_id)
+        engine = self.engines.get(tenant, req.engine_id)
+        r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
+        return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
+                                  seconds=r.seconds)
+
+    # -- bytes ---------------------------------------------------------------------
+
+    async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        t0, code = time.perf_counter(), None
+        chunks: queue.Queue = queue.Queue(maxsize=16)
+        try:
+            tenant = auth.tenant(context)
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("part") != "header":
+                raise InvalidArgument("a Put stream starts with its header", field="header")
+            head = first.header
+            key = make_key(tenant, head.session_id)
+            spec = spec_from_pb(head.spec)
+            loop = asyncio.get_running_loop()
+            job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
+                                       _verified(chunks))
+            try:
+                async for msg in request_iterator:
+                    if job.done():
+                        break
+                    if msg.WhichOneof("part") != "chunk":
+                        chunks.put(InvalidArgument("a Put stream has one header", field="header"))
+                        break
+                    await _feed(chunks, msg.chunk, job)
+                else:
+                    await _feed(chunks, _END, job)
+                return info_to_pb(await job)
+            except BaseException:
+                await _feed(chunks, InvalidArgument("the Put stream was cut short"), job)
+                raise
+        except Exception as exc:
+            code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
+            await _abort(context, exc)
+        finally:
+            self.metrics.rpc("Put", time.perf_counter() - t0, code)
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> Any:
+        t0, code = time.perf_counter(), None
+        loop = asyncio.get_running_loop()
+        reader = None
+        try:
+            key = make_key(auth.tenant(context), request.session_id)
+            info, reader = await loop.run_in_executor(self.executor, self.store.get, key,
+                                                      request.chunk_bytes or self.chunk_bytes)
+            yield pb.GetResponse(header=info_to_pb(info))
+            while True:
+                data = await loop.run_in_executor(self.executor, next, reader, None)
+                if data is None:
+                    break
+                yield pb.GetResponse(chunk=pb.Chunk(data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
+        except Exception as exc:
+            code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
+            await _abort(context, exc)
+        finally:
+            if reader is not None:
+                reader.close()
+            self.metrics.rpc("Get", time.perf_counter() - t0, code)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @_unary()
+    def Prefetch(self, req: pb.PrefetchRequest, tenant: str) -> pb.PrefetchResponse:
+        key = make_key(tenant, req.session_id)
+        if req.deadline_seconds < 0:
+            raise InvalidArgument("deadline_seconds must not be negative", field="deadline_seconds")
+        deadline = self.store.clock.now() + req.deadline_seconds if req.deadline_seconds else None
+        status = self.store.prefetch(key, req.tier or "host", req.priority, deadline)
+        return pb.PrefetchResponse(status=status)
+
+    @_unary(blocking=True)
+    def WaitReady(self, req: pb.WaitReadyRequest, tenant: str) -> pb.WaitReadyResponse:
+        key = make_key(tenant, req.session_id)
+        if not 0 <= req.timeout_seconds <= MAX_WAIT_SECONDS:
+            raise InvalidArgument(f"timeout_seconds must be 0 to {MAX_WAIT_SECONDS:.0f}", field="timeout_seconds")
+        ready, tier = self.store.wait_ready(key, req.tier or "host", req.timeout_seconds)
+        return pb.WaitReadyResponse(ready=ready, tier=tier or "")
+
+    @_unary()
+    def Release(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
+        return info_to_pb(self.store.release(make_key(tenant, req.session_id)))
+
+    @_unary()
+    def Pin(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
+        return info_to_pb(self.store.pin(make_key(tenant, req.session_id)))
+
+    @_unary()
+    def Unpin(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
+        return info_to_pb(self.store.unpin(make_key(tenant, req.session_id)))
+
+    @_unary(blocking=True)
+    def Drop(self, req: pb.SessionRequest, tenant: str) -> pb.Empty:
+        self.store.drop(make_key(tenant, req.session_id))
+        return pb.Empty()
+
+    # -- inspection and control --------------------------------------------------------
+
+    @_unary()
+    def Stat(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
+        return info_to_pb(self.store.stat(make_key(tenant, req.session_id)))
+
+    @_unary()
+    def List(self, req: pb.ListRequest, tenant: str) -> pb.ListResponse:
+        page, token = self.store.list(tenant, after=req.page_token, limit=req.limit or 100)
+        return pb.ListResponse(sessions=[info_to_pb(i) for i in page], next_page_token=token)
+
+    @_unary()
+    def Stats(self, req: pb.StatsRequest, tenant: str) -> pb.StatsResponse:
+        copier = self.store.copier
+        return pb.StatsResponse(
+            tiers=[pb.TierStats(name=t.name, budget=t.budget, used=t.used, capacity=t.capacity, sessions=t.sessions,
+                                backend=t.backend) for t in self.store.stats()],
+            bandwidth=dict(copier.bandwidth), moved_bytes=dict(copier.moved_bytes), copy_ops=copier.copy_ops,
+            version=__version__, backends=self.backends, sessions=len(self.store.keys()))
+
+    @_unary(blocking=True)
+    def SetBudget(self, req: pb.SetBudgetRequest, tenant: str) -> pb.SetBudgetResponse:
+        r = self.store.set_budget(req.tier, req.budget)
+        return pb.SetBudgetResponse(tier=r.tier, old_budget=r.old_budget, new_budget=r.new_budget,
+                                    released_bytes=r.released_bytes, moved_sessions=r.moved_sessions,
+                                    seconds=r.seconds)
+
+    @_unary()
+    def Advise(self, req: pb.AdviseRequest, tenant: str) -> pb.AdviseResponse:
+        a = self.store.advise(make_key(tenant, req.session_id), req.prefill_tokens_per_s)
+        return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
+                                 recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
+                                 bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)
+
+
+async def _feed(chunks: queue.Queue, item: Any, job: asyncio.Future) -> None:
+    """Hand one item to the thread running the store's put, without blocking
+    the event loop, and without waiting on a put that has already ended."""
+    while not job.done():
+        try:
+            chunks.put_nowait(item)
+            return
+        except queue.Full:
+            await asyncio.sleep(0.001)
+
+
+def _verified(chunks: queue.Queue) -> Iterator[bytes]:
+    """The Put stream's chunks, each checked against its XXH3 (0: unchecked)."""
+    n = 0
+    while True:
+        item = chunks.get()
+        if item is _END:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        if item.xxh3 and xxhash.xxh3_64_intdigest(item.data) != item.xxh3:
+            raise DataLoss(f"chunk {n} of the Put stream arrived damaged (checksum mismatch)", chunk=n)
+        n += 1
+        yield item.data

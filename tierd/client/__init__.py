@@ -1,0 +1,43 @@
+"""Python clients for the tierd daemon: `Client` (blocking) and `AsyncClient`
+(asyncio), with the same methods. gRPC errors become the typed exceptions
+below, each carrying the daemon's message."""
+
+from tierd.client.calls import AsyncClient, AsyncEngine, Client, Engine, default_address
+from tierd.client.shm import SharedKVCache
+from tierd.core.model import SessionInfo
+from tierd.core.store import RestoreResult
+from tierd.errors import (
+    DataLoss,
+    FailedPrecondition,
+    IdentityMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    TierdError,
+    Unauthenticated,
+    Unavailable,
+)
+from tierd.layout import KVSpec
+
+__all__ = [
+    "AsyncClient",
+    "AsyncEngine",
+    "Client",
+    "DataLoss",
+    "Engine",
+    "FailedPrecondition",
+    "IdentityMismatch",
+    "InvalidArgument",
+    "KVSpec",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "RestoreResult",
+    "SessionInfo",
+    "SharedKVCache",
+    "TierdError",
+    "Unauthenticated",
+    "Unavailable",
+    "default_address",
+]

@@ -1,0 +1,358 @@
+"""The clients. Every unary call is written once, in _Calls, and returns
+whatever the client's _call returns: a value for Client, an awaitable for
+AsyncClient. Put and Get stream, so each client has its own."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from tierd.api.convert import info_from_pb, spec_to_pb
+from tierd.api.status import from_rpc_error
+from tierd.config import default_runtime_dir
+from tierd.core.model import SessionInfo, TierStats
+from tierd.core.store import BudgetResult, RestoreResult
+from tierd.errors import DataLoss, InvalidArgument
+from tierd.layout import EngineLayout, KVSpec
+from tierd.policy import Advice
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+DEFAULT_CHUNK = 1 << 20
+MAX_MESSAGE = 64 << 20
+_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+
+
+def default_address() -> str:
+    """TIERD_SOCKET if set, else the daemon's default socket."""
+    path = os.environ.get("TIERD_SOCKET") or os.path.join(default_runtime_dir(), "tierd.sock")
+    return "unix:" + os.path.abspath(path)
+
+
+def _target(address: str | None) -> str:
+    if address is None:
+        return default_address()
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or (":" in address and not address.startswith("/")):
+        return address
+    return "unix:" + os.path.abspath(address)
+
+
+def as_bytes(data: Any) -> memoryview:
+    """bytes, bytearray, memoryview, numpy arrays and torch tensors as a flat byte view."""
+    if isinstance(data, (bytes, bytearray)):
+        return memoryview(data)
+    if isinstance(data, memoryview):
+        return data.cast("B") if data.contiguous else memoryview(data.tobytes())
+    if isinstance(data, np.ndarray):
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if type(data).__module__.startswith("torch"):
+        import torch
+
+        t = data.detach().contiguous().cpu()
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    raise InvalidArgument(f"data must be bytes, memoryview, a numpy array or a torch tensor, not {type(data).__name__}")
+
+
+def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None]:
+    if hasattr(regions, "names") and hasattr(regions, "layout"):  # a SharedKVCache
+        return [pb.Region(shm_name=n, size=s) for n, s in zip(regions.names, regions.sizes)], regions.layout
+    return [pb.Region(shm_name=name, size=size) for name, size in regions], None
+
+
+def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int) -> Iterator[pb.PutRequest]:
+    view = as_bytes(data)
+    yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
+                                            size=len(view)))
+    for i in range(0, len(view), chunk):
+        part = view[i : i + chunk]
+        yield pb.PutRequest(chunk=pb.Chunk(data=bytes(part), xxh3=xxhash.xxh3_64_intdigest(part)))
+
+
+def _chunk(msg: pb.GetResponse, n: int) -> bytes:
+    data = msg.chunk.data
+    if msg.chunk.xxh3 and xxhash.xxh3_64_intdigest(data) != msg.chunk.xxh3:
+        raise DataLoss(f"chunk {n} of the Get stream arrived damaged (checksum mismatch)")
+    return data
+
+
+def _restore(r: pb.RestoreResponse) -> RestoreResult:
+    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds)
+
+
+def _stats(r: pb.StatsResponse) -> dict[str, Any]:
+    return {
+        "tiers": [TierStats(t.name, t.budget, t.used, t.capacity, t.sessions, t.backend) for t in r.tiers],
+        "bandwidth": dict(r.bandwidth), "moved_bytes": dict(r.moved_bytes), "copy_ops": r.copy_ops,
+        "version": r.version, "backends": dict(r.backends), "sessions": r.sessions,
+    }
+
+
+def _list(r: pb.ListResponse) -> tuple[list[SessionInfo], str]:
+    return [info_from_pb(i) for i in r.sessions], r.next_page_token
+
+
+class _Calls:
+    """The unary calls, shared by both clients."""
+
+    _call: Callable[..., Any]
+
+    def stat(self, session_id: str) -> SessionInfo:
+        """Where the session is and what it holds."""
+        return self._call("Stat", pb.SessionRequest(session_id=session_id), info_from_pb)
+
+    def list_page(self, limit: int = 100, page_token: str = "") -> tuple[list[SessionInfo], str]:
+        """One page of this tenant's sessions and the token of the next ("" at the end)."""
+        return self._call("List", pb.ListRequest(limit=limit, page_token=page_token), _list)
+
+    def prefetch(self, session_id: str, tier: str = "host", priority: int = 0,
+                 deadline_seconds: float = 0.0) -> str:
+        """Start moving the session up to `tier`; returns "ready" or "queued" at once."""
+        req = pb.PrefetchRequest(session_id=session_id, tier=tier, priority=priority, deadline_seconds=deadline_seconds)
+        return self._call("Prefetch", req, lambda r: r.status)
+
+    def wait_ready(self, session_id: str, timeout: float = 30.0, tier: str = "host") -> tuple[bool, str | None]:
+        """Wait until the whole session is in `tier` or faster: (ready, tier it is in)."""
+        req = pb.WaitReadyRequest(session_id=session_id, tier=tier, timeout_seconds=timeout)
+        return self._call("WaitReady", req, lambda r: (r.ready, r.tier or None), timeout=timeout + 10)
+
+    def release(self, session_id: str) -> SessionInfo:
+        """The engine is done with the session for now: its idle clock starts."""
+        return self._call("Release", pb.SessionRequest(session_id=session_id), info_from_pb)
+
+    def pin(self, session_id: str) -> SessionInfo:
+        """Keep the session where it is: it is never demoted or evicted while pinned."""
+        return self._call("Pin", pb.SessionRequest(session_id=session_id), info_from_pb)
+
+    def unpin(self, session_id: str) -> SessionInfo:
+        return self._call("Unpin", pb.SessionRequest(session_id=session_id), info_from_pb)
+
+    def drop(self, session_id: str) -> None:
+        """Forget the session in every tier."""
+        return self._call("Drop", pb.SessionRequest(session_id=session_id), lambda r: None)
+
+    def stats(self) -> dict[str, Any]:
+        """Tiers, bandwidth per route, bytes moved, backends and version."""
+        return self._call("Stats", pb.StatsRequest(), _stats)
+
+    def set_budget(self, tier: str, size: int | str) -> BudgetResult:
+        """Change a tier's budget now; shrinking the device tier demotes at once."""
+        from tierd.sizes import parse_size
+
+        req = pb.SetBudgetRequest(tier=tier, budget=parse_size(size))
+        return self._call("SetBudget", req, lambda r: BudgetResult(r.tier, r.old_budget, r.new_budget,
+                                                                   r.released_bytes, r.moved_sessions, r.seconds))
+
+    def advise(self, session_id: str, prefill_tokens_per_s: float) -> Advice:
+        """Whether restoring beats recomputing the session's tokens."""
+        req = pb.AdviseRequest(session_id=session_id, prefill_tokens_per_s=prefill_tokens_per_s)
+        return self._call("Advise", req, lambda r: Advice(r.restore_seconds, r.recompute_seconds, r.source_tier,
+                                                          r.bandwidth_bytes_per_s))
+
+    def register_engine(self, spec: KVSpec, regions: Any, layout: EngineLayout | None = None) -> Any:
+        """Register engine KV memory: a SharedKVCache, or (shm_name, size) pairs
+        with a layout (default: one region cross-layer, 2 x layers regions
+        layer-major). Returns an Engine with save and restore."""
+        msgs, cache_layout = _regions(regions)
+        layout = layout or cache_layout
+        req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs)
+        if layout is not None:
+            req.num_blocks = layout.num_blocks
+            req.segments.extend(pb.Segment(region=s.region, offset=s.offset, stride=s.stride, nbytes=s.nbytes)
+                                for s in layout.segments)
+        elif hasattr(regions, "num_blocks"):
+            req.num_blocks = regions.num_blocks
+        else:
+            raise InvalidArgument("give a layout (EngineLayout) with plain regions", field="layout")
+        return self._call("RegisterEngine", req, lambda r: self._engine(r.engine_id, spec))
+
+    def _engine(self, engine_id: str, spec: KVSpec) -> Any:
+        raise NotImplementedError
+
+
+class _EngineCalls:
+    """Save and restore through registered engine memory (no KV bytes in messages)."""
+
+    def __init__(self, client: Any, engine_id: str, spec: KVSpec) -> None:
+        self.client = client
+        self.engine_id = engine_id
+        self.spec = spec
+
+    def save(self, session_id: str, block_ids: Any, num_tokens: int, start_token: int = 0,
+             tier: str = "") -> SessionInfo:
+        """Gather the blocks holding tokens [start_token, num_tokens) into the session."""
+        req = pb.SaveRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids],
+                             num_tokens=num_tokens, start_token=start_token, tier=tier)
+        return self.client._call("Save", req, info_from_pb)
+
+    def restore(self, session_id: str, block_ids: Any) -> RestoreResult:
+        """Scatter the session's first len(block_ids) pages into these blocks."""
+        req = pb.RestoreRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids])
+        return self.client._call("Restore", req, _restore)
+
+    def close(self) -> Any:
+        return self.client._call("UnregisterEngine", pb.EngineRequest(engine_id=self.engine_id), lambda r: None)
+
+
+class Engine(_EngineCalls):
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncEngine(_EngineCalls):
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Client(_Calls):
+    """A blocking client. `address`: a socket path, "unix:PATH" or "HOST:PORT"
+    (default: TIERD_SOCKET or the daemon's default socket)."""
+
+    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0) -> None:
+        self.address = _target(address)
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(self.address, options=_OPTIONS)
+        self._stub = pb_grpc.TierdStub(self._channel)
+
+    def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        try:
+            reply = getattr(self._stub, rpc)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return parse(reply)
+
+    def _engine(self, engine_id: str, spec: KVSpec) -> Engine:
+        return Engine(self, engine_id, spec)
+
+    def list(self) -> list[SessionInfo]:
+        """Every session of this tenant."""
+        out, token = [], ""
+        while True:
+            page, token = self.list_page(500, token)
+            out += page
+            if not token:
+                return out
+
+    def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int,
+            chunk_bytes: int = DEFAULT_CHUNK) -> SessionInfo:
+        """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot."""
+        try:
+            reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes),
+                                   timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return info_from_pb(reply)
+
+    def get(self, session_id: str, chunk_bytes: int = 0) -> bytes:
+        """The session's snapshot as bytes."""
+        return b"".join(self.get_stream(session_id, chunk_bytes)[1])
+
+    def get_stream(self, session_id: str, chunk_bytes: int = 0) -> tuple[SessionInfo, Iterator[bytes]]:
+        """The session's info and an iterator over its bytes, chunk by chunk."""
+        stream = self._stub.Get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
+                                metadata=self._metadata)
+        try:
+            head = next(stream)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                for n, msg in enumerate(stream):
+                    yield _chunk(msg, n)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+
+        return info_from_pb(head.header), chunks()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Calls):
+    """The asyncio client: the same methods as Client, awaited."""
+
+    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0) -> None:
+        self.address = _target(address)
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+        self._stub = pb_grpc.TierdStub(self._channel)
+
+    async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        try:
+            reply = await getattr(self._stub, rpc)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return parse(reply)
+
+    def _engine(self, engine_id: str, spec: KVSpec) -> AsyncEngine:
+        return AsyncEngine(self, engine_id, spec)
+
+    async def list(self) -> list[SessionInfo]:
+        out, token = [], ""
+        while True:
+            page, token = await self.list_page(500, token)
+            out += page
+            if not token:
+                return out
+
+    async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int,
+                  chunk_bytes: int = DEFAULT_CHUNK) -> SessionInfo:
+        try:
+            reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes),
+                                         timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return info_from_pb(reply)
+
+    async def get(self, session_id: str, chunk_bytes: int = 0) -> bytes:
+        info, chunks = await self.get_stream(session_id, chunk_bytes)
+        return b"".join([c async for c in chunks])
+
+    async def get_stream(self, session_id: str, chunk_bytes: int = 0) -> tuple[SessionInfo, AsyncIterator[bytes]]:
+        stream = self._stub.Get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
+                                metadata=self._metadata)
+        try:
+            head = await stream.read()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if head is grpc.aio.EOF:
+            raise DataLoss("the Get stream ended before its header")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            n = 0
+            try:
+                async for msg in stream:
+                    yield _chunk(msg, n)
+                    n += 1
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+
+        return info_from_pb(head.header), chunks()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,171 @@
+"""`tierd serve`: the daemon's life from start to a graceful stop.
+
+Start: take the socket's and the data dir's lock files (a second daemon on
+either fails with a clear message), probe the machine and build the tiers,
+recover the disk index, serve gRPC (with health and reflection) and metrics,
+and run policy every tick. Stop (SIGTERM or SIGINT): refuse new calls, let
+in-flight ones finish within the grace period, flush to disk what must
+survive, release everything, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from tierd import __version__
+from tierd.api.servicer import TierdServicer
+from tierd.config import Config, default_runtime_dir, resolve_budgets
+from tierd.core.engines import EngineRegistry
+from tierd.core.store import Store
+from tierd.metrics import Metrics
+from tierd.policy import PolicyConfig
+from tierd.sizes import format_size
+from tierd.tiers import factory
+from tierd.v1 import tierd_pb2, tierd_pb2_grpc
+
+log = logging.getLogger("tierd")
+SERVICE = tierd_pb2.DESCRIPTOR.services_by_name["Tierd"].full_name
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+def _lock(path: str, what: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartupError(f"{what} is in use by another tierd (pid {holder}); stop it or choose another") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _private_dir(path: str) -> None:
+    """Create the socket's directory 0700; refuse one that others can write to."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.getuid() and path == default_runtime_dir():
+        os.chmod(path, 0o700)
+    elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise StartupError(f"{path} is writable by anyone; put the socket in a private directory")
+
+
+def policy_of(cfg: Config) -> PolicyConfig:
+    return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
+                        disk_ttl=cfg.disk_ttl)
+
+
+async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: asyncio.Event) -> None:
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
+                 ("grpc.max_send_message_length", cfg.max_message_bytes),
+                 ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+    )
+    tierd_pb2_grpc.add_TierdServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    endpoints = []
+    if cfg.socket:
+        old = os.umask(0o077)  # the socket file is created 0600
+        try:
+            if server.add_insecure_port(f"unix:{cfg.socket}") == 0:
+                raise StartupError(f"cannot listen on {cfg.socket}")
+        finally:
+            os.umask(old)
+        endpoints.append(f"unix:{cfg.socket}")
+    if cfg.listen:
+        if server.add_insecure_port(cfg.listen) == 0:
+            raise StartupError(f"cannot listen on {cfg.listen}")
+        log.warning("listening on TCP %s without TLS: anyone who reaches it can read every session", cfg.listen)
+        endpoints.append(cfg.listen)
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("tierd %s serving on %s", __version__, " and ".join(endpoints))
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), cfg.tick_seconds)
+        except asyncio.TimeoutError:
+            try:
+                await loop.run_in_executor(servicer.executor, store.tick)
+            except Exception:
+                log.exception("policy tick failed")
+    log.info("stopping: in-flight calls get %.0f s", cfg.grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(cfg.grace_seconds)
+
+
+def serve(cfg: Config) -> int:
+    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    cfg = resolve_budgets(cfg)
+    with ExitStack() as stack:
+        os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
+        data_lock = _lock(os.path.join(cfg.data_dir, "tierd.lock"), f"data dir {cfg.data_dir}")
+        stack.callback(os.close, data_lock)
+        if cfg.socket:
+            _private_dir(os.path.dirname(os.path.abspath(cfg.socket)))
+            sock_lock = _lock(cfg.socket + ".lock", f"socket {cfg.socket}")
+            stack.callback(os.close, sock_lock)
+            if os.path.exists(cfg.socket):
+                os.unlink(cfg.socket)  # left by a daemon that died: the lock says none is running
+            stack.callback(lambda: os.path.exists(cfg.socket) and os.unlink(cfg.socket))
+
+        machine = factory.build(cfg)
+        stack.callback(machine.close)
+        registry = CollectorRegistry()
+        metrics = Metrics(registry)
+        store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
+                      movers=cfg.movers)
+        stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
+        backends = {**machine.backends, **{t.name: t.backend for t in store.stats() if t.name != "device"}}
+        metrics.set_backends(backends)
+        metrics.watch(store)
+        for t in store.stats():
+            log.info("%s tier: budget %s (%s)", t.name, format_size(t.budget), t.backend)
+        if store.recovery_problems:
+            log.warning("recovery repaired %d problems (see above)", len(store.recovery_problems))
+        if cfg.metrics_endpoint:
+            host, port = cfg.metrics_endpoint
+            httpd, thread = start_http_server(port, host, registry=registry)
+            stack.callback(httpd.shutdown)
+            log.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
+        engines = EngineRegistry()
+        stack.callback(engines.close)
+        executor = ThreadPoolExecutor(cfg.rpc_workers, thread_name_prefix="tierd-rpc")
+        stack.callback(executor.shutdown)
+        servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes)
+        _run(_serve(cfg, store, servicer, asyncio.Event()))
+        log.info("flushing and closing")
+    log.info("stopped")
+    return 0
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # not on this platform: the default loop does
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
