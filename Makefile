@@ -1,0 +1,43 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# The CPU build of torch unless a GPU driver is present (a bare `torch` pulls the CUDA build).
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+PROTOC_TOOLS := grpcio-tools==1.70.0
+
+.PHONY: install serve test bench proto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e '.[test,dev]'
+	@# promtool (Debian's prometheus package) checks the metrics exposition in the tests, where it can be had.
+	command -v promtool >/dev/null || test -x $(BIN)/promtool || (mkdir -p $(VENV)/deb && cd $(VENV)/deb && \
+		apt-get download -qq prometheus 2>/dev/null && dpkg -x prometheus_*.deb x && cp x/usr/bin/promtool ../bin/ && \
+		cd .. && rm -rf deb) || echo "promtool is not available: its checks will be skipped"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/tierd serve
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m bench
+
+# Regenerate tierd/v1 from proto/ with a pinned generator (its output is committed;
+# tests/api/test_proto.py fails when it no longer matches the proto).
+proto:
+	test -x .venv-proto/bin/python || $(PYTHON) -m venv .venv-proto
+	.venv-proto/bin/pip install --quiet $(PROTOC_TOOLS)
+	.venv-proto/bin/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. \
+		proto/tierd/v1/tierd.proto
+
+clean:
+	rm -rf $(VENV) .venv-proto build *.egg-info .pytest_cache .hypothesis
