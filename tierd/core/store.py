@@ -556,7 +556,10 @@ class Store:
         return plan is not None and self._execute(plan, klass) > 0
 
     def tick(self) -> list[Move]:
-        """Apply policy once: queue due demotions, write-backs and drops."""
+        """Apply policy once: queue due demotions, write-backs and drops; let
+        the tiers do their housekeeping."""
+        for tier in self.tiers.values():
+            tier.maintain()
         now = self.clock.now()
         views = self._views()
         moves = idle_moves(views, now, self.policy, self.tiers)

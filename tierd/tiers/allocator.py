@@ -1,8 +1,8 @@
 """Extent allocator shared by every tier: byte ranges inside fixed-size slabs.
 
 Segregated free lists by power-of-two size class with a bitmap of non-empty
-classes: alloc and free are O(1) (a bit scan, a dict pop, two dict lookups to
-coalesce neighbours). Extents never cross a slab boundary, so a slab maps to
+classes: alloc and free are O(1) (a bounded look into the size's own class, a
+bit scan, a dict pop, two dict lookups to coalesce neighbours). Extents never cross a slab boundary, so a slab maps to
 one file or one VRAM allocation. A request that no single free extent can
 hold is served as several pieces (alloc_pages), so fragmentation costs a
 failure only when the free space left is in fragments smaller than one page.
@@ -52,6 +52,10 @@ class ExtentAllocator:
         self.num_slabs += 1
         self._insert(index * self.slab_bytes, self.slab_bytes)
         return index
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """(start, size) of every free extent."""
+        return list(self._by_start.items())
 
     def slab_is_free(self, index: int) -> bool:
         return self._by_start.get(index * self.slab_bytes) == self.slab_bytes
@@ -178,15 +182,20 @@ class ExtentAllocator:
             self._bitmap &= ~(1 << c)
 
     def _find(self, size: int) -> int | None:
-        # Any extent in a class above floor(log2(size)) is big enough.
+        # Good fit: a few extents of the size's own class first (an extent just
+        # freed by a snapshot of the same size is reused, still resident), then
+        # any extent of a higher class, which always fits.
         c = self._class_of(size)
-        first = c if size == 1 << c else c + 1
-        above = self._bitmap >> first
+        for i, start in enumerate(self._classes[c]):
+            if self._by_start[start] >= size:
+                return start
+            if i == 8:
+                break
+        above = self._bitmap >> (c + 1)
         if above:
-            cls = first + (above & -above).bit_length() - 1
+            cls = c + 1 + (above & -above).bit_length() - 1
             return next(iter(self._classes[cls]))
-        # Only the size's own class is left; its extents may be smaller.
-        for start in self._classes[c]:
+        for start in self._classes[c]:  # the rest of the own class, rarely reached
             if self._by_start[start] >= size:
                 return start
         return None

@@ -4,8 +4,9 @@ Each slab is a file under /dev/shm (mode 0600) mapped into the daemon; an
 engine on the same machine can map the same file by name, so pages move
 between engine and daemon without passing through messages. Allocations are
 backed with posix_fallocate (a full /dev/shm then fails the allocation instead
-of killing the daemon with SIGBUS) and freed ranges are punched out, so the
-arena costs only what it holds. With a GPU, each slab is registered with CUDA
+of killing the daemon with SIGBUS); freed ranges stay resident while the arena
+is busy and are punched out once it is quiet, so an idle arena costs only what
+it holds. With a GPU, each slab is registered with CUDA
 (cudaHostRegister through cupy) so device copies run by DMA.
 """
 
@@ -15,6 +16,7 @@ import glob
 import logging
 import mmap
 import os
+import time
 
 import numpy as np
 
@@ -39,6 +41,9 @@ class HostTier(SlabTier):
         self._fds: dict[int, int] = {}
         self._arrays: dict[int, np.ndarray] = {}
         self._registered: dict[int, object] = {}
+        self._backed: dict[int, np.ndarray] = {}  # per slab, per granule: memory is reserved in /dev/shm
+        self._unreleased = False
+        self._last_alloc = 0.0
 
     @property
     def backend(self) -> str:
@@ -64,6 +69,7 @@ class HostTier(SlabTier):
         mm = mmap.mmap(fd, self.slab_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._fds[index], self._maps[index] = fd, mm
         self._arrays[index] = np.frombuffer(mm, dtype=np.uint8)
+        self._backed[index] = np.zeros(self.slab_bytes // self.allocator.granule, dtype=bool)
         if self.pin:
             self._register(index)
 
@@ -86,6 +92,7 @@ class HostTier(SlabTier):
 
             cuda_host.unregister(handle)
         self._arrays.pop(index, None)
+        self._backed.pop(index, None)
         mm = self._maps.pop(index, None)
         if mm is not None:
             try:
@@ -102,17 +109,41 @@ class HostTier(SlabTier):
                 pass
 
     def _on_alloc(self, piece: Piece) -> bool:
+        self._last_alloc = time.monotonic()
         slab, off = self.locate(piece.offset)
+        g0, g1 = off // self.allocator.granule, (off + piece.alloc_bytes) // self.allocator.granule
+        backed = self._backed[slab]
+        if backed[g0:g1].all():
+            return True  # still resident from an earlier use
         try:
             os.posix_fallocate(self._fds[slab], off, piece.alloc_bytes)
         except OSError as exc:
             log.warning("host arena: cannot back %d bytes in %s: %s", piece.alloc_bytes, self.shm_dir, exc)
             return False
+        backed[g0:g1] = True
         return True
 
     def _on_free(self, piece: Piece) -> None:
-        slab, off = self.locate(piece.offset)
-        self._maps[slab].madvise(mmap.MADV_REMOVE, off, piece.alloc_bytes)
+        # Freed pages stay resident for reuse: a busy arena recycles them with
+        # no page faults or kernel zeroing. maintain() returns them once quiet.
+        self._unreleased = True
+
+    def maintain(self, quiet_seconds: float = 1.0) -> int:
+        """Give free memory back to the system (punch holes in the slabs) once no
+        allocation happened for quiet_seconds; returns bytes released."""
+        with self._lock:
+            if not self._unreleased or time.monotonic() - self._last_alloc < quiet_seconds:
+                return 0
+            released = 0
+            granule = self.allocator.granule
+            for start, size in self.allocator.free_extents():
+                slab, off = self.locate(start)
+                if slab in self._maps and self._backed[slab][off // granule : (off + size) // granule].any():
+                    self._maps[slab].madvise(mmap.MADV_REMOVE, off, size)
+                    self._backed[slab][off // granule : (off + size) // granule] = False
+                    released += size
+            self._unreleased = False
+            return released
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The arena's bytes [offset, offset + nbytes) as a writable uint8 array (no copy)."""

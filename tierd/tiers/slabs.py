@@ -93,6 +93,10 @@ class SlabTier:
             self._on_free(piece)
             self.allocator.free(piece.offset, piece.alloc_bytes)
 
+    def maintain(self) -> int:
+        """Periodic housekeeping (returning memory, say); returns bytes released."""
+        return 0
+
     def set_budget(self, nbytes: int) -> None:
         """Change the budget. The caller moves data out first when shrinking;
         slabs left empty past the new budget are closed."""

@@ -26,8 +26,10 @@ from tierd.transfer import memory
 from tierd.transfer.ioqueue import Priority, wait_all
 from tierd.transfer.runs import Geometry, MoveRun, Span, block_runs, overlap_runs
 
-DEFAULT_WINDOW = 64 << 20
+DEFAULT_WINDOW = 16 << 20
 EWMA_ALPHA = 0.3
+READ_AHEAD = 4  # disk windows in flight per reader
+BOUNCE_POOL = 8  # staging buffers kept for reuse (resident: no page faults)
 
 
 @dataclass(eq=False)
@@ -53,6 +55,7 @@ class CopyEngine:
         self.bandwidth: dict[str, float] = {}
         self.moved_bytes: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._bounce_pool: list[np.ndarray] = []
         self._routes: dict[tuple[str, str], Callable[[MoveRun, Geometry, np.ndarray, int], None]] = {
             ("host", "disk"): self._host_to_disk,
             ("disk", "host"): self._disk_to_host,
@@ -79,6 +82,21 @@ class CopyEngine:
             old = self.bandwidth.get(route)
             self.bandwidth[route] = rate if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * rate
             self.moved_bytes[route] = self.moved_bytes.get(route, 0) + nbytes
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        """An aligned staging buffer: a pooled one (resident, no page faults)
+        when it is large enough, else a new one."""
+        with self._lock:
+            for i, buf in enumerate(self._bounce_pool):
+                if buf.nbytes >= nbytes:
+                    return self._bounce_pool.pop(i)
+        return aligned_buffer(max(nbytes, self.window_bytes if nbytes <= self.window_bytes else nbytes))
+
+    def _return_bounce(self, buffers: list[np.ndarray]) -> None:
+        with self._lock:
+            for buf in buffers:
+                if buf.nbytes == self.window_bytes and len(self._bounce_pool) < BOUNCE_POOL:
+                    self._bounce_pool.append(buf)
 
     def _view(self, tier: str, offset: int, nbytes: int) -> Any:
         return self.tiers[tier].view(offset, nbytes)
@@ -121,34 +139,40 @@ class CopyEngine:
 
     def _flush_disk(self, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
                     priority: int) -> Iterator[tuple[int, int, str, Any]]:
+        """Read disk windows READ_AHEAD deep: while the caller uses one window,
+        the next ones are already being read."""
         if not jobs:
             return
         disk = self.tiers["disk"]
         stride = geom.stride
-        size = min(self.window_bytes, max(c for _, c, _ in jobs) * stride)
-        buffers = [aligned_buffer(max(size, stride)), aligned_buffer(max(size, stride))]
-        def start(i: int) -> tuple[list[Future], float]:
-            _, count, offset = jobs[i]
-            return disk.read_async(offset, buffers[i % 2][: count * stride], priority), time.perf_counter()
+        size = max(min(self.window_bytes, max(c for _, c, _ in jobs) * stride), stride)
+        buffers = [self._bounce(size) for _ in range(min(READ_AHEAD, len(jobs)))]
+        pending: dict[int, tuple[list[Future], float]] = {}
 
-        pending: tuple[list[Future], float] | None = start(0)
+        def start(i: int) -> None:
+            if i < len(jobs):
+                _, count, offset = jobs[i]
+                buf = buffers[i % len(buffers)][: count * stride]
+                pending[i] = (disk.read_async(offset, buf, priority), time.perf_counter())
+
+        for i in range(len(buffers)):
+            start(i)
         try:
             for i, (page, count, _) in enumerate(jobs):
-                assert pending is not None
-                futures, t0 = pending
-                pending = None
+                futures, t0 = pending.pop(i)
                 wait_all(futures)
                 self.record("disk->host", count * stride, time.perf_counter() - t0)
-                pending = start(i + 1) if i + 1 < len(jobs) else None
-                buf = buffers[i % 2][: count * stride]
+                buf = buffers[i % len(buffers)][: count * stride]
                 self._verify(buf, page, count, geom, checksums)
                 yield page, count, "disk", buf
+                start(i + len(buffers))  # the caller is done with this buffer
         finally:
-            if pending is not None:
+            for futures, _ in pending.values():
                 try:
-                    wait_all(pending[0])
+                    wait_all(futures)
                 except BaseException:
                     pass
+            self._return_bounce(buffers)
 
     # -- engine <-> tier -----------------------------------------------------
 
