@@ -298,3 +298,34 @@ def test_ttl_drops_idle_sessions(tmp_path):
     assert tick(store) == [("a", "drop", "ttl")]
     assert store.keys() == []
     h.close()
+
+
+class Recorder:
+    """StoreEvents that remembers prefetch outcomes."""
+
+    def __init__(self):
+        self.outcomes = []
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def prefetch_outcome(self, outcome):
+        self.outcomes.append(outcome)
+
+
+def test_prefetch_outcomes_ready_in_time_late_and_missed(harness):
+    store = harness.open()
+    store.events = store.placement.events = Recorder()
+    eng = HostEngine(seed=21)
+    store.save(A, eng.memory, SPEC, [0, 1], 32)
+    assert store.prefetch(A) == "ready"
+    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    # a deadline already past when the move would start: missed, nothing moves
+    store.prefetch(A, deadline=harness.clock.now() - 1)
+    store.drain(10)
+    assert store.stat(A).tier == "disk"
+    # one in time
+    store.prefetch(A, deadline=harness.clock.now() + 60)
+    store.drain(10)
+    assert store.stat(A).tier == "host"
+    assert store.events.outcomes == ["ready", "missed", "in_time"]

@@ -340,7 +340,7 @@ class AsyncClient(_Calls):
         async def chunks() -> AsyncIterator[bytes]:
             n = 0
             try:
-                async for msg in stream:
+                while (msg := await stream.read()) is not grpc.aio.EOF:
                     yield _chunk(msg, n)
                     n += 1
             except grpc.RpcError as err:

@@ -1,0 +1,1 @@
+"""tierd benchmarks: every figure measured beside its physical limit in the same run."""

@@ -1,0 +1,33 @@
+"""python -m bench [--quick] [--json PATH] [--only NAME ...]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench import fragment, tiers
+from bench.common import table, write_json
+
+SUITES = {"tiers": tiers.run, "fragment": fragment.run}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (minutes on 2 cores)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
+    args = parser.parse_args(argv)
+    results = []
+    for name, run in SUITES.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results += run(args.quick)
+    print(table(results))
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

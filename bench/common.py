@@ -1,0 +1,86 @@
+"""Results, timing and reporting shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass
+class Result:
+    name: str
+    value: float
+    unit: str
+    limit: float | None = None  # the physical limit or peer measured in the same run
+    ratio: float | None = None
+    target: str = ""
+    ok: bool | None = None
+    spread: dict = field(default_factory=dict)
+    note: str = ""
+
+
+def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Seconds of each of `repeat` runs (setup, untimed, before each)."""
+    out = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def spread(samples: list[float]) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def ratio_result(name: str, ours: list[float], limit: list[float], nbytes: int, target: float, higher_is_better: bool = True,
+                 note: str = "") -> Result:
+    """A bandwidth figure beside its limit: ratio = limit time / our time."""
+    ours_s, limit_s = statistics.median(ours), statistics.median(limit)
+    ratio = limit_s / ours_s
+    return Result(name, nbytes / ours_s / 1e9, "GB/s", nbytes / limit_s / 1e9, round(ratio, 3),
+                  f"ratio >= {target}", ratio >= target,
+                  {"ours_seconds": spread(ours), "limit_seconds": spread(limit)}, note)
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def machine() -> dict:
+    info = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| name | value | limit | ratio | target | ok |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        limit = f"{r.limit:.3g} {r.unit}" if r.limit is not None else "-"
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "-"
+        ok = {True: "yes", False: "NO", None: "-"}[r.ok]
+        lines.append(f"| {r.name} | {r.value:.3g} {r.unit} | {limit} | {ratio} | {r.target or '-'} | {ok} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, results: list[Result]) -> None:
+    with open(path, "w") as f:
+        json.dump({"results": [asdict(r) for r in results], "machine": machine()}, f, indent=2)

@@ -1,0 +1,123 @@
+"""Host and disk tier figures through the store, each beside its limit:
+memcpy of the same bytes for the host tier, raw O_DIRECT I/O of the same
+size on the same file system for the disk tier."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import numpy as np
+
+from bench.common import Result, random_bytes, ratio_result, timed
+from tierd.clock import FakeClock
+from tierd.client.shm import SharedKVCache
+from tierd.core.index import DiskIndex
+from tierd.core.store import Store, make_key
+from tierd.layout import KVSpec
+from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.host import HostTier
+from tierd.transfer.copier import CopyEngine
+from tierd.transfer.ioqueue import Priority, PriorityExecutor
+
+MiB = 1 << 20
+# Qwen2.5-7B's KV shape: 28 layers, 4 KV heads, head dim 128, bf16: 57,344 bytes per token.
+QWEN = KVSpec("Qwen/Qwen2.5-7B", "main", num_layers=28, num_kv_heads=4, head_dim=128, dtype="bfloat16",
+              block_tokens=16)
+KEY = make_key("default", "bench")
+
+
+class World:
+    """A store with host and disk tiers in a temporary data dir."""
+
+    def __init__(self, nbytes: int, root: str) -> None:
+        self.executor = PriorityExecutor(4)
+        self.host = HostTier(nbytes * 2 + 64 * MiB, f"tierd-bench-{uuid.uuid4().hex[:8]}", slab_bytes=1 << 30)
+        self.disk = DiskTier(nbytes * 2 + 64 * MiB, os.path.join(root, "slabs"), self.executor, slab_bytes=1 << 30)
+        tiers = {"host": self.host, "disk": self.disk}
+        self.store = Store(tiers, CopyEngine(tiers), DiskIndex(os.path.join(root, "index.db")), clock=FakeClock())
+
+    def close(self) -> None:
+        self.store.close(flush=False)
+        self.executor.shutdown()
+
+
+def _raw_direct(path: str, nbytes: int, chunk: int = 16 * MiB) -> tuple[list[float], list[float]]:
+    """O_DIRECT sequential write + fsync, then read, of nbytes on the same file system."""
+    buf = aligned_buffer(chunk)
+    buf[:] = random_bytes(chunk, 7)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+
+    def write() -> None:
+        for off in range(0, nbytes, chunk):
+            os.pwritev(fd, [buf[: min(chunk, nbytes - off)]], off)
+        os.fsync(fd)
+
+    def read() -> None:
+        for off in range(0, nbytes, chunk):
+            os.preadv(fd, [buf[: min(chunk, nbytes - off)]], off)
+
+    try:
+        return timed(write, 3), timed(read, 3)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def run(quick: bool) -> list[Result]:
+    nbytes = (256 if quick else 1024) * MiB
+    pages = nbytes // QWEN.page_bytes
+    nbytes = pages * QWEN.page_bytes
+    repeat = 3 if quick else 5
+    results = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as root:
+        world = World(nbytes, root)
+        kv = SharedKVCache(QWEN, pages, kind="layer_major")
+        try:
+            for r in kv.regions:
+                r[:] = random_bytes(r.size, 1)
+            blocks = np.arange(pages)
+            store = world.store
+            src, dst = random_bytes(nbytes, 2), np.empty(nbytes, dtype=np.uint8)
+            dst[:] = 0
+            memcpy = timed(lambda: np.copyto(dst, src), repeat)
+            for _ in range(2):  # warm: both arena regions a replacing save alternates between are resident
+                store.save(KEY, _memory(kv), QWEN, blocks, pages * 16)
+            save = timed(lambda: store.save(KEY, _memory(kv), QWEN, blocks, pages * 16), repeat)
+            results.append(ratio_result("host_save_vs_memcpy", save, memcpy, nbytes, 0.7,
+                                        note=f"{nbytes >> 20} MiB, 56 per-layer K/V regions, checksums included"))
+            restore = timed(lambda: store.restore(KEY, _memory(kv), QWEN, blocks), repeat)
+            results.append(ratio_result("host_restore_vs_memcpy", restore, memcpy, nbytes, 0.7,
+                                        note=f"{nbytes >> 20} MiB into a contiguous block table"))
+
+            raw_write, raw_read = _raw_direct(os.path.join(root, "raw.bin"), nbytes)
+
+            def demote() -> None:
+                session = store._sessions[KEY]
+                with session.op:
+                    store.placement.demote(session, "disk", Priority.DEMOTION, "bench")
+
+            def fresh_in_host() -> None:
+                store.save(KEY, _memory(kv), QWEN, blocks, pages * 16)
+
+            demotions = timed(demote, repeat, setup=fresh_in_host)
+            results.append(ratio_result("disk_save_vs_raw_write", demotions, raw_write, nbytes, 0.8,
+                                        note="host -> disk demotion, fdatasync and index commit included"))
+            store.restore(KEY, _memory(kv), QWEN, blocks)  # warm: staging buffers are pooled after the first
+            disk_restore = timed(lambda: store.restore(KEY, _memory(kv), QWEN, blocks), repeat)
+            assert store.stat(KEY).tier == "disk"
+            results.append(ratio_result("disk_restore_vs_raw_read", disk_restore, raw_read, nbytes, 0.8,
+                                        note="O_DIRECT, checksums verified, into engine memory"))
+        finally:
+            kv.close()
+            world.close()
+    return results
+
+
+def _memory(kv: SharedKVCache):
+    from tierd.transfer.copier import EngineMemory
+
+    return EngineMemory(kv.layout, kv.regions)

@@ -1,0 +1,68 @@
+"""What stock gRPC tools see: health, reflection, limits."""
+
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.api.daemon import Daemon
+from tierd.client import KVSpec, ResourceExhausted
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+
+def test_health_and_reflection(daemon):
+    with grpc.insecure_channel("unix:" + daemon.socket) as ch:
+        for service in ("", "tierd.v1.Tierd"):
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"tierd.v1.Tierd", "grpc.health.v1.Health"} <= names
+
+
+def test_calls_past_the_concurrency_cap_are_resource_exhausted(tmp_path):
+    d = Daemon(tmp_path, "--max-concurrent-rpcs", "2").start()
+    try:
+        with d.client() as c:
+            c.put("s", b"x" * 1000, KVSpec.opaque("m"), num_tokens=1)
+            c.prefetch("s")  # ready; the session exists
+        # two long WaitReady calls occupy both slots (the session never reaches the device tier)
+        stub_channel = grpc.insecure_channel("unix:" + d.socket)
+        stub = pb_grpc.TierdStub(stub_channel)
+        waits = [stub.WaitReady.future(pb.WaitReadyRequest(session_id="s", tier="device", timeout_seconds=3))
+                 for _ in range(2)]
+        threading.Event().wait(0.5)
+        with d.client() as c:
+            try:
+                c.stat("s")
+            except ResourceExhausted:
+                pass
+            else:
+                raise AssertionError("a third call was served past the cap of 2")
+        assert all(not w.result(timeout=10).ready for w in waits)
+        with d.client() as c:
+            assert c.stat("s").num_tokens == 1  # served again once the slots are free
+        stub_channel.close()
+    finally:
+        d.close()
+
+
+def test_prefetch_outcomes_are_counted(daemon):
+    import time
+    import urllib.request
+
+    with daemon.client() as c:
+        c.put("late", b"x" * 100_000, KVSpec.opaque("m"), num_tokens=1)
+        c.release("late")
+        deadline = time.monotonic() + 20
+        while c.stat("late").tier != "disk":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert c.prefetch("late", deadline_seconds=30) == "queued"
+        assert c.wait_ready("late", timeout=10) == (True, "host")
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    assert 'tierd_prefetch_total{outcome="in_time"} 1.0' in text
