@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,8 +135,10 @@ class Store:
         now = self.clock.now()
         for rec in kept:
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces})
-            self._sessions[rec.key] = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
-                                              priority=rec.row.priority, row=rec.row, row_version=snap.version)
+            session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
+                              priority=rec.row.priority, row=rec.row, row_version=snap.version)
+            self._sessions[rec.key] = session
+            self._key_locks[rec.key] = session.op
         for p in problems:
             log.warning("recovery: %s", p)
         log.info("recovered %d sessions from the disk index", len(kept))
@@ -143,16 +146,33 @@ class Store:
 
     # -- helpers -------------------------------------------------------------
 
-    def _key_lock(self, key: SessionKey) -> threading.Lock:
-        with self._lock:
-            session = self._sessions.get(key)
-            if session is not None:
-                return session.op
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = threading.Lock()
-                self._key_locks[key] = lock
-            return lock
+    def _acquire(self, key: SessionKey) -> tuple[threading.Lock, Session | None]:
+        """Take the key's lock; returns it and the session it guards (None if
+        there is none). One lock per key: a live session's op lock, else the
+        lock a creator of the key already holds, else a new one."""
+        while True:
+            with self._lock:
+                session = self._sessions.get(key)
+                lock = session.op if session is not None else self._key_locks.get(key)
+                if lock is None:
+                    lock = self._key_locks[key] = threading.Lock()
+            lock.acquire()
+            with self._lock:
+                now = self._sessions.get(key)
+            if now is None or now.op is lock:
+                return lock, now
+            lock.release()  # the session changed hands while we waited: look again
+
+    @contextmanager
+    def _held(self, key: SessionKey) -> Iterator[Session]:
+        """The existing session, its lock held for the duration; NotFound otherwise."""
+        lock, session = self._acquire(key)
+        try:
+            if session is None:
+                raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+            yield session
+        finally:
+            lock.release()
 
     def _get(self, key: SessionKey) -> Session:
         with self._lock:
@@ -255,9 +275,8 @@ class Store:
             raise InvalidArgument(
                 f"tokens [{start_token}, {num_tokens}) fill {n_pages - first_page} blocks of {bt}, "
                 f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
-        lock = self._key_lock(key)
-        with lock:
-            session = self._sessions.get(key)
+        lock, session = self._acquire(key)
+        try:
             if session is None and first_page:
                 raise NotFound(f"session {key.session_id!r} not found: nothing to append to", session_id=key.session_id)
             if session is not None and first_page:
@@ -283,15 +302,15 @@ class Store:
                                     n_pages * spec.page_bytes)
             self.events.saved(tier, ids.size * spec.page_bytes, time.perf_counter() - t0)
             return self._info(session)
+        finally:
+            lock.release()
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec,
                 block_ids: Iterable[int]) -> RestoreResult:
         """Scatter the snapshot's first len(block_ids) pages into those blocks.
         Waits for a move of the session in flight rather than starting another."""
         ids = self._check_blocks(block_ids, engine.layout.num_blocks)
-        session = self._get(key)
-        with session.op:
-            session = self._get(key)
+        with self._held(key) as session:
             if session.damaged:
                 raise DataLoss(f"session {key.session_id!r} is damaged and cannot be restored", session_id=key.session_id)
             self._check_identity(session, spec)
@@ -338,9 +357,8 @@ class Store:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
                                     need=nbytes, budget=tier_budget)
         geom = Geometry(spec.page_bytes, n_pages, nbytes - (n_pages - 1) * spec.page_bytes)
-        lock = self._key_lock(key)
-        with lock:
-            session = self._sessions.get(key)
+        lock, session = self._acquire(key)
+        try:
             t0 = time.perf_counter()
             pieces = self.placement.alloc("host", [(0, n_pages)], geom.stride, key, Priority.DEMAND)
             spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in pieces]
@@ -356,23 +374,25 @@ class Store:
             session = self._publish(key, lock, session, spec, 0, pieces, "host", sums, num_tokens, nbytes)
             self.events.saved("host", nbytes, time.perf_counter() - t0)
             return self._info(session)
+        finally:
+            lock.release()
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         """The snapshot's info and a reader of its bytes. The session stays
         locked (no move starts) until the reader is exhausted or closed."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
             raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {chunk_bytes!r}", field="chunk_bytes")
-        session = self._get(key)
-        session.op.acquire()
+        lock, session = self._acquire(key)
         try:
-            session = self._get(key)
+            if session is None:
+                raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
             if session.damaged:
                 raise DataLoss(f"session {key.session_id!r} is damaged and cannot be read", session_id=key.session_id)
             info = self._info(session)
         except BaseException:
-            session.op.release()
+            lock.release()
             raise
-        return info, SnapshotReader(session.op, self._stream(session, chunk_bytes))
+        return info, SnapshotReader(lock, self._stream(session, chunk_bytes))
 
     def _stream(self, session: Session, chunk_bytes: int) -> Iterator[bytes]:
         snap = session.snap
@@ -412,8 +432,7 @@ class Store:
     def drop(self, key: SessionKey) -> None:
         """Forget the session everywhere; a queued move for it is cancelled."""
         self.mover.cancel(key)
-        session = self._get(key)
-        with session.op:
+        with self._held(key) as session:
             self._forget(session)
 
     def _forget(self, session: Session, reason: str = "drop") -> None:
