@@ -119,3 +119,15 @@ def test_append_saves_only_new_blocks(daemon, kind):
             r[:] = 0
         assert engine.restore("conv", [20, 21, 22]).num_tokens == 48
         assert _blocks(kv, [20, 21, 22]) == expect
+
+
+def test_priority_is_kept_and_checked(daemon):
+    from tierd.client import InvalidArgument
+
+    spec = KVSpec.opaque("m")
+    with daemon.client() as c:
+        assert c.put("vip", b"v" * 100, spec, num_tokens=1, priority=5).priority == 5
+        assert c.put("vip", b"w" * 100, spec, num_tokens=1).priority == 5  # unchanged when not given
+        with pytest.raises(InvalidArgument, match="priority"):
+            c.put("vip", b"x", spec, num_tokens=1, priority=10_000)
+        assert c.get("vip") == b"w" * 100

@@ -115,7 +115,8 @@ class TierdServicer(pb_grpc.TierdServicer):
         key = make_key(tenant, req.session_id)
         engine = self.engines.get(tenant, req.engine_id)
         info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
-                               req.num_tokens, req.start_token, req.tier or None)
+                               req.num_tokens, req.start_token, req.tier or None,
+                               req.priority if req.HasField("priority") else None)
         return info_to_pb(info)
 
     @_unary(blocking=True)
@@ -141,7 +142,7 @@ class TierdServicer(pb_grpc.TierdServicer):
             spec = spec_from_pb(head.spec)
             loop = asyncio.get_running_loop()
             job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
-                                       _verified(chunks))
+                                       _verified(chunks), head.priority if head.HasField("priority") else None)
             try:
                 async for msg in request_iterator:
                     if job.done():

@@ -64,10 +64,11 @@ def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None]:
     return [pb.Region(shm_name=name, size=size) for name, size in regions], None
 
 
-def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int) -> Iterator[pb.PutRequest]:
+def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
+                  priority: int | None) -> Iterator[pb.PutRequest]:
     view = as_bytes(data)
     yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
-                                            size=len(view)))
+                                            size=len(view), priority=priority))
     for i in range(0, len(view), chunk):
         part = view[i : i + chunk]
         yield pb.PutRequest(chunk=pb.Chunk(data=bytes(part), xxh3=xxhash.xxh3_64_intdigest(part)))
@@ -183,10 +184,11 @@ class _EngineCalls:
         self.spec = spec
 
     def save(self, session_id: str, block_ids: Any, num_tokens: int, start_token: int = 0,
-             tier: str = "") -> SessionInfo:
-        """Gather the blocks holding tokens [start_token, num_tokens) into the session."""
+             tier: str = "", priority: int | None = None) -> SessionInfo:
+        """Gather the blocks holding tokens [start_token, num_tokens) into the session.
+        `priority` weighs eviction: each step counts as a minute of recency."""
         req = pb.SaveRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids],
-                             num_tokens=num_tokens, start_token=start_token, tier=tier)
+                             num_tokens=num_tokens, start_token=start_token, tier=tier, priority=priority)
         return self.client._call("Save", req, info_from_pb)
 
     def restore(self, session_id: str, block_ids: Any) -> RestoreResult:
@@ -244,11 +246,11 @@ class Client(_Calls):
             if not token:
                 return out
 
-    def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int,
-            chunk_bytes: int = DEFAULT_CHUNK) -> SessionInfo:
+    def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
+            priority: int | None = None) -> SessionInfo:
         """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot."""
         try:
-            reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes),
+            reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority),
                                    timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
@@ -314,10 +316,10 @@ class AsyncClient(_Calls):
             if not token:
                 return out
 
-    async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int,
-                  chunk_bytes: int = DEFAULT_CHUNK) -> SessionInfo:
+    async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
+                  priority: int | None = None) -> SessionInfo:
         try:
-            reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes),
+            reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority),
                                          timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

@@ -151,14 +151,6 @@ class DiskIndex:
             ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),
         ])
 
-    def remove_pieces(self, key: SessionKey, first_pages: list[int]) -> None:
-        self._tx([("DELETE FROM pieces WHERE tenant=? AND session_id=? AND first_page=?", (*key, f))
-                  for f in first_pages])
-
-    def touch(self, key: SessionKey, last_access: float, priority: int) -> None:
-        self._tx([("UPDATE sessions SET last_access=?, priority=? WHERE tenant=? AND session_id=?",
-                   (last_access, priority, *key))])
-
     def recover(self) -> tuple[list[Recovered], list[str]]:
         """Every complete session on disk, after dropping what no complete state
         points to. Returns (sessions, problems found and repaired)."""

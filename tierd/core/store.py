@@ -58,6 +58,7 @@ log = logging.getLogger("tierd.core.store")
 _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}$")
 # Used by advise() until a route has been measured (bytes/s).
 DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
+MAX_PRIORITY = 1000
 
 
 def check_id(name: str, value: object) -> str:
@@ -73,6 +74,13 @@ def check_id(name: str, value: object) -> str:
 
 def make_key(tenant: str, session_id: str) -> SessionKey:
     return SessionKey(check_id("tenant", tenant), check_id("session_id", session_id))
+
+
+def _check_priority(priority: int | None) -> None:
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
+        raise InvalidArgument(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}",
+                              field="priority", value=priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +236,7 @@ class Store:
 
     def _publish(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                  first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
-                 nbytes: int) -> Session:
+                 nbytes: int, priority: int | None) -> Session:
         """Complete a store: replace pages from first_page on with the new ones."""
         freed = self.placement.truncate(session, first_page) if session is not None else []
         now = self.clock.now()
@@ -245,6 +253,8 @@ class Store:
             snap.num_tokens, snap.nbytes = num_tokens, nbytes
             snap.version += 1
             session.last_access, session.released_at = now, None
+            if priority is not None:
+                session.priority = priority
             self._changed.notify_all()
         for t, p in freed:
             self.tiers[t].free(p)
@@ -253,10 +263,13 @@ class Store:
     # -- engine memory: save / restore -----------------------------------------
 
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
-             num_tokens: int, start_token: int = 0, tier: str | None = None) -> SessionInfo:
+             num_tokens: int, start_token: int = 0, tier: str | None = None,
+             priority: int | None = None) -> SessionInfo:
         """Gather engine blocks holding tokens [start_token, num_tokens) into the
         session's snapshot, replacing what it held from start_token on. The new
-        pages land in `tier` (default: device for GPU engines, else host)."""
+        pages land in `tier` (default: device for GPU engines, else host);
+        `priority` sets the session's eviction weight."""
+        _check_priority(priority)
         if tier is not None and (tier not in self.tiers or tier == "disk"):
             raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {tier!r}", field="tier")
         if spec.is_opaque:
@@ -299,7 +312,7 @@ class Store:
                 self.placement.free(tier, pieces)
                 raise
             session = self._publish(key, lock, session, spec, first_page, pieces, tier, sums, num_tokens,
-                                    n_pages * spec.page_bytes)
+                                    n_pages * spec.page_bytes, priority)
             self.events.saved(tier, ids.size * spec.page_bytes, time.perf_counter() - t0)
             return self._info(session)
         finally:
@@ -335,9 +348,10 @@ class Store:
     # -- bytes: put / get --------------------------------------------------------
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
-            chunks: Iterable[bytes | memoryview | np.ndarray]) -> SessionInfo:
+            chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None) -> SessionInfo:
         """Store a snapshot sent as bytes, replacing any earlier one. Nothing is
         visible unless exactly nbytes arrive."""
+        _check_priority(priority)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgument(f"num_tokens must be a non-negative integer, got {num_tokens!r}", field="num_tokens")
         if spec.is_opaque:
@@ -371,7 +385,7 @@ class Store:
             except BaseException:
                 self.placement.free("host", pieces)
                 raise
-            session = self._publish(key, lock, session, spec, 0, pieces, "host", sums, num_tokens, nbytes)
+            session = self._publish(key, lock, session, spec, 0, pieces, "host", sums, num_tokens, nbytes, priority)
             self.events.saved("host", nbytes, time.perf_counter() - t0)
             return self._info(session)
         finally:
