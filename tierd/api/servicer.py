@@ -148,7 +148,7 @@ class TierdServicer(pb_grpc.TierdServicer):
                     if job.done():
                         break
                     if msg.WhichOneof("part") != "chunk":
-                        chunks.put(InvalidArgument("a Put stream has one header", field="header"))
+                        await _feed(chunks, InvalidArgument("a Put stream has one header", field="header"), job)
                         break
                     await _feed(chunks, msg.chunk, job)
                 else:

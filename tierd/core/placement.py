@@ -111,7 +111,7 @@ class Placement:
         except BaseException as exc:
             self.free(target, pieces)
             if isinstance(exc, DataLoss):
-                self._damaged(session, exc)
+                self.mark_damaged(session, exc)
             raise
         with self.lock:
             snap.add_pieces(target, pieces)
@@ -140,7 +140,7 @@ class Placement:
             except BaseException as exc:
                 self.free("disk", pieces)
                 if isinstance(exc, DataLoss):
-                    self._damaged(session, exc)
+                    self.mark_damaged(session, exc)
                 elif isinstance(exc, OSError):
                     self.events.disk_error("write")
                 raise
@@ -187,7 +187,7 @@ class Placement:
         for tier, pieces in placement.items():
             self.free(tier, pieces)
 
-    def _damaged(self, session: Session, exc: DataLoss) -> None:
+    def mark_damaged(self, session: Session, exc: DataLoss) -> None:
         log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)
         with self.lock:
             session.damaged = True

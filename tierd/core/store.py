@@ -337,7 +337,7 @@ class Store:
             try:
                 self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums)
             except DataLoss as exc:
-                self.placement._damaged(session, exc)
+                self.placement.mark_damaged(session, exc)
                 raise DataLoss(f"session {key.session_id!r}: {exc}", session_id=key.session_id, **exc.details) from None
             seconds = time.perf_counter() - t0
             with self._lock:
@@ -414,7 +414,7 @@ class Store:
         try:
             yield from self.copier.read_stream(snap.best_spans(), snap.geometry, snap.checksums, chunk_bytes)
         except DataLoss as exc:
-            self.placement._damaged(session, exc)
+            self.placement.mark_damaged(session, exc)
             raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
         with self._lock:
             session.last_access, session.released_at = self.clock.now(), None

@@ -90,7 +90,7 @@ class CopyEngine:
             for i, buf in enumerate(self._bounce_pool):
                 if buf.nbytes >= nbytes:
                     return self._bounce_pool.pop(i)
-        return aligned_buffer(max(nbytes, self.window_bytes if nbytes <= self.window_bytes else nbytes))
+        return aligned_buffer(max(nbytes, self.window_bytes))
 
     def _return_bounce(self, buffers: list[np.ndarray]) -> None:
         with self._lock:
@@ -118,8 +118,7 @@ class CopyEngine:
                 priority: int = Priority.DEMAND) -> Iterator[tuple[int, int, str, Any]]:
         """(first page, count, tier, buffer) over the spans' pages, checked where
         the tier is verified. Host and device spans come out as views (no copy);
-        disk spans through two aligned bounce buffers, the next read in flight
-        while the caller uses the current one."""
+        disk spans through aligned staging buffers, read ahead of the caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
         disk_jobs: list[tuple[int, int, int]] = []
