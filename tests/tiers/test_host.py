@@ -77,3 +77,18 @@ def test_remove_stale_clears_a_crashed_run(tmp_path):
         open(f"/dev/shm/{prefix}.{i}", "wb").close()
     assert HostTier.remove_stale(prefix) == 2
     assert not os.path.exists(f"/dev/shm/{prefix}.0")
+
+
+def test_failed_pinning_falls_back_to_pageable_and_says_so(caplog):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here; this checks the fallback")
+    tier = HostTier(4 * MiB, f"tierd-test-{uuid.uuid4().hex[:12]}", slab_bytes=4 * MiB, pin=True)
+    try:
+        with caplog.at_level("WARNING", logger="tierd.tiers.host"):
+            assert tier.alloc_pages(1, 4096) is not None
+        assert not tier.pinned and tier.backend == "shm-pageable"
+        assert "cudaHostRegister failed" in caplog.text
+    finally:
+        tier.close()
