@@ -34,7 +34,8 @@ class World:
 
     def __init__(self, nbytes: int, root: str) -> None:
         self.executor = PriorityExecutor(4)
-        self.host = HostTier(nbytes * 2 + 64 * MiB, f"tierd-bench-{uuid.uuid4().hex[:8]}", slab_bytes=1 << 30)
+        budget = -(-(nbytes * 2 + 64 * MiB) // 4096) * 4096
+        self.host = HostTier(budget, f"tierd-bench-{uuid.uuid4().hex[:8]}", slab_bytes=budget)  # one slab, as the daemon
         self.disk = DiskTier(nbytes * 2 + 64 * MiB, os.path.join(root, "slabs"), self.executor, slab_bytes=1 << 30)
         tiers = {"host": self.host, "disk": self.disk}
         self.store = Store(tiers, CopyEngine(tiers), DiskIndex(os.path.join(root, "index.db")), clock=FakeClock())

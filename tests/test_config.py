@@ -22,6 +22,7 @@ def test_defaults_work_anywhere(tmp_path):
     assert cfg.socket.endswith("tierd.sock") and cfg.metrics_endpoint == ("127.0.0.1", 9464)
     cfg = resolve_budgets(cfg, total_ram=16 << 30, free_disk=100 << 30)
     assert cfg.host_budget == 4 << 30 and cfg.disk_budget == 50 << 30
+    assert cfg.host_slab == 4 << 30  # one slab: snapshots are never split across slabs
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -126,7 +126,7 @@ class Config:
     metrics: str = _opt(_host_port, "Prometheus HOST:PORT (off to disable)", "127.0.0.1:9464")
     log_level: str = _opt(_choice("debug", "info", "warning", "error"), "log level", "info")
     verify: str = _opt(_choice("disk", "all"), "verify checksums on reads from: disk, or all tiers", "disk")
-    host_slab: int = _opt(parse_size, "host arena slab size", 1 << 30)
+    host_slab: int | str = _opt(_size_or_auto, "host arena slab size (auto: the whole budget in one)", AUTO)
     disk_slab: int = _opt(parse_size, "disk slab file size", 1 << 30)
     device_slab: int = _opt(parse_size, "VRAM slab size", 1 << 30)
     io_workers: int = _opt(_positive_int, "disk I/O threads", 4)
@@ -146,7 +146,7 @@ class Config:
             raise InvalidArgument("chunk_bytes must be positive and fit in max_message_bytes")
         for name in ("host_slab", "disk_slab", "device_slab"):
             value = getattr(self, name)
-            if value <= 0 or value % 4096:
+            if value != AUTO and (value <= 0 or value % 4096):
                 raise InvalidArgument(f"{name} must be a positive multiple of 4096, got {value}")
 
     @property
@@ -197,7 +197,7 @@ def load(flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
 
 
 def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | None = None) -> Config:
-    """Replace "auto" host and disk budgets by numbers measured on this machine."""
+    """Replace "auto" host and disk budgets (and the host slab) by numbers for this machine."""
     if cfg.host_budget == AUTO:
         ram = total_ram if total_ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         cfg = replace(cfg, host_budget=ram // 4)
@@ -206,4 +206,8 @@ def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | 
             os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
             free_disk = shutil.disk_usage(cfg.data_dir).free
         cfg = replace(cfg, disk_budget=free_disk // 2)
+    if cfg.host_slab == AUTO:
+        # One sparse slab for the whole budget: a snapshot never has to be split
+        # across slabs, so a contiguous restore stays one copy per segment.
+        cfg = replace(cfg, host_slab=max(64 << 20, -(-int(cfg.host_budget) // 4096) * 4096))
     return cfg

@@ -76,7 +76,7 @@ def build(cfg: Config) -> Machine:
     if stale:
         log.info("host arena: removed %d shared-memory slabs left by an earlier run", stale)
     pin = device is not None and device.device.type == "cuda"
-    host = HostTier(int(cfg.host_budget), prefix, cfg.host_slab, pin=pin)
+    host = HostTier(int(cfg.host_budget), prefix, int(cfg.host_slab), pin=pin)
     disk = DiskTier(int(cfg.disk_budget), os.path.join(data_dir, "slabs"), executor, cfg.disk_slab)
     log.info("disk tier: %s I/O under %s", disk.backend, disk.directory)
     tiers = {"host": host, "disk": disk}
