@@ -24,6 +24,15 @@ MiB = 1 << 20
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 
 
+def arena_name() -> str:
+    """A shared-memory prefix no other test uses."""
+    return f"tierd-test-{uuid.uuid4().hex[:12]}"
+
+
+def host_tier(budget: int, slab: int) -> HostTier:
+    return HostTier(budget, arena_name(), slab_bytes=slab)
+
+
 @dataclass
 class Harness:
     """Builds stores over one data dir; reopen() simulates a daemon restart."""
@@ -43,7 +52,7 @@ class Harness:
 
     def open(self) -> Store:
         self.executor = PriorityExecutor(4)
-        tiers: dict = {"host": HostTier(self.host_budget, f"tierd-test-{uuid.uuid4().hex[:12]}", self.host_slab)}
+        tiers: dict = {"host": host_tier(self.host_budget, self.host_slab)}
         index = None
         if self.disk:
             tiers["disk"] = DiskTier(self.disk_budget, os.path.join(self.root, "slabs"), self.executor, self.disk_slab)

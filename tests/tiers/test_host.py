@@ -2,11 +2,11 @@ import os
 import stat
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
 
+from tests.helpers import arena_name, host_tier
 from tierd.tiers.host import HostTier
 
 MiB = 1 << 20
@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def host():
-    tier = HostTier(8 * MiB, f"tierd-test-{uuid.uuid4().hex[:12]}", slab_bytes=4 * MiB)
+    tier = host_tier(8 * MiB, 4 * MiB)
     yield tier
     tier.close()
 
@@ -72,7 +72,7 @@ def test_shrinking_the_budget_closes_empty_slabs(host):
 
 
 def test_remove_stale_clears_a_crashed_run(tmp_path):
-    prefix = f"tierd-test-{uuid.uuid4().hex[:12]}"
+    prefix = arena_name()
     for i in range(2):
         open(f"/dev/shm/{prefix}.{i}", "wb").close()
     assert HostTier.remove_stale(prefix) == 2
@@ -84,7 +84,7 @@ def test_failed_pinning_falls_back_to_pageable_and_says_so(caplog):
 
     if torch.cuda.is_available():
         pytest.skip("pinning works here; this checks the fallback")
-    tier = HostTier(4 * MiB, f"tierd-test-{uuid.uuid4().hex[:12]}", slab_bytes=4 * MiB, pin=True)
+    tier = HostTier(4 * MiB, arena_name(), slab_bytes=4 * MiB, pin=True)
     try:
         with caplog.at_level("WARNING", logger="tierd.tiers.host"):
             assert tier.alloc_pages(1, 4096) is not None

@@ -1,12 +1,10 @@
-import uuid
 
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC, HostEngine
+from tests.helpers import SPEC, HostEngine, host_tier
 from tierd.errors import DataLoss
 from tierd.layout import KVSpec
-from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Geometry, Span
 
@@ -15,7 +13,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def host():
-    tier = HostTier(32 * MiB, f"tierd-test-{uuid.uuid4().hex[:12]}", slab_bytes=16 * MiB)
+    tier = host_tier(32 * MiB, 16 * MiB)
     yield tier
     tier.close()
 
