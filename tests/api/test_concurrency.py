@@ -51,6 +51,8 @@ def test_sixteen_clients_for_thirty_seconds(tmp_path):
         while _rss(d.pid()) > baseline + RSS_SLACK and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _rss(d.pid()) <= baseline + RSS_SLACK, (baseline, _rss(d.pid()))
+        print(f"{CLIENTS} clients, {sum(r['ops'] for r in reports)} calls in {SECONDS:.0f} s; "
+              f"daemon RSS {baseline >> 20} MiB before, {_rss(d.pid()) >> 20} MiB after")
         assert "Traceback" not in d.log()
     finally:
         d.close()
