@@ -329,3 +329,21 @@ def test_prefetch_outcomes_ready_in_time_late_and_missed(harness):
     store.drain(10)
     assert store.stat(A).tier == "host"
     assert store.events.outcomes == ["ready", "missed", "in_time"]
+
+
+def test_put_appends_pages_from_start_token(store):
+    rng = np.random.default_rng(22)
+    first = rng.integers(0, 256, 2 * SPEC.page_bytes, dtype=np.uint8).tobytes()
+    store.put(A, SPEC, 20, len(first), [first])
+    # tokens 16..40: the partial page 1 again, and page 2
+    more = rng.integers(0, 256, 2 * SPEC.page_bytes, dtype=np.uint8).tobytes()
+    info = store.put(A, SPEC, 40, len(more), [more], start_token=16)
+    assert (info.num_tokens, info.num_pages, info.size_bytes) == (40, 3, 3 * SPEC.page_bytes)
+    assert b"".join(store.get(A)[1]) == first[: SPEC.page_bytes] + more
+    with pytest.raises(InvalidArgument, match="take"):
+        store.put(A, SPEC, 48, SPEC.page_bytes, [b"x" * SPEC.page_bytes], start_token=16)  # needs two pages
+    with pytest.raises(FailedPrecondition, match="past the 40 tokens"):
+        store.put(A, SPEC, 80, 2 * SPEC.page_bytes, [b"x" * 2 * SPEC.page_bytes], start_token=48)
+    with pytest.raises(InvalidArgument, match="replaced whole"):
+        store.put(B, KVSpec.opaque("m"), 1, 10, [b"x" * 10], start_token=16)
+    assert b"".join(store.get(A)[1]) == first[: SPEC.page_bytes] + more

@@ -142,7 +142,8 @@ class TierdServicer(pb_grpc.TierdServicer):
             spec = spec_from_pb(head.spec)
             loop = asyncio.get_running_loop()
             job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
-                                       _verified(chunks), head.priority if head.HasField("priority") else None)
+                                       _verified(chunks), head.priority if head.HasField("priority") else None,
+                                       head.start_token)
             try:
                 async for msg in request_iterator:
                     if job.done():

@@ -65,10 +65,10 @@ def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None]:
 
 
 def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
-                  priority: int | None) -> Iterator[pb.PutRequest]:
+                  priority: int | None, start_token: int) -> Iterator[pb.PutRequest]:
     view = as_bytes(data)
     yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
-                                            size=len(view), priority=priority))
+                                            size=len(view), priority=priority, start_token=start_token))
     for i in range(0, len(view), chunk):
         part = view[i : i + chunk]
         yield pb.PutRequest(chunk=pb.Chunk(data=bytes(part), xxh3=xxhash.xxh3_64_intdigest(part)))
@@ -247,10 +247,12 @@ class Client(_Calls):
                 return out
 
     def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-            priority: int | None = None) -> SessionInfo:
-        """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot."""
+            priority: int | None = None, start_token: int = 0) -> SessionInfo:
+        """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
+        with start_token (KV specs), the bytes are the pages from there on, appended."""
         try:
-            reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority),
+            reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
+                                                 start_token),
                                    timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
@@ -317,9 +319,10 @@ class AsyncClient(_Calls):
                 return out
 
     async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-                  priority: int | None = None) -> SessionInfo:
+                  priority: int | None = None, start_token: int = 0) -> SessionInfo:
         try:
-            reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority),
+            reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
+                                                       start_token),
                                          timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

@@ -209,6 +209,30 @@ class Store:
                 want=have.fingerprint, got=spec.fingerprint, fields=fields)
 
     @staticmethod
+    def _check_start(spec: KVSpec, start_token: int) -> int:
+        """The first page a store from start_token replaces."""
+        bt = spec.block_tokens
+        if isinstance(start_token, bool) or not isinstance(start_token, int) or start_token < 0 or start_token % bt:
+            raise InvalidArgument(f"start_token must be a non-negative multiple of block_tokens ({bt}), "
+                                  f"got {start_token!r}", field="start_token", value=start_token)
+        if start_token and spec.is_opaque:
+            raise InvalidArgument("opaque snapshots are replaced whole: start_token must be 0", field="start_token")
+        return start_token // bt
+
+    def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int) -> None:
+        """A store from start_token > 0 extends an existing snapshot of the same identity."""
+        if not start_token:
+            return
+        if session is None:
+            raise NotFound(f"session {key.session_id!r} not found: nothing to append to", session_id=key.session_id)
+        self._check_identity(session, spec)
+        if session.damaged:
+            raise FailedPrecondition(f"session {key.session_id!r} is damaged: store it again from token 0")
+        if start_token > session.snap.num_tokens:
+            raise FailedPrecondition(f"start_token {start_token} is past the {session.snap.num_tokens} tokens stored",
+                                     field="start_token", have=session.snap.num_tokens)
+
+    @staticmethod
     def _check_blocks(block_ids: Iterable[int], num_blocks: int) -> np.ndarray:
         try:
             ids = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids)
@@ -274,32 +298,19 @@ class Store:
             raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {tier!r}", field="tier")
         if spec.is_opaque:
             raise InvalidArgument("an opaque spec has no blocks: use put", field="spec")
-        bt = spec.block_tokens
-        if isinstance(start_token, bool) or not isinstance(start_token, int) or start_token < 0 or start_token % bt:
-            raise InvalidArgument(f"start_token must be a non-negative multiple of block_tokens ({bt}), "
-                                  f"got {start_token!r}", field="start_token", value=start_token)
+        first_page = self._check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= start_token:
             raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}), "
                                   f"got {num_tokens!r}", field="num_tokens", value=num_tokens)
         ids = self._check_blocks(block_ids, engine.layout.num_blocks)
-        first_page = start_token // bt
         n_pages = spec.pages_for_tokens(num_tokens)
         if ids.size != n_pages - first_page:
             raise InvalidArgument(
-                f"tokens [{start_token}, {num_tokens}) fill {n_pages - first_page} blocks of {bt}, "
+                f"tokens [{start_token}, {num_tokens}) fill {n_pages - first_page} blocks of {spec.block_tokens}, "
                 f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
         lock, session = self._acquire(key)
         try:
-            if session is None and first_page:
-                raise NotFound(f"session {key.session_id!r} not found: nothing to append to", session_id=key.session_id)
-            if session is not None and first_page:
-                self._check_identity(session, spec)
-                if session.damaged:
-                    raise FailedPrecondition(f"session {key.session_id!r} is damaged: save it again from token 0")
-                if start_token > session.snap.num_tokens:
-                    raise FailedPrecondition(
-                        f"start_token {start_token} is past the {session.snap.num_tokens} tokens stored",
-                        field="start_token", have=session.snap.num_tokens)
+            self._check_append(key, session, spec, start_token)
             tier = tier or self._landing(engine)
             geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
             t0 = time.perf_counter()
@@ -348,33 +359,41 @@ class Store:
     # -- bytes: put / get --------------------------------------------------------
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
-            chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None) -> SessionInfo:
-        """Store a snapshot sent as bytes, replacing any earlier one. Nothing is
-        visible unless exactly nbytes arrive."""
+            chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
+            start_token: int = 0) -> SessionInfo:
+        """Store a snapshot sent as bytes: the pages from start_token on (KV
+        specs; 0 replaces the whole snapshot). Nothing is visible unless exactly
+        nbytes arrive."""
         _check_priority(priority)
+        first_page = self._check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgument(f"num_tokens must be a non-negative integer, got {num_tokens!r}", field="num_tokens")
         if spec.is_opaque:
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
                 raise InvalidArgument(f"size must be a positive number of bytes, got {nbytes!r}", field="size")
             n_pages = -(-nbytes // spec.page_bytes)
+            last = nbytes - (n_pages - 1) * spec.page_bytes
         else:
-            if num_tokens <= 0:
-                raise InvalidArgument("a KV snapshot needs num_tokens > 0", field="num_tokens")
+            if num_tokens <= start_token:
+                raise InvalidArgument(f"num_tokens must be above start_token ({start_token})", field="num_tokens")
             n_pages = spec.pages_for_tokens(num_tokens)
-            if nbytes != n_pages * spec.page_bytes:
+            want = (n_pages - first_page) * spec.page_bytes
+            if nbytes != want:
                 raise InvalidArgument(
-                    f"{num_tokens} tokens in blocks of {spec.block_tokens} take {n_pages * spec.page_bytes} bytes "
-                    f"for this spec, not {nbytes}", field="size", want=n_pages * spec.page_bytes, got=nbytes)
+                    f"tokens [{start_token}, {num_tokens}) in blocks of {spec.block_tokens} take {want} bytes "
+                    f"for this spec, not {nbytes}", field="size", want=want, got=nbytes)
+            last = spec.page_bytes
         tier_budget = self.tiers["host"].budget
         if nbytes > tier_budget:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
                                     need=nbytes, budget=tier_budget)
-        geom = Geometry(spec.page_bytes, n_pages, nbytes - (n_pages - 1) * spec.page_bytes)
+        geom = Geometry(spec.page_bytes, n_pages, last)
         lock, session = self._acquire(key)
         try:
+            self._check_append(key, session, spec, start_token)
             t0 = time.perf_counter()
-            pieces = self.placement.alloc("host", [(0, n_pages)], geom.stride, key, Priority.DEMAND)
+            pieces = self.placement.alloc("host", [(first_page, n_pages - first_page)], geom.stride, key,
+                                          Priority.DEMAND)
             spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in pieces]
             try:
                 got = self.copier.write_stream(spans, geom, iter(chunks))
@@ -385,7 +404,8 @@ class Store:
             except BaseException:
                 self.placement.free("host", pieces)
                 raise
-            session = self._publish(key, lock, session, spec, 0, pieces, "host", sums, num_tokens, nbytes, priority)
+            session = self._publish(key, lock, session, spec, first_page, pieces, "host", sums, num_tokens,
+                                    (first_page * spec.page_bytes) + nbytes, priority)
             self.events.saved("host", nbytes, time.perf_counter() - t0)
             return self._info(session)
         finally:

@@ -120,18 +120,20 @@ class RestoreResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority")
+    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
     size: int
     priority: int
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    start_token: int
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data", "xxh3")
