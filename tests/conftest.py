@@ -1,5 +1,6 @@
 import pytest
 
+from tierd.testing import Daemon
 from tests.helpers import Harness
 
 
@@ -13,3 +14,12 @@ def harness(tmp_path):
 @pytest.fixture
 def store(harness):
     return harness.open()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """A daemon process with short idle thresholds: written back after 0.3 s
+    idle, on disk only after 1 s."""
+    d = Daemon(tmp_path, "--host-idle", "1", "--writeback-idle", "0.3", "--device-idle", "0.5").start()
+    yield d
+    d.close()

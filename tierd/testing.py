@@ -1,4 +1,6 @@
-"""A real tierd daemon in a subprocess, on a temporary socket and data dir."""
+"""A real tierd daemon in a subprocess, for tests, benchmarks and examples:
+its own socket and data dir under a directory you give, small budgets, and
+flags of your choice."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from pathlib import Path
 
 from tierd.client import Client
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout, so `python -m tierd` finds this tree
 
 
 class Daemon:
-    def __init__(self, root: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path | str, *flags: str, env: dict[str, str] | None = None) -> None:
+        root = Path(root)
         self.root = root
         self.socket = str(root / "run" / "tierd.sock")
         self.data_dir = str(root / "data")

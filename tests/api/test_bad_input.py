@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.api.daemon import ROOT, Daemon
+from tierd.testing import ROOT, Daemon
 from tierd.client import (
     DataLoss,
     FailedPrecondition,

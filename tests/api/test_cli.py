@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.api.daemon import ROOT
+from tierd.testing import ROOT
 from tierd.client import KVSpec
 
 

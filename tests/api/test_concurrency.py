@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.api.daemon import ROOT, Daemon
+from tierd.testing import ROOT, Daemon
 
 CLIENTS = 16
 SECONDS = float(os.environ.get("TIERD_LOAD_SECONDS", "30"))

@@ -6,7 +6,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.api.daemon import Daemon
+from tierd.testing import Daemon
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
