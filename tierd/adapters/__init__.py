@@ -1,0 +1,1 @@
+"""Engine adapters: turn an engine's own KV caches into tierd sessions and back."""
