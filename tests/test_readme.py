@@ -1,0 +1,21 @@
+"""The README's tour runs as written against a real daemon."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tierd.testing import ROOT
+
+
+def test_the_tour_runs(daemon):
+    readme = (ROOT / "README.md").read_text()
+    first = readme.split("```")[1]
+    assert first.split() == ["make", "serve", "make", "test"]  # the two commands come first, alone
+    tour = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    out = subprocess.run([sys.executable, "-c", tour + "\nkv.close()\n"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TIERD_SOCKET": daemon.socket})
+    assert out.returncode == 0, out.stderr
+    with daemon.client() as c:
+        info = c.stat("chat-42")
+    assert (info.num_tokens, info.num_pages) == (60, 4)
