@@ -80,3 +80,19 @@ def test_corruption_is_found_again_after_a_restart(harness, two_on_disk):
     with pytest.raises(DataLoss):
         store.restore(A, HostEngine().memory, SPEC, [0, 1, 2, 3])
     store.restore(B, HostEngine().memory, SPEC, [0, 1, 2, 3])
+
+
+def test_a_disk_read_that_fails_is_unavailable_and_changes_nothing(two_on_disk):
+    from tierd.errors import Unavailable
+
+    store, eng = two_on_disk
+    disk = store.tiers["disk"]
+    os.truncate(disk.slab_path(0), 0)  # every read of the slab now comes up short
+    with pytest.raises(Unavailable, match="try again"):
+        store.restore(B, HostEngine().memory, SPEC, [0, 1, 2, 3])
+    with pytest.raises(Unavailable):
+        b"".join(store.get(B)[1])
+    assert store.prefetch(B) == "queued"
+    store.drain(10)
+    assert store.stat(B).tier == "disk" and store.stat(B).state != "damaged"  # nothing moved, nothing damaged
+    assert store.tiers["host"].used == 0

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session, SessionKey
-from tierd.errors import DataLoss, ResourceExhausted
+from tierd.errors import DataLoss, ResourceExhausted, Unavailable
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.transfer.copier import CopyEngine
@@ -112,6 +112,8 @@ class Placement:
             self.free(target, pieces)
             if isinstance(exc, DataLoss):
                 self.mark_damaged(session, exc)
+            elif isinstance(exc, OSError):
+                raise self._io_failed("read", exc) from exc
             raise
         with self.lock:
             snap.add_pieces(target, pieces)
@@ -142,7 +144,7 @@ class Placement:
                 if isinstance(exc, DataLoss):
                     self.mark_damaged(session, exc)
                 elif isinstance(exc, OSError):
-                    self.events.disk_error("write")
+                    raise self._io_failed("write", exc) from exc
                 raise
             source = max((s.tier for s in src), key=tier_rank)
             self.events.moved(source, "disk", reason, moved, time.perf_counter() - t0)
@@ -186,6 +188,12 @@ class Placement:
             session.snap.placement.clear()
         for tier, pieces in placement.items():
             self.free(tier, pieces)
+
+    def _io_failed(self, op: str, exc: OSError) -> Unavailable:
+        """A move's I/O failed: counted; the old copies stay authoritative."""
+        self.events.disk_error(op)
+        log.error("disk %s failed during a move: %s", op, exc)
+        return Unavailable(f"disk {op} failed ({exc.strerror or exc}); the session stays where it was", op=op)
 
     def mark_damaged(self, session: Session, exc: DataLoss) -> None:
         log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)

@@ -35,6 +35,7 @@ from tierd.errors import (
     NotFound,
     ResourceExhausted,
     TierdError,
+    Unavailable,
 )
 from tierd.layout import KVSpec
 from tierd.policy import (
@@ -249,6 +250,14 @@ class Store:
             raise InvalidArgument("block ids repeat: each block can hold one page", field="block_ids")
         return ids
 
+    def _io_error(self, key: SessionKey, exc: OSError) -> Unavailable:
+        """A tier's I/O failed while serving a session: counted, and the call may
+        be retried (the bytes were not served, and nothing was changed)."""
+        self.events.disk_error("read")
+        log.error("reading %s/%s failed: %s", key.tenant, key.session_id, exc)
+        return Unavailable(f"reading session {key.session_id!r} failed ({exc.strerror or exc}); try again",
+                           session_id=key.session_id)
+
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
         return SessionInfo(
@@ -350,6 +359,8 @@ class Store:
             except DataLoss as exc:
                 self.placement.mark_damaged(session, exc)
                 raise DataLoss(f"session {key.session_id!r}: {exc}", session_id=key.session_id, **exc.details) from None
+            except OSError as exc:
+                raise self._io_error(key, exc) from None
             seconds = time.perf_counter() - t0
             with self._lock:
                 session.last_access, session.released_at = self.clock.now(), None
@@ -436,6 +447,8 @@ class Store:
         except DataLoss as exc:
             self.placement.mark_damaged(session, exc)
             raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
+        except OSError as exc:
+            raise self._io_error(session.key, exc) from None
         with self._lock:
             session.last_access, session.released_at = self.clock.now(), None
         self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
