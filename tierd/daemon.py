@@ -28,6 +28,7 @@ from tierd import __version__
 from tierd.api.servicer import TierdServicer
 from tierd.config import Config, default_runtime_dir, resolve_budgets
 from tierd.core.engines import EngineRegistry
+from tierd.core.index import IndexFormatError
 from tierd.core.store import Store
 from tierd.metrics import Metrics
 from tierd.policy import PolicyConfig
@@ -132,7 +133,10 @@ def serve(cfg: Config) -> int:
                 os.unlink(cfg.socket)  # left by a daemon that died: the lock says none is running
             stack.callback(lambda: os.path.exists(cfg.socket) and os.unlink(cfg.socket))
 
-        machine = factory.build(cfg)
+        try:
+            machine = factory.build(cfg)
+        except IndexFormatError as exc:
+            raise StartupError(f"{exc}; nothing was changed") from None
         stack.callback(machine.close)
         registry = CollectorRegistry()
         metrics = Metrics(registry)

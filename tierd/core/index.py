@@ -86,7 +86,8 @@ class DiskIndex:
         if found is None:
             self._db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT_VERSION,))
         elif found[0] != FORMAT_VERSION:
-            raise IndexFormatError(f"index {path} has format {found[0]}, this tierd reads {FORMAT_VERSION}")
+            self._db.close()
+            raise IndexFormatError(f"the index {path} has format {found[0]}; this tierd reads format {FORMAT_VERSION}")
 
     def close(self) -> None:
         with self._lock:
