@@ -17,19 +17,21 @@ from tierd.sizes import format_size
 
 
 def _serve_parser(sub: Any) -> None:
-    from tierd.config import FIELDS
+    from tierd.config import FIELDS, parse_bool
 
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     p.add_argument("--config", help="TOML file with settings (flags and TIERD_* override it)")
     for name, f in FIELDS.items():
+        switch = f.metadata["parse"] is parse_bool  # --insecure-tcp alone means true; --flush-on-stop false works too
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=name.upper(),
+                       nargs="?" if switch else None, const="true" if switch else None,
                        help=f"{f.metadata['help']} (env TIERD_{name.upper()})")
 
 
 def _client(args: argparse.Namespace) -> Any:
     from tierd.client import Client
 
-    return Client(args.address, token=args.token)
+    return Client(args.address, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -57,7 +59,7 @@ def _row(info: Any) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        sessions = c.list()
+        sessions = c.list(all_tenants=args.all)
     if args.json:
         print(json.dumps([_jsonable(s) for s in sessions], indent=2))
         return 0
@@ -95,20 +97,14 @@ def cmd_drop(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from tierd.client.calls import _target
-
-    with grpc.insecure_channel(_target(args.address)) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        except grpc.RpcError as err:
-            print(f"NOT SERVING: {err.code().name}: {err.details()}")
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    try:
+        with _client(args) as c:
+            status = c.health()
+    except TierdError as exc:
+        print(f"NOT SERVING: {type(exc).__name__}: {exc}")
+        return 1
     print(status)
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if status == "SERVING" else 1
 
 
 def _bar(used: int, budget: int, width: int = 30) -> str:
@@ -166,11 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--address", help="socket path, unix:PATH or HOST:PORT (default: TIERD_SOCKET or the "
                                          "daemon's default socket)")
-        p.add_argument("--token", help="bearer token")
+        p.add_argument("--token", help="bearer token (default: TIERD_TOKEN)")
+        p.add_argument("--tls-ca", help="PEM CA bundle to check the daemon's TLS certificate (TCP)")
+        p.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
+        p.add_argument("--tls-key", help="PEM client key, for mutual TLS")
         if name in ("stat", "drop"):
             p.add_argument("session")
         if name in ("ls", "stat"):
             p.add_argument("--json", action="store_true", help="print JSON")
+        if name == "ls":
+            p.add_argument("--all", action="store_true", help="every tenant's sessions (admin tokens)")
         if name == "top":
             p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
             p.add_argument("--once", action="store_true", help="print one screen and exit")

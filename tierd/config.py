@@ -68,7 +68,7 @@ def _positive_int(text: Any) -> int:
     return value
 
 
-def _bool(text: Any) -> bool:
+def parse_bool(text: Any) -> bool:
     if isinstance(text, bool):
         return text
     lowered = str(text).strip().lower()
@@ -113,7 +113,12 @@ def _opt(parse: Callable[[Any], Any], help: str, default: Any = None, factory: C
 @dataclass(frozen=True)
 class Config:
     socket: str = _opt(_text, "Unix socket path", factory=lambda: os.path.join(default_runtime_dir(), "tierd.sock"))
-    listen: str = _opt(_host_port, "also listen on TCP HOST:PORT", "")
+    listen: str = _opt(_host_port, "also listen on TCP HOST:PORT (needs --tls-cert and --tls-key)", "")
+    tls_cert: str = _opt(_text, "PEM certificate for TCP", "")
+    tls_key: str = _opt(_text, "PEM private key for TCP", "")
+    tls_client_ca: str = _opt(_text, "PEM CA bundle: clients on TCP must present a certificate it signed", "")
+    insecure_tcp: bool = _opt(parse_bool, "allow TCP without TLS (anyone who reaches the port reads every session)", False)
+    auth_tokens: str = _opt(_text, "file of TENANT:SHA256_HEX_OF_TOKEN[:admin] lines; calls must bear a token", "")
     data_dir: str = _opt(_text, "directory for the disk tier and its index", factory=default_data_dir)
     device: str = _opt(_choice(AUTO, "none", "cuda", "cpu"), "device tier: auto, none, cuda[:N]", AUTO)
     device_budget: int | str = _opt(_size_or_auto, "VRAM budget (auto: a quarter of the card)", AUTO)
@@ -137,11 +142,18 @@ class Config:
     chunk_bytes: int = _opt(parse_size, "Get stream chunk size", 1 << 20)
     tick_seconds: float = _opt(_seconds, "how often policy runs", 0.5)
     grace_seconds: float = _opt(_seconds, "time in-flight calls get to finish at shutdown", 10.0)
-    flush_on_stop: bool = _opt(_bool, "write sessions not yet on disk at SIGTERM", True)
+    flush_on_stop: bool = _opt(parse_bool, "write sessions not yet on disk at SIGTERM", True)
 
     def __post_init__(self) -> None:
         if not self.socket and not self.listen:
             raise InvalidArgument("configure a socket or a TCP address to listen on")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("give both --tls-cert and --tls-key, or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.listen and not self.tls_cert and not self.insecure_tcp:
+            raise InvalidArgument(f"listening on TCP {self.listen} needs TLS (--tls-cert and --tls-key); "
+                                  "--insecure-tcp allows it without, for trusted networks only")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - 4096:
             raise InvalidArgument("chunk_bytes must be positive and fit in max_message_bytes")
         for name in ("host_slab", "disk_slab", "device_slab"):

@@ -25,11 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from tierd import __version__
+from tierd.api.auth import Authenticator
 from tierd.api.servicer import TierdServicer
 from tierd.config import Config, default_runtime_dir, resolve_budgets
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError
 from tierd.core.store import Store
+from tierd.errors import InvalidArgument
 from tierd.metrics import Metrics
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -67,6 +69,20 @@ def _private_dir(path: str) -> None:
         raise StartupError(f"{path} is writable by anyone; put the socket in a private directory")
 
 
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise StartupError(f"cannot read the {what} {path}: {exc.strerror}") from None
+
+
+def _tls(cfg: Config) -> grpc.ServerCredentials:
+    ca = _read(cfg.tls_client_ca, "client CA") if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([(_read(cfg.tls_key, "TLS key"), _read(cfg.tls_cert, "TLS certificate"))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
 def policy_of(cfg: Config) -> PolicyConfig:
     return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
                         disk_ttl=cfg.disk_ttl)
@@ -93,10 +109,16 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
             os.umask(old)
         endpoints.append(f"unix:{cfg.socket}")
     if cfg.listen:
-        if server.add_insecure_port(cfg.listen) == 0:
+        if cfg.tls_cert:
+            bound = server.add_secure_port(cfg.listen, _tls(cfg))
+            endpoints.append(f"{cfg.listen} (TLS{', client certificates required' if cfg.tls_client_ca else ''})")
+        else:
+            bound = server.add_insecure_port(cfg.listen)
+            log.warning("listening on TCP %s without TLS (--insecure-tcp): anyone who reaches it can read "
+                        "every session", cfg.listen)
+            endpoints.append(f"{cfg.listen} (no TLS)")
+        if bound == 0:
             raise StartupError(f"cannot listen on {cfg.listen}")
-        log.warning("listening on TCP %s without TLS: anyone who reaches it can read every session", cfg.listen)
-        endpoints.append(cfg.listen)
     await server.start()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -120,6 +142,12 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
 
 def serve(cfg: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    try:
+        auth = Authenticator.from_file(cfg.auth_tokens) if cfg.auth_tokens else Authenticator()
+    except InvalidArgument as exc:
+        raise StartupError(str(exc)) from None
+    log.info("authentication: %s", f"bearer tokens from {cfg.auth_tokens}" if auth.enabled else
+             "none (the socket's permissions are the gate; every caller is tenant 'default')")
     cfg = resolve_budgets(cfg)
     with ExitStack() as stack:
         os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
@@ -159,7 +187,7 @@ def serve(cfg: Config) -> int:
         stack.callback(engines.close)
         executor = ThreadPoolExecutor(cfg.rpc_workers, thread_name_prefix="tierd-rpc")
         stack.callback(executor.shutdown)
-        servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes)
+        servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes, auth)
         _run(_serve(cfg, store, servicer, asyncio.Event()))
         log.info("flushing and closing")
     log.info("stopped")

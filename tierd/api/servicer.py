@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from tierd import __version__
-from tierd.api import auth
+from tierd.api.auth import Authenticator, Caller
 from tierd.api.convert import info_to_pb, spec_from_pb
 from tierd.api.status import ERROR_KEY, status_of
 from tierd.core.engines import EngineRegistry
@@ -46,7 +46,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 
 def _unary(blocking: bool = False) -> Callable:
-    """Wrap fn(self, request, tenant) -> response as a timed async handler;
+    """Wrap fn(self, request, caller) -> response as a timed async handler;
     blocking ones run on the thread pool."""
 
     def wrap(fn: Callable) -> Callable:
@@ -54,10 +54,10 @@ def _unary(blocking: bool = False) -> Callable:
         async def handler(self: TierdServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
             t0, code = time.perf_counter(), None
             try:
-                tenant = auth.tenant(context)
+                caller = self.auth.identify(context.invocation_metadata())
                 if blocking:
-                    return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self, request, tenant)
-                return fn(self, request, tenant)
+                    return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self, request, caller)
+                return fn(self, request, caller)
             except Exception as exc:
                 code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
                 await _abort(context, exc)
@@ -84,7 +84,8 @@ def _layout(req: pb.RegisterEngineRequest, spec: Any) -> EngineLayout:
 
 class TierdServicer(pb_grpc.TierdServicer):
     def __init__(self, store: Store, engines: EngineRegistry, executor: Executor, metrics: Metrics,
-                 backends: dict[str, str], chunk_bytes: int) -> None:
+                 backends: dict[str, str], chunk_bytes: int, auth: Authenticator | None = None) -> None:
+        self.auth = auth or Authenticator()
         self.store = store
         self.engines = engines
         self.executor = executor
@@ -95,34 +96,34 @@ class TierdServicer(pb_grpc.TierdServicer):
     # -- engine memory ---------------------------------------------------------
 
     @_unary(blocking=True)
-    def RegisterEngine(self, req: pb.RegisterEngineRequest, tenant: str) -> pb.RegisterEngineResponse:
+    def RegisterEngine(self, req: pb.RegisterEngineRequest, caller: Caller) -> pb.RegisterEngineResponse:
         spec = spec_from_pb(req.spec)
         regions = []
         for i, r in enumerate(req.regions):
             if r.WhichOneof("memory") != "shm_name":
                 raise FailedPrecondition(f"regions[{i}]: only shared-memory regions are served here", field="regions")
             regions.append((r.shm_name, r.size))
-        engine = self.engines.register(tenant, spec, regions, _layout(req, spec))
+        engine = self.engines.register(caller.tenant, spec, regions, _layout(req, spec))
         return pb.RegisterEngineResponse(engine_id=engine.engine_id)
 
     @_unary(blocking=True)
-    def UnregisterEngine(self, req: pb.EngineRequest, tenant: str) -> pb.Empty:
-        self.engines.unregister(tenant, req.engine_id)
+    def UnregisterEngine(self, req: pb.EngineRequest, caller: Caller) -> pb.Empty:
+        self.engines.unregister(caller.tenant, req.engine_id)
         return pb.Empty()
 
     @_unary(blocking=True)
-    def Save(self, req: pb.SaveRequest, tenant: str) -> pb.SessionInfo:
-        key = make_key(tenant, req.session_id)
-        engine = self.engines.get(tenant, req.engine_id)
+    def Save(self, req: pb.SaveRequest, caller: Caller) -> pb.SessionInfo:
+        key = make_key(caller.tenant, req.session_id)
+        engine = self.engines.get(caller.tenant, req.engine_id)
         info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
                                req.num_tokens, req.start_token, req.tier or None,
                                req.priority if req.HasField("priority") else None)
         return info_to_pb(info)
 
     @_unary(blocking=True)
-    def Restore(self, req: pb.RestoreRequest, tenant: str) -> pb.RestoreResponse:
-        key = make_key(tenant, req.session_id)
-        engine = self.engines.get(tenant, req.engine_id)
+    def Restore(self, req: pb.RestoreRequest, caller: Caller) -> pb.RestoreResponse:
+        key = make_key(caller.tenant, req.session_id)
+        engine = self.engines.get(caller.tenant, req.engine_id)
         r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)
@@ -133,12 +134,12 @@ class TierdServicer(pb_grpc.TierdServicer):
         t0, code = time.perf_counter(), None
         chunks: queue.Queue = queue.Queue(maxsize=16)
         try:
-            tenant = auth.tenant(context)
+            caller = self.auth.identify(context.invocation_metadata())
             first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("part") != "header":
                 raise InvalidArgument("a Put stream starts with its header", field="header")
             head = first.header
-            key = make_key(tenant, head.session_id)
+            key = make_key(caller.tenant, head.session_id)
             spec = spec_from_pb(head.spec)
             loop = asyncio.get_running_loop()
             job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
@@ -169,7 +170,7 @@ class TierdServicer(pb_grpc.TierdServicer):
         loop = asyncio.get_running_loop()
         reader = None
         try:
-            key = make_key(auth.tenant(context), request.session_id)
+            key = make_key(self.auth.identify(context.invocation_metadata()).tenant, request.session_id)
             info, reader = await loop.run_in_executor(self.executor, self.store.get, key,
                                                       request.chunk_bytes or self.chunk_bytes)
             yield pb.GetResponse(header=info_to_pb(info))
@@ -189,8 +190,8 @@ class TierdServicer(pb_grpc.TierdServicer):
     # -- lifecycle -------------------------------------------------------------------
 
     @_unary()
-    def Prefetch(self, req: pb.PrefetchRequest, tenant: str) -> pb.PrefetchResponse:
-        key = make_key(tenant, req.session_id)
+    def Prefetch(self, req: pb.PrefetchRequest, caller: Caller) -> pb.PrefetchResponse:
+        key = make_key(caller.tenant, req.session_id)
         if req.deadline_seconds < 0:
             raise InvalidArgument("deadline_seconds must not be negative", field="deadline_seconds")
         deadline = self.store.clock.now() + req.deadline_seconds if req.deadline_seconds else None
@@ -198,43 +199,46 @@ class TierdServicer(pb_grpc.TierdServicer):
         return pb.PrefetchResponse(status=status)
 
     @_unary(blocking=True)
-    def WaitReady(self, req: pb.WaitReadyRequest, tenant: str) -> pb.WaitReadyResponse:
-        key = make_key(tenant, req.session_id)
+    def WaitReady(self, req: pb.WaitReadyRequest, caller: Caller) -> pb.WaitReadyResponse:
+        key = make_key(caller.tenant, req.session_id)
         if not 0 <= req.timeout_seconds <= MAX_WAIT_SECONDS:
             raise InvalidArgument(f"timeout_seconds must be 0 to {MAX_WAIT_SECONDS:.0f}", field="timeout_seconds")
         ready, tier = self.store.wait_ready(key, req.tier or "host", req.timeout_seconds)
         return pb.WaitReadyResponse(ready=ready, tier=tier or "")
 
     @_unary()
-    def Release(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
-        return info_to_pb(self.store.release(make_key(tenant, req.session_id)))
+    def Release(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+        return info_to_pb(self.store.release(make_key(caller.tenant, req.session_id)))
 
     @_unary()
-    def Pin(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
-        return info_to_pb(self.store.pin(make_key(tenant, req.session_id)))
+    def Pin(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+        return info_to_pb(self.store.pin(make_key(caller.tenant, req.session_id)))
 
     @_unary()
-    def Unpin(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
-        return info_to_pb(self.store.unpin(make_key(tenant, req.session_id)))
+    def Unpin(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+        return info_to_pb(self.store.unpin(make_key(caller.tenant, req.session_id)))
 
     @_unary(blocking=True)
-    def Drop(self, req: pb.SessionRequest, tenant: str) -> pb.Empty:
-        self.store.drop(make_key(tenant, req.session_id))
+    def Drop(self, req: pb.SessionRequest, caller: Caller) -> pb.Empty:
+        self.store.drop(make_key(caller.tenant, req.session_id))
         return pb.Empty()
 
     # -- inspection and control --------------------------------------------------------
 
     @_unary()
-    def Stat(self, req: pb.SessionRequest, tenant: str) -> pb.SessionInfo:
-        return info_to_pb(self.store.stat(make_key(tenant, req.session_id)))
+    def Stat(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+        return info_to_pb(self.store.stat(make_key(caller.tenant, req.session_id)))
 
     @_unary()
-    def List(self, req: pb.ListRequest, tenant: str) -> pb.ListResponse:
-        page, token = self.store.list(tenant, after=req.page_token, limit=req.limit or 100)
+    def List(self, req: pb.ListRequest, caller: Caller) -> pb.ListResponse:
+        if req.all_tenants:
+            caller.require_admin("listing every tenant's sessions")
+        page, token = self.store.list(None if req.all_tenants else caller.tenant, after=req.page_token,
+                                      limit=req.limit or 100)
         return pb.ListResponse(sessions=[info_to_pb(i) for i in page], next_page_token=token)
 
     @_unary()
-    def Stats(self, req: pb.StatsRequest, tenant: str) -> pb.StatsResponse:
+    def Stats(self, req: pb.StatsRequest, caller: Caller) -> pb.StatsResponse:
         copier = self.store.copier
         return pb.StatsResponse(
             tiers=[pb.TierStats(name=t.name, budget=t.budget, used=t.used, capacity=t.capacity, sessions=t.sessions,
@@ -243,15 +247,16 @@ class TierdServicer(pb_grpc.TierdServicer):
             version=__version__, backends=self.backends, sessions=len(self.store.keys()))
 
     @_unary(blocking=True)
-    def SetBudget(self, req: pb.SetBudgetRequest, tenant: str) -> pb.SetBudgetResponse:
+    def SetBudget(self, req: pb.SetBudgetRequest, caller: Caller) -> pb.SetBudgetResponse:
+        caller.require_admin("changing a budget")
         r = self.store.set_budget(req.tier, req.budget)
         return pb.SetBudgetResponse(tier=r.tier, old_budget=r.old_budget, new_budget=r.new_budget,
                                     released_bytes=r.released_bytes, moved_sessions=r.moved_sessions,
                                     seconds=r.seconds)
 
     @_unary()
-    def Advise(self, req: pb.AdviseRequest, tenant: str) -> pb.AdviseResponse:
-        a = self.store.advise(make_key(tenant, req.session_id), req.prefill_tokens_per_s)
+    def Advise(self, req: pb.AdviseRequest, caller: Caller) -> pb.AdviseResponse:
+        a = self.store.advise(make_key(caller.tenant, req.session_id), req.prefill_tokens_per_s)
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
                                  recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)

@@ -106,9 +106,11 @@ class _Calls:
         """Where the session is and what it holds."""
         return self._call("Stat", pb.SessionRequest(session_id=session_id), info_from_pb)
 
-    def list_page(self, limit: int = 100, page_token: str = "") -> tuple[list[SessionInfo], str]:
-        """One page of this tenant's sessions and the token of the next ("" at the end)."""
-        return self._call("List", pb.ListRequest(limit=limit, page_token=page_token), _list)
+    def list_page(self, limit: int = 100, page_token: str = "",
+                  all_tenants: bool = False) -> tuple[list[SessionInfo], str]:
+        """One page of this tenant's sessions (every tenant's, for admin tokens)
+        and the token of the next page ("" at the end)."""
+        return self._call("List", pb.ListRequest(limit=limit, page_token=page_token, all_tenants=all_tenants), _list)
 
     def prefetch(self, session_id: str, tier: str = "host", priority: int = 0,
                  deadline_seconds: float = 0.0) -> str:
@@ -216,15 +218,37 @@ class AsyncEngine(_EngineCalls):
         await self.close()
 
 
+def _read(path_or_pem: str | bytes | None) -> bytes | None:
+    if path_or_pem is None or isinstance(path_or_pem, bytes):
+        return path_or_pem
+    with open(path_or_pem, "rb") as f:
+        return f.read()
+
+
+def _channel_args(address: str | None, token: str | None, tls_ca: Any, tls_cert: Any,
+                  tls_key: Any) -> tuple[str, tuple, grpc.ChannelCredentials | None]:
+    target = _target(address)
+    token = token if token is not None else os.environ.get("TIERD_TOKEN") or None
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    creds = None
+    if tls_ca is not None or tls_cert is not None:
+        creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
+    return target, metadata, creds
+
+
 class Client(_Calls):
     """A blocking client. `address`: a socket path, "unix:PATH" or "HOST:PORT"
-    (default: TIERD_SOCKET or the daemon's default socket)."""
+    (default: TIERD_SOCKET or the daemon's default socket). `token` (default:
+    TIERD_TOKEN) authenticates; `tls_ca` (and `tls_cert`, `tls_key` for mutual
+    TLS), as paths or PEM bytes, secure a TCP connection."""
 
-    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0) -> None:
-        self.address = _target(address)
+    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0, *,
+                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> None:
+        self.address, self._metadata, creds = _channel_args(address, token, tls_ca, tls_cert, tls_key)
         self.timeout = timeout
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.insecure_channel(self.address, options=_OPTIONS)
+        self._channel = (grpc.secure_channel(self.address, creds, options=_OPTIONS) if creds else
+                         grpc.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
 
     def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
@@ -237,11 +261,22 @@ class Client(_Calls):
     def _engine(self, engine_id: str, spec: KVSpec) -> Engine:
         return Engine(self, engine_id, spec)
 
-    def list(self) -> list[SessionInfo]:
-        """Every session of this tenant."""
+    def health(self, timeout: float = 5.0) -> str:
+        """The daemon's grpc.health.v1 status ("SERVING" when all is well)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                    timeout=timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def list(self, all_tenants: bool = False) -> list[SessionInfo]:
+        """Every session of this tenant (of every tenant, for admin tokens)."""
         out, token = [], ""
         while True:
-            page, token = self.list_page(500, token)
+            page, token = self.list_page(500, token, all_tenants)
             out += page
             if not token:
                 return out
@@ -293,11 +328,13 @@ class Client(_Calls):
 class AsyncClient(_Calls):
     """The asyncio client: the same methods as Client, awaited."""
 
-    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0) -> None:
-        self.address = _target(address)
+    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0, *,
+                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> None:
+        self.address, self._metadata, creds = _channel_args(address, token, tls_ca, tls_cert, tls_key)
         self.timeout = timeout
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.aio.insecure_channel(self.address, options=_OPTIONS)
+        self._channel = (grpc.aio.secure_channel(self.address, creds, options=_OPTIONS) if creds else
+                         grpc.aio.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
 
     async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
@@ -310,10 +347,10 @@ class AsyncClient(_Calls):
     def _engine(self, engine_id: str, spec: KVSpec) -> AsyncEngine:
         return AsyncEngine(self, engine_id, spec)
 
-    async def list(self) -> list[SessionInfo]:
+    async def list(self, all_tenants: bool = False) -> list[SessionInfo]:
         out, token = [], ""
         while True:
-            page, token = await self.list_page(500, token)
+            page, token = await self.list_page(500, token, all_tenants)
             out += page
             if not token:
                 return out

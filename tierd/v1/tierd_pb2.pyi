@@ -251,12 +251,14 @@ class WaitReadyResponse(_message.Message):
     def __init__(self, ready: bool = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("limit", "page_token")
+    __slots__ = ("limit", "page_token", "all_tenants")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ALL_TENANTS_FIELD_NUMBER: _ClassVar[int]
     limit: int
     page_token: str
-    def __init__(self, limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    all_tenants: bool
+    def __init__(self, limit: _Optional[int] = ..., page_token: _Optional[str] = ..., all_tenants: bool = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("sessions", "next_page_token")
