@@ -68,6 +68,16 @@ def _positive_int(text: Any) -> int:
     return value
 
 
+def _count(text: Any) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise InvalidArgument(f"expected a whole number, got {text!r}")
+    return value
+
+
 def parse_bool(text: Any) -> bool:
     if isinstance(text, bool):
         return text
@@ -128,6 +138,12 @@ class Config:
     host_idle: float = _opt(_seconds, "seconds idle before host -> disk", 600.0)
     writeback_idle: float | None = _opt(_optional_seconds, "seconds idle before a disk copy is written (off: never)", 10.0)
     disk_ttl: float | None = _opt(_optional_seconds, "seconds idle before a session is dropped (off: never)", None)
+    tenant_device_quota: int = _opt(parse_size, "VRAM bytes each tenant may hold (0: no limit)", 0)
+    tenant_host_quota: int = _opt(parse_size, "host bytes each tenant may hold (0: no limit)", 0)
+    tenant_disk_quota: int = _opt(parse_size, "disk bytes each tenant may hold (0: no limit)", 0)
+    tenant_sessions: int = _opt(_count, "sessions each tenant may hold (0: no limit)", 0)
+    tenant_inflight_bytes: int = _opt(parse_size, "bytes one tenant may have in flight in data calls (0: no cap)",
+                                      8 << 30)
     metrics: str = _opt(_host_port, "Prometheus HOST:PORT (off to disable)", "127.0.0.1:9464")
     log_level: str = _opt(_choice("debug", "info", "warning", "error"), "log level", "info")
     verify: str = _opt(_choice("disk", "all"), "verify checksums on reads from: disk, or all tiers", "disk")

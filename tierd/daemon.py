@@ -47,7 +47,7 @@ class StartupError(RuntimeError):
 
 
 def _lock(path: str, what: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -57,6 +57,22 @@ def _lock(path: str, what: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _check_data_dir(path: str) -> None:
+    """Create the data dir 0700; refuse one anyone can write to, and symlinks
+    where the index and slabs live (nothing is followed out of the data dir)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & stat.S_IWOTH:
+        raise StartupError(f"the data dir {path} is writable by anyone: chmod o-w it, or choose another")
+    for name in ("index.db", "slabs", "tierd.lock"):
+        if os.path.islink(os.path.join(path, name)):
+            raise StartupError(f"{os.path.join(path, name)} is a symbolic link; tierd follows none in its data dir")
+    slabs = os.path.join(path, "slabs")
+    if os.path.isdir(slabs):
+        for entry in os.scandir(slabs):
+            if entry.is_symlink():
+                raise StartupError(f"{entry.path} is a symbolic link; tierd follows none in its data dir")
 
 
 def _private_dir(path: str) -> None:
@@ -84,8 +100,10 @@ def _tls(cfg: Config) -> grpc.ServerCredentials:
 
 
 def policy_of(cfg: Config) -> PolicyConfig:
+    quotas = tuple((tier, q) for tier, q in (("device", cfg.tenant_device_quota), ("host", cfg.tenant_host_quota),
+                                              ("disk", cfg.tenant_disk_quota)) if q)
     return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
-                        disk_ttl=cfg.disk_ttl)
+                        disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions)
 
 
 async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: asyncio.Event) -> None:
@@ -150,7 +168,7 @@ def serve(cfg: Config) -> int:
              "none (the socket's permissions are the gate; every caller is tenant 'default')")
     cfg = resolve_budgets(cfg)
     with ExitStack() as stack:
-        os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
+        _check_data_dir(cfg.data_dir)
         data_lock = _lock(os.path.join(cfg.data_dir, "tierd.lock"), f"data dir {cfg.data_dir}")
         stack.callback(os.close, data_lock)
         if cfg.socket:
@@ -168,8 +186,11 @@ def serve(cfg: Config) -> int:
         stack.callback(machine.close)
         registry = CollectorRegistry()
         metrics = Metrics(registry)
-        store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
-                      movers=cfg.movers)
+        try:
+            store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
+                          movers=cfg.movers)
+        except OSError as exc:
+            raise StartupError(f"cannot open the disk tier under {cfg.data_dir}: {exc}") from None
         stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
         backends = {**machine.backends, **{t.name: t.backend for t in store.stats() if t.name != "device"}}
         metrics.set_backends(backends)
@@ -187,7 +208,8 @@ def serve(cfg: Config) -> int:
         stack.callback(engines.close)
         executor = ThreadPoolExecutor(cfg.rpc_workers, thread_name_prefix="tierd-rpc")
         stack.callback(executor.shutdown)
-        servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes, auth)
+        servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes, auth,
+                                 cfg.tenant_inflight_bytes)
         _run(_serve(cfg, store, servicer, asyncio.Event()))
         log.info("flushing and closing")
     log.info("stopped")

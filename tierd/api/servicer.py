@@ -23,6 +23,7 @@ import xxhash
 from tierd import __version__
 from tierd.api.auth import Authenticator, Caller
 from tierd.api.convert import info_to_pb, spec_from_pb
+from tierd.api.inflight import InflightBytes
 from tierd.api.status import ERROR_KEY, status_of
 from tierd.core.engines import EngineRegistry
 from tierd.core.store import Store, make_key
@@ -84,8 +85,10 @@ def _layout(req: pb.RegisterEngineRequest, spec: Any) -> EngineLayout:
 
 class TierdServicer(pb_grpc.TierdServicer):
     def __init__(self, store: Store, engines: EngineRegistry, executor: Executor, metrics: Metrics,
-                 backends: dict[str, str], chunk_bytes: int, auth: Authenticator | None = None) -> None:
+                 backends: dict[str, str], chunk_bytes: int, auth: Authenticator | None = None,
+                 inflight_cap: int = 0) -> None:
         self.auth = auth or Authenticator()
+        self.inflight = InflightBytes(inflight_cap)
         self.store = store
         self.engines = engines
         self.executor = executor
@@ -115,16 +118,18 @@ class TierdServicer(pb_grpc.TierdServicer):
     def Save(self, req: pb.SaveRequest, caller: Caller) -> pb.SessionInfo:
         key = make_key(caller.tenant, req.session_id)
         engine = self.engines.get(caller.tenant, req.engine_id)
-        info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
-                               req.num_tokens, req.start_token, req.tier or None,
-                               req.priority if req.HasField("priority") else None)
+        with self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
+            info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
+                                   req.num_tokens, req.start_token, req.tier or None,
+                                   req.priority if req.HasField("priority") else None)
         return info_to_pb(info)
 
     @_unary(blocking=True)
     def Restore(self, req: pb.RestoreRequest, caller: Caller) -> pb.RestoreResponse:
         key = make_key(caller.tenant, req.session_id)
         engine = self.engines.get(caller.tenant, req.engine_id)
-        r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
+        with self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
+            r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)
 
@@ -142,23 +147,25 @@ class TierdServicer(pb_grpc.TierdServicer):
             key = make_key(caller.tenant, head.session_id)
             spec = spec_from_pb(head.spec)
             loop = asyncio.get_running_loop()
-            job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
-                                       _verified(chunks), head.priority if head.HasField("priority") else None,
-                                       head.start_token)
-            try:
-                async for msg in request_iterator:
-                    if job.done():
-                        break
-                    if msg.WhichOneof("part") != "chunk":
-                        await _feed(chunks, InvalidArgument("a Put stream has one header", field="header"), job)
-                        break
-                    await _feed(chunks, msg.chunk, job)
-                else:
-                    await _feed(chunks, _END, job)
-                return info_to_pb(await job)
-            except BaseException:
-                await _feed(chunks, InvalidArgument("the Put stream was cut short"), job)
-                raise
+            with self.inflight.hold(caller.tenant, head.size):
+                job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
+                                           _verified(chunks), head.priority if head.HasField("priority") else None,
+                                           head.start_token)
+                job.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if the client left
+                try:
+                    async for msg in request_iterator:
+                        if job.done():
+                            break
+                        if msg.WhichOneof("part") != "chunk":
+                            await _feed(chunks, InvalidArgument("a Put stream has one header", field="header"), job)
+                            break
+                        await _feed(chunks, msg.chunk, job)
+                    else:
+                        await _feed(chunks, _END, job)
+                    return info_to_pb(await job)
+                except BaseException:
+                    await _feed(chunks, InvalidArgument("the Put stream was cut short"), job)
+                    raise
         except Exception as exc:
             code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
             await _abort(context, exc)
@@ -173,12 +180,13 @@ class TierdServicer(pb_grpc.TierdServicer):
             key = make_key(self.auth.identify(context.invocation_metadata()).tenant, request.session_id)
             info, reader = await loop.run_in_executor(self.executor, self.store.get, key,
                                                       request.chunk_bytes or self.chunk_bytes)
-            yield pb.GetResponse(header=info_to_pb(info))
-            while True:
-                data = await loop.run_in_executor(self.executor, next, reader, None)
-                if data is None:
-                    break
-                yield pb.GetResponse(chunk=pb.Chunk(data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
+            with self.inflight.hold(key.tenant, info.size_bytes):
+                yield pb.GetResponse(header=info_to_pb(info))
+                while True:
+                    data = await loop.run_in_executor(self.executor, next, reader, None)
+                    if data is None:
+                        break
+                    yield pb.GetResponse(chunk=pb.Chunk(data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
         except Exception as exc:
             code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
             await _abort(context, exc)

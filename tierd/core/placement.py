@@ -25,7 +25,7 @@ from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Span
 
 log = logging.getLogger("tierd.core.placement")
-MakeRoom = Callable[[str, int, SessionKey, Priority], bool]
+MakeRoom = Callable[[str, int, SessionKey, Priority, "str | None"], bool]
 
 
 class Placement:
@@ -36,7 +36,8 @@ class Placement:
         self.index = index
         self.events = events
         self.lock = lock
-        self.make_room: MakeRoom = lambda tier, need, protect, klass: False
+        self.make_room: MakeRoom = lambda tier, need, protect, klass, tenant: False
+        self.quota: Callable[[str], int | None] = lambda tier: None
 
     # -- allocation ------------------------------------------------------------
 
@@ -46,10 +47,20 @@ class Placement:
         needed. All or nothing; raises ResourceExhausted."""
         t = self.tiers[tier]
         total = sum(t.allocator.round(n * stride) for _, n in ranges)
+        tenant = protect.tenant
+        quota = self.quota(tier)
+        if quota is not None and t.used_by(tenant) + total > quota:
+            # Over the tenant's quota: only the tenant's own sessions make room.
+            over = t.used_by(tenant) + total - quota
+            if total > quota or not self.make_room(tier, over, protect, klass, tenant) or \
+                    t.used_by(tenant) + total > quota:
+                raise ResourceExhausted(
+                    f"tenant {tenant!r} may hold {quota} bytes of the {tier} tier; it holds {t.used_by(tenant)} "
+                    f"and this needs {total} more", tier=tier, quota=quota, used=t.used_by(tenant), need=total)
         for attempt in range(3):
             got: list[Piece] = []
             for first, n in ranges:
-                pieces = t.alloc_pages(n, stride)
+                pieces = t.alloc_pages(n, stride, owner=tenant)
                 if pieces is None:
                     break
                 got += [Piece(p.offset, p.alloc_bytes, p.first_page + first, p.n_pages) for p in pieces]
@@ -59,7 +70,7 @@ class Placement:
                 t.free(p)
             # First ask for what the budget lacks; if fragmentation still bites, for all of it.
             need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
-            if total > t.budget or not self.make_room(tier, need, protect, klass):
+            if total > t.budget or not self.make_room(tier, need, protect, klass, None):
                 break
         raise ResourceExhausted(
             f"the {tier} tier has no room for {total} bytes (budget {t.budget}, used {t.used})",

@@ -122,6 +122,8 @@ class Store:
         self._key_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.placement = Placement(tiers, copier, index, self.events, self._changed)
         self.placement.make_room = self._make_room
+        self.placement.quota = self.policy.quota
+        self._per_tenant: dict[str, int] = {}  # sessions held by each tenant
         self.recovery_problems = self._recover() if index is not None else []
         self.mover = Mover(self._run_job, movers)
         self._closed = False
@@ -140,7 +142,7 @@ class Store:
                 self.index.delete(rec.key)
                 continue
             kept.append(rec)
-        disk.allocator.reserve_all([(p.offset, p.alloc_bytes) for rec in kept for p in rec.pieces])
+        disk.reserve([(p, rec.key.tenant) for rec in kept for p in rec.pieces])
         now = self.clock.now()
         for rec in kept:
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces})
@@ -148,6 +150,7 @@ class Store:
                               priority=rec.row.priority, row=rec.row, row_version=snap.version)
             self._sessions[rec.key] = session
             self._key_locks[rec.key] = session.op
+            self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1
         for p in problems:
             log.warning("recovery: %s", p)
         log.info("recovered %d sessions from the disk index", len(kept))
@@ -221,7 +224,12 @@ class Store:
         return start_token // bt
 
     def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int) -> None:
-        """A store from start_token > 0 extends an existing snapshot of the same identity."""
+        """A store from start_token > 0 extends an existing snapshot of the same
+        identity; a new session must fit the tenant's session quota."""
+        limit = self.policy.tenant_sessions
+        if session is None and limit and self._per_tenant.get(key.tenant, 0) >= limit:
+            raise ResourceExhausted(f"tenant {key.tenant!r} may hold {limit} sessions; drop some first",
+                                    tenant=key.tenant, quota=limit)
         if not start_token:
             return
         if session is None:
@@ -277,6 +285,7 @@ class Store:
             if session is None:
                 session = Session(key, Snapshot(spec), created=now, last_access=now, op=lock)
                 self._sessions[key] = session
+                self._per_tenant[key.tenant] = self._per_tenant.get(key.tenant, 0) + 1
             snap = session.snap
             if first_page == 0:
                 snap.spec = spec
@@ -488,6 +497,7 @@ class Store:
             if self._sessions.get(session.key) is not session:
                 return
             del self._sessions[session.key]
+            self._per_tenant[session.key.tenant] -= 1
             session.dropped = True
         held = session.snap.tiers_held()
         self.placement.forget(session)
@@ -617,8 +627,10 @@ class Store:
                 session.op.release()
         return done
 
-    def _make_room(self, tier: str, need: int, protect: SessionKey, klass: Priority) -> bool:
-        plan = plan_eviction(self._views(exclude=protect), tier, need, self.tiers, self.policy)
+    def _make_room(self, tier: str, need: int, protect: SessionKey, klass: Priority, tenant: str | None) -> bool:
+        """Demote sessions out of `tier` (only `tenant`'s, if given) until `need` bytes are free."""
+        views = [v for v in self._views(exclude=protect) if tenant is None or v.key.tenant == tenant]
+        plan = plan_eviction(views, tier, need, self.tiers, self.policy)
         return plan is not None and self._execute(plan, klass) > 0
 
     def tick(self) -> list[Move]:

@@ -21,6 +21,12 @@ class PolicyConfig:
     high_watermark: float = 0.95  # demote when a tier is fuller than this
     low_watermark: float = 0.85  # ... until it is this full
     priority_weight: float = 60.0  # one priority step counts as this many seconds of recency
+    tenant_quota: tuple[tuple[str, int], ...] = ()  # (tier, bytes) that each tenant may hold there
+    tenant_sessions: int = 0  # sessions each tenant may hold (0: no limit)
+
+    def quota(self, tier: str) -> int | None:
+        """Bytes of `tier` each tenant may hold, or None for no limit."""
+        return dict(self.tenant_quota).get(tier)
 
     def __post_init__(self) -> None:
         for name in ("device_idle", "host_idle", "writeback_idle", "disk_ttl"):

@@ -82,7 +82,7 @@ class DiskTier(SlabTier):
                 self._open_slab(self.allocator.add_slab())
 
     def _open_slab(self, index: int) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
         fd = os.open(self.slab_path(index), flags, 0o600)
         try:
             if os.fstat(fd).st_size < self.slab_bytes:

@@ -25,6 +25,8 @@ class SlabTier:
         self.budget = budget
         self.allocator = ExtentAllocator(slab_bytes, granule)
         self._lock = threading.Lock()
+        self._owners: dict[int, tuple[str, int]] = {}  # piece offset -> (owner, bytes)
+        self._by_owner: dict[str, int] = {}
 
     # Subclasses -------------------------------------------------------------
 
@@ -58,7 +60,8 @@ class SlabTier:
     def max_slabs(self) -> int:
         return -(-self.budget // self.slab_bytes)
 
-    def alloc_pages(self, n_pages: int, page_bytes: int) -> list[Piece] | None:
+    def alloc_pages(self, n_pages: int, page_bytes: int, owner: str = "") -> list[Piece] | None:
+        """Room for n_pages pages within the budget, accounted to owner; None if there is none."""
         if n_pages <= 0:
             return []
         with self._lock:
@@ -86,12 +89,31 @@ class SlabTier:
                         self.allocator.free(q.offset, q.alloc_bytes)
                     return None
                 backed.append(p)
+            for p in pieces:
+                self._own(p.offset, p.alloc_bytes, owner)
             return pieces
 
     def free(self, piece: Piece) -> None:
         with self._lock:
             self._on_free(piece)
             self.allocator.free(piece.offset, piece.alloc_bytes)
+            owner, size = self._owners.pop(piece.offset)
+            self._by_owner[owner] -= size
+
+    def reserve(self, pieces: list[tuple[Piece, str]]) -> None:
+        """Mark pieces found on recovery as allocated to their owners."""
+        with self._lock:
+            self.allocator.reserve_all([(p.offset, p.alloc_bytes) for p, _ in pieces])
+            for p, owner in pieces:
+                self._own(p.offset, self.allocator.round(p.alloc_bytes), owner)
+
+    def used_by(self, owner: str) -> int:
+        with self._lock:
+            return self._by_owner.get(owner, 0)
+
+    def _own(self, offset: int, size: int, owner: str) -> None:
+        self._owners[offset] = (owner, size)
+        self._by_owner[owner] = self._by_owner.get(owner, 0) + size
 
     def maintain(self) -> int:
         """Periodic housekeeping (returning memory, say); returns bytes released."""
