@@ -47,6 +47,7 @@ class Harness:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     verify: tuple[str, ...] = ("disk",)
     disk: bool = True
+    disk_ops: object = None  # a FileOps for the disk tier (fault injection)
     store: Store | None = None
     executor: PriorityExecutor | None = None
 
@@ -55,7 +56,8 @@ class Harness:
         tiers: dict = {"host": host_tier(self.host_budget, self.host_slab)}
         index = None
         if self.disk:
-            tiers["disk"] = DiskTier(self.disk_budget, os.path.join(self.root, "slabs"), self.executor, self.disk_slab)
+            tiers["disk"] = DiskTier(self.disk_budget, os.path.join(self.root, "slabs"), self.executor, self.disk_slab,
+                                     ops=self.disk_ops)
             index = DiskIndex(os.path.join(self.root, "index.db"))
         if self.device_budget is not None:
             tiers["device"] = DeviceTier(self.device_budget, "cpu", 8 * MiB)

@@ -68,6 +68,10 @@ class Placement:
                 return got
             for p in got:
                 t.free(p)
+            if getattr(t, "out_of_space", False):
+                # The file system is full, not the budget: evicting sessions would not help.
+                raise Unavailable(f"the file system under the {tier} tier is full; demotion pauses until space "
+                                  "frees", tier=tier)
             # First ask for what the budget lacks; if fragmentation still bites, for all of it.
             need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
             if total > t.budget or not self.make_room(tier, need, protect, klass, None):
@@ -147,9 +151,10 @@ class Placement:
             dst = [Span(p.first_page, p.n_pages, "disk", p.offset) for p in pieces]
             src = [s for s in snap.best_spans() if s.tier != "disk"]
             t0 = time.perf_counter()
+            epoch = self.tiers["disk"].epoch()
             try:
                 moved = self.copier.move(src, dst, geom, snap.checksums, klass)
-                self.tiers["disk"].sync()
+                self.tiers["disk"].sync(epoch)
             except BaseException as exc:
                 self.free("disk", pieces)
                 if isinstance(exc, DataLoss):

@@ -714,6 +714,40 @@ class Store:
         bandwidth = self.copier.bandwidth.get(f"{source}->engine", DEFAULT_BANDWIDTH[source])
         return advise(nbytes, source, bandwidth, tokens, float(prefill_tokens_per_s))
 
+    def scan(self) -> list[str]:
+        """An integrity scan of the disk tier: every committed page reads back
+        with its checksum, pieces lie inside the slabs and never overlap, and
+        the index holds exactly the pieces in memory. Returns the problems."""
+        problems: list[str] = []
+        if self.index is None:
+            return problems
+        disk = self.tiers["disk"]
+        extents = []
+        for key in self.keys():
+            with self._held(key) as session:
+                snap = session.snap
+                pieces = snap.pieces("disk")
+                extents += [(p.offset, p.alloc_bytes, key) for p in pieces]
+                spans = [s for s in snap.spans("disk")]
+                try:
+                    for _ in self.copier.windows(spans, snap.geometry, snap.checksums, Priority.WRITEBACK):
+                        pass
+                except (DataLoss, OSError) as exc:
+                    problems.append(f"{key.tenant}/{key.session_id}: {exc}")
+        extents.sort()
+        for (a, n, k1), (b, _, k2) in zip(extents, extents[1:]):
+            if a + disk.allocator.round(n) > b:
+                problems.append(f"{k1.session_id} and {k2.session_id} overlap at byte {b}")
+        if extents and extents[-1][0] + extents[-1][1] > disk.capacity:
+            problems.append("a piece lies past the end of the slab files")
+        indexed = self.index.count()[1]
+        if indexed != len(extents):
+            problems.append(f"the index holds {indexed} pieces, the sessions {len(extents)}")
+        if disk.used != sum(disk.allocator.round(n) for _, n, _ in extents):
+            problems.append(f"the allocator holds {disk.used} bytes, the sessions' pieces "
+                            f"{sum(disk.allocator.round(n) for _, n, _ in extents)}")
+        return problems
+
     def keys(self) -> list[SessionKey]:
         with self._lock:
             return list(self._sessions)

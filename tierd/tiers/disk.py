@@ -9,9 +9,11 @@ Slab files are named by number only; what they hold lives in the index.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import shutil
 from concurrent.futures import Future
 
 import numpy as np
@@ -22,6 +24,26 @@ from tierd.transfer.ioqueue import Priority, PriorityExecutor, wait_all
 log = logging.getLogger("tierd.tiers.disk")
 ALIGN = 4096
 IO_CHUNK = 4 << 20
+
+
+class FileOps:
+    """The disk tier's system calls, in one place: a fault-injection harness
+    replaces them to make any call fail."""
+
+    def open(self, path: str, flags: int, mode: int) -> int:
+        return os.open(path, flags, mode)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def pread(self, fd: int, view: np.ndarray, offset: int) -> int:
+        return os.preadv(fd, [view], offset)
+
+    def pwrite(self, fd: int, view: np.ndarray, offset: int) -> int:
+        return os.pwritev(fd, [view], offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -55,8 +77,11 @@ class DiskTier(SlabTier):
     name = "disk"
 
     def __init__(self, budget: int, directory: str, executor: PriorityExecutor, slab_bytes: int = 1 << 30,
-                 direct: bool | None = None) -> None:
+                 direct: bool | None = None, ops: FileOps | None = None) -> None:
         super().__init__(budget, slab_bytes, granule=ALIGN)
+        self.ops = ops or FileOps()
+        self.out_of_space = False  # the file system refused room: demotion pauses until it frees
+        self._failed_syncs = 0
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.direct = probe_direct_io(directory) if direct is None else direct
@@ -83,14 +108,29 @@ class DiskTier(SlabTier):
 
     def _open_slab(self, index: int) -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
-        fd = os.open(self.slab_path(index), flags, 0o600)
+        fd = self.ops.open(self.slab_path(index), flags, 0o600)
         try:
             if os.fstat(fd).st_size < self.slab_bytes:
-                os.posix_fallocate(fd, 0, self.slab_bytes)
-        except OSError:
+                self.ops.fallocate(fd, 0, self.slab_bytes)
+        except OSError as exc:
             os.close(fd)
+            if exc.errno == errno.ENOSPC:
+                self._set_full(f"no room for slab file {index} ({self.slab_bytes} bytes)")
             raise
         self._fds[index] = fd
+
+    def _set_full(self, why: str) -> None:
+        if not self.out_of_space:
+            log.warning("disk tier: the file system under %s is full (%s): demotion to disk pauses until "
+                        "space frees", self.directory, why)
+        self.out_of_space = True
+
+    def maintain(self) -> int:
+        """Resume once the file system has room for a slab again."""
+        if self.out_of_space and shutil.disk_usage(self.directory).free >= self.slab_bytes:
+            self.out_of_space = False
+            log.info("disk tier: space freed under %s; demotion resumes", self.directory)
+        return 0
 
     def _close_slab(self, index: int) -> None:
         fd = self._fds.pop(index, None)
@@ -130,38 +170,57 @@ class DiskTier(SlabTier):
     def read_async(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMAND) -> list[Future]:
         """Queue the reads that fill buf; wait_all(result) waits for them."""
         self._check_buffer(buf, offset)
-        return [self._executor.submit(priority, _pread_exact, fd, buf[pos : pos + n], foff)
+        return [self._executor.submit(priority, self._pread_exact, fd, buf[pos : pos + n], foff)
                 for fd, foff, pos, n in self._spans(offset, buf.nbytes)]
 
     def write(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMOTION) -> None:
         """Write buf at offset; durable only after sync()."""
         self._check_buffer(buf, offset)
         slab, _ = self.locate(offset)
-        wait_all([self._executor.submit(priority, _pwrite_exact, fd, buf[pos : pos + n], foff)
-                  for fd, foff, pos, n in self._spans(offset, buf.nbytes)])
         with self._lock:
             self._dirty.add(slab)
+        try:
+            wait_all([self._executor.submit(priority, self._pwrite_exact, fd, buf[pos : pos + n], foff)
+                      for fd, foff, pos, n in self._spans(offset, buf.nbytes)])
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self._set_full("a write found no room")
+            raise
 
-    def sync(self) -> None:
-        """fdatasync every slab written since the last sync."""
+    def epoch(self) -> int:
+        """Count of failed syncs so far; pass it to sync() after writing."""
+        return self._failed_syncs
+
+    def sync(self, since: int | None = None) -> None:
+        """fdatasync every slab written since the last sync. With `since` (an
+        epoch() taken before writing), fail if any sync failed meanwhile: after a
+        failed fdatasync the kernel may have dropped dirty pages and a later one
+        can succeed anyway, so writes that overlapped a failure are not trusted."""
         with self._lock:
             dirty, self._dirty = self._dirty, set()
         for slab in sorted(dirty):
             fd = self._fds.get(slab)
             if fd is not None:
-                os.fdatasync(fd)
+                try:
+                    self.ops.fdatasync(fd)
+                except OSError:
+                    with self._lock:
+                        self._failed_syncs += 1
+                        self._dirty |= dirty
+                    raise
+        if since is not None and self._failed_syncs != since:
+            raise OSError(errno.EIO, "a sync failed while these writes were in flight; they may be lost")
 
+    def _pread_exact(self, fd: int, view: np.ndarray, offset: int) -> None:
+        done = 0
+        while done < view.nbytes:
+            n = self.ops.pread(fd, view[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read at {offset + done}: slab file truncated")
+            done += n
 
-def _pread_exact(fd: int, view: np.ndarray, offset: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"short read at {offset + done}: slab file truncated")
-        done += n
+    def _pwrite_exact(self, fd: int, view: np.ndarray, offset: int) -> None:
+        done = 0
+        while done < view.nbytes:
+            done += self.ops.pwrite(fd, view[done:], offset + done)
 
-
-def _pwrite_exact(fd: int, view: np.ndarray, offset: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        done += os.pwritev(fd, [view[done:]], offset + done)
