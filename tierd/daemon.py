@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from tierd import __version__
 from tierd.api.auth import Authenticator
-from tierd.api.servicer import TierdServicer
+from tierd.api.servicer import TierdServicer, add_to_server
 from tierd.config import Config, default_runtime_dir, resolve_budgets
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError
@@ -36,7 +36,7 @@ from tierd.metrics import Metrics
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
 from tierd.tiers import factory
-from tierd.v1 import tierd_pb2, tierd_pb2_grpc
+from tierd.v1 import tierd_pb2
 
 log = logging.getLogger("tierd")
 SERVICE = tierd_pb2.DESCRIPTOR.services_by_name["Tierd"].full_name
@@ -113,7 +113,7 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
                  ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
     )
-    tierd_pb2_grpc.add_TierdServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tierd.errors import InvalidArgument
 
@@ -64,6 +64,7 @@ class KVSpec:
     kind: str = KIND_KV
     opaque_page_bytes: int = 0
     extra: str = ""
+    _fingerprint: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         _check_text("model_id", self.model_id, empty_ok=False)
@@ -96,6 +97,8 @@ class KVSpec:
                 raise InvalidArgument("an opaque spec has no layers, heads, head_dim, dtype or block_tokens", field="kind")
         else:
             raise InvalidArgument(f"kind must be 'kv' or 'opaque', got {self.kind!r}", field="kind", value=self.kind)
+        # Stable across processes and versions of tierd: a hash of every field. Computed once.
+        object.__setattr__(self, "_fingerprint", hashlib.sha256(self.to_json().encode()).hexdigest()[:32])
 
     @classmethod
     def opaque(cls, model_id: str, revision: str = "", *, page_bytes: int = DEFAULT_OPAQUE_PAGE_BYTES,
@@ -122,11 +125,11 @@ class KVSpec:
         return -(-num_tokens // self.block_tokens)
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> KVSpec:
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known
         if unknown:
             raise InvalidArgument(f"unknown spec fields {sorted(unknown)}", fields=sorted(unknown))
@@ -137,8 +140,7 @@ class KVSpec:
 
     @property
     def fingerprint(self) -> str:
-        """Stable across processes and versions of tierd: a hash of every field."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+        return self._fingerprint
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ class Daemon:
                 "--host-slab", "16MiB", "--disk-slab", "64MiB", "--tick-seconds", "0.1", *self.flags]
 
     def start(self, timeout: float = 60.0) -> Daemon:
+        self.root.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         log = open(self.log_path, "a")
         log.write(f"--- start {self.starts}\n")

@@ -181,12 +181,17 @@ class TierdServicer(pb_grpc.TierdServicer):
             info, reader = await loop.run_in_executor(self.executor, self.store.get, key,
                                                       request.chunk_bytes or self.chunk_bytes)
             with self.inflight.hold(key.tenant, info.size_bytes):
-                yield pb.GetResponse(header=info_to_pb(info))
-                while True:
-                    data = await loop.run_in_executor(self.executor, next, reader, None)
-                    if data is None:
-                        break
-                    yield pb.GetResponse(chunk=pb.Chunk(data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
+                # Get's messages go out already serialized (see add_to_server), one copy each.
+                yield pb.GetResponse(header=info_to_pb(info)).SerializeToString()
+                if info.tier in ("host", "device"):
+                    # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
+                    # measured half the throughput, the two threads taking turns on the GIL.
+                    for data in reader:
+                        yield chunk_message(data)
+                else:
+                    while batch := await loop.run_in_executor(self.executor, _next_chunks, reader):
+                        for message in batch:
+                            yield message
         except Exception as exc:
             code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
             await _abort(context, exc)
@@ -279,6 +284,58 @@ async def _feed(chunks: queue.Queue, item: Any, job: asyncio.Future) -> None:
             return
         except queue.Full:
             await asyncio.sleep(0.001)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def chunk_message(data: bytes | memoryview) -> bytes:
+    """GetResponse{chunk: Chunk{data, xxh3}} in wire format, built with one copy
+    of data (protobuf would copy it twice more, holding the GIL)."""
+    digest = xxhash.xxh3_64_intdigest(data)
+    n = len(data)
+    inner = 1 + len(_varint(n)) + n + 1 + 8  # field 1 (bytes) and field 2 (fixed64)
+    return b"".join((b"\x12", _varint(inner), b"\x0a", _varint(n), data, b"\x11", digest.to_bytes(8, "little")))
+
+
+def _next_chunks(reader: Iterator[bytes], budget: int = 8 << 20) -> list[bytes]:
+    """The next serialized chunk messages of a Get, up to `budget` bytes: built
+    off the event loop, one thread hop per batch."""
+    out, size = [], 0
+    for data in reader:
+        out.append(chunk_message(data))
+        size += len(data)
+        if size >= budget:
+            break
+    return out
+
+
+def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated add_TierdServicer_to_server,
+    except that Get's responses are sent as the bytes the handler serialized."""
+
+    class _Capture:
+        handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            self.handlers = handlers
+
+    capture = _Capture()
+    pb_grpc.add_TierdServicer_to_server(servicer, capture)
+    handlers = dict(capture.handlers)
+    handlers["Get"] = handlers["Get"]._replace(response_serializer=None)
+    name = pb.DESCRIPTOR.services_by_name["Tierd"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 def _verified(chunks: queue.Queue) -> Iterator[bytes]:

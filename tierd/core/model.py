@@ -101,10 +101,21 @@ class Snapshot:
         return sorted(spans, key=lambda s: s.first_page)
 
     def slowest_tier(self) -> str | None:
-        """The tier a full restore has to read its worst page from."""
+        """The tier a full restore has to read its worst page from: the first
+        tier that, with the faster ones, holds every page."""
         if self.n_pages == 0:
             return None
-        return max((s.tier for s in self.best_spans()), key=tier_rank)
+        ranges: list[tuple[int, int]] = []
+        for tier in TIER_ORDER:
+            ranges += [(p.first_page, p.first_page + p.n_pages) for p in self.pieces(tier)]
+            covered = 0
+            for lo, hi in sorted(ranges):
+                if lo > covered:
+                    break
+                covered = max(covered, hi)
+            if covered >= self.n_pages:
+                return tier
+        raise ValueError("some pages are in no tier")
 
     def truncate(self, n_pages: int) -> list[tuple[str, Piece]]:
         """Forget pages from n_pages on; returns the pieces to free.

@@ -82,6 +82,11 @@ class Mover:
         with self._cond:
             return self._queued.get(key) or self._running.get(key)
 
+    def busy_keys(self) -> set[SessionKey]:
+        """Sessions with a move queued or running."""
+        with self._cond:
+            return set(self._queued) | set(self._running)
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running."""
         with self._cond:

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -600,13 +600,17 @@ class Store:
 
     # -- policy ------------------------------------------------------------------------
 
-    def _views(self, exclude: SessionKey | None = None) -> list[SessionView]:
+    def _views(self, exclude: SessionKey | None = None,
+               keep: Callable[[Session], bool] | None = None) -> list[SessionView]:
+        """What policy may know of the sessions (those `keep` accepts)."""
         with self._lock:
-            sessions = list(self._sessions.values())
+            sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
+        busy = self.mover.busy_keys()
         return [
-            SessionView(s.key, {t: s.snap.bytes_in(t) for t in s.snap.tiers_held()}, s.last_access, s.released_at,
-                        s.priority, s.pins > 0, s.op.locked() or self.mover.pending(s.key) is not None, s.durable)
-            for s in sessions if s.key != exclude
+            SessionView(s.key, {t: sum(p.alloc_bytes for p in pieces) for t, pieces in s.snap.placement.items()
+                                if pieces},
+                        s.last_access, s.released_at, s.priority, s.pins > 0, s.op.locked() or s.key in busy, s.durable)
+            for s in sessions
         ]
 
     def _execute(self, moves: list[Move], klass: Priority) -> int:
@@ -639,10 +643,20 @@ class Store:
         for tier in self.tiers.values():
             tier.maintain()
         now = self.clock.now()
-        views = self._views()
-        moves = idle_moves(views, now, self.policy, self.tiers)
+        # Only released sessions can be due for an idle move; one that is durable and
+        # only on disk is done, unless a TTL may drop it. Skipping those keeps a tick
+        # cheap with many sessions on disk.
+        ttl = self.policy.disk_ttl is not None
+
+        def may_move(s: Session) -> bool:
+            return s.released_at is not None and (ttl or not s.durable or any(
+                pieces for t, pieces in s.snap.placement.items() if t != "disk"))
+
+        moves = idle_moves(self._views(keep=may_move), now, self.policy, self.tiers)
         for name, tier in self.tiers.items():
-            moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers)
+            if tier.used > self.policy.high_watermark * tier.budget:
+                views = self._views(keep=lambda s, name=name: bool(s.snap.placement.get(name)))
+                moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers)
         seen: set[SessionKey] = set()
         for mv in moves:
             if mv.key in seen:
@@ -774,7 +788,8 @@ class Store:
 
 
 class SnapshotReader(Iterator[bytes]):
-    """Chunks of a snapshot; holds the session's lock until exhausted or closed."""
+    """Chunks of a snapshot (bytes, or memoryviews valid until the next chunk);
+    holds the session's lock until exhausted or closed."""
 
     def __init__(self, lock: threading.Lock, chunks: Iterator[bytes]) -> None:
         self._lock = lock

@@ -298,15 +298,21 @@ class CopyEngine:
         return total
 
     def read_stream(self, src: list[Span], geom: Geometry, checksums: np.ndarray, chunk_bytes: int,
-                    priority: int = Priority.DEMAND) -> Iterator[bytes]:
+                    priority: int = Priority.DEMAND) -> Iterator[bytes | memoryview]:
         """The snapshot's logical bytes, in chunks of chunk_bytes (the last may be
-        shorter), whatever the page size: a byte cursor over the pages."""
+        shorter), whatever the page size: a byte cursor over the pages. A chunk
+        that lies inside one page comes as a memoryview of the tier's bytes
+        (no copy), valid until the next chunk is asked for."""
         out = bytearray()
         for first, count, _, buf in self.windows(src, geom, checksums, priority):
             host = memory.to_host(buf)
             for i in range(count):
                 page = memoryview(host[i * geom.stride : i * geom.stride + geom.size_of(first + i)])
                 while len(page):
+                    if not out and len(page) >= chunk_bytes:
+                        yield page[:chunk_bytes]
+                        page = page[chunk_bytes:]
+                        continue
                     take = min(len(page), chunk_bytes - len(out))
                     out += page[:take]
                     page = page[take:]

@@ -1,0 +1,166 @@
+"""The daemon's API beside bare gRPC: Get stream throughput against a plain
+grpc stream of the same bytes and chunk size, and control-call latency (Stat
+and Prefetch) from separate client processes under concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.common import Result, spread
+from tierd.client import Client, KVSpec
+from tierd.testing import ROOT, Daemon
+
+MiB = 1 << 20
+BARE_METHOD = "/bare.Bytes/Stream"
+
+
+def bare_server(socket: str, total: int, chunk: int) -> None:
+    """A grpc.aio server (uvloop, like the daemon) that streams `total` bytes in
+    `chunk`-byte messages, and echoes unary calls: the floor both figures sit on."""
+    import asyncio
+
+    import grpc
+    import uvloop
+
+    payload = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):
+        for _ in range(total // chunk):
+            yield payload
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
+        handler = grpc.method_handlers_generic_handler("bare.Bytes", {
+            "Stream": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=None,
+                                                           response_serializer=None),
+            "Echo": grpc.unary_unary_rpc_method_handler(echo, request_deserializer=None, response_serializer=None)})
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port("unix:" + socket)
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    uvloop.run(main())
+
+
+def _bare_times(socket: str, repeat: int) -> list[float]:
+    import grpc
+
+    out = []
+    with grpc.insecure_channel("unix:" + socket, options=[("grpc.max_receive_message_length", 64 * MiB)]) as ch:
+        call = ch.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            n = sum(len(m) for m in call(b""))
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def inline_get(root: str, quick: bool) -> Result:
+    total, chunk, repeat = (64 if quick else 256) * MiB, MiB, 3 if quick else 5
+    bare_sock = os.path.join(root, "bare.sock")
+    bare = subprocess.Popen([sys.executable, "-c", f"from bench.api import bare_server; "
+                             f"bare_server({bare_sock!r}, {total}, {chunk})"], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+    daemon = Daemon(os.path.join(root, "daemon"), "--host-budget", "1GiB", "--writeback-idle", "off").start()
+    try:
+        assert bare.stdout.readline().strip() == "ready"
+        with Client(daemon.socket) as c:
+            c.put("blob", np.zeros(total, dtype=np.uint8), KVSpec.opaque("bench/blob", page_bytes=4 * MiB), 1)
+            ours = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                info, chunks = c.get_stream("blob", chunk_bytes=chunk)
+                n = sum(len(x) for x in chunks)
+                ours.append(time.perf_counter() - t0)
+            assert n == total
+        limit = _bare_times(bare_sock, repeat)
+    finally:
+        bare.kill()
+        daemon.stop()
+    ratio = statistics.median(limit) / statistics.median(ours)
+    return Result("inline_get_vs_grpc", total / statistics.median(ours) / 1e9, "GB/s",
+                  total / statistics.median(limit) / 1e9, round(ratio, 3), "ratio >= 0.8", ratio >= 0.8,
+                  {"ours_seconds": spread(ours), "limit_seconds": spread(limit)},
+                  f"{total >> 20} MiB in {chunk >> 20} MiB chunks over the Unix socket, XXH3 per chunk both ways")
+
+
+def control_client(socket: str, seconds: float, worker: int, rate: float, bare: bool) -> None:
+    """Stat and Prefetch (or, with bare, a gRPC echo) at `rate` calls per second,
+    recording each latency."""
+    import grpc
+
+    lat: dict[str, list[float]] = {"Stat": [], "Prefetch": []} if not bare else {"Echo": []}
+    with Client(socket) as c, grpc.insecure_channel("unix:" + socket) as ch:
+        echo = ch.unary_unary("/bare.Bytes/Echo", request_serializer=None, response_deserializer=None)
+        calls = [("Echo", lambda sid: echo(sid.encode()))] if bare else \
+            [("Stat", lambda sid: c.stat(sid)), ("Prefetch", lambda sid: c.prefetch(sid))]
+        calls[0][1]("s0")  # connect before measuring
+        start = time.monotonic()
+        i = 0
+        while time.monotonic() - start < seconds:
+            name, call = calls[i % len(calls)]
+            t0 = time.perf_counter()
+            call(f"s{(worker * 7 + i) % 64}")
+            lat[name].append(time.perf_counter() - t0)
+            i += 1
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+    print(json.dumps(lat))
+
+
+def _clients(socket: str, seconds: float, clients: int, rate: float, bare: bool) -> dict[str, list[float]]:
+    procs = [subprocess.Popen([sys.executable, "-c", f"from bench.api import control_client; "
+                               f"control_client({socket!r}, {seconds}, {w}, {rate}, {bare})"], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True) for w in range(clients)]
+    lat: dict[str, list[float]] = {}
+    for p in procs:
+        out, _ = p.communicate(timeout=seconds + 120)
+        for k, v in json.loads(out).items():
+            lat.setdefault(k, []).extend(v)
+    return lat
+
+
+def control_latency(root: str, quick: bool) -> list[Result]:
+    seconds, clients, rate = (5 if quick else 20), 8, 100.0  # 800 calls/s offered in all
+    bare_sock = os.path.join(root, "echo.sock")
+    bare = subprocess.Popen([sys.executable, "-c", f"from bench.api import bare_server; "
+                             f"bare_server({bare_sock!r}, {MiB}, {MiB})"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    daemon = Daemon(os.path.join(root, "control"), "--writeback-idle", "off").start()
+    try:
+        assert bare.stdout.readline().strip() == "ready"
+        with Client(daemon.socket) as c:
+            for i in range(64):
+                c.put(f"s{i}", b"x" * 4096, KVSpec.opaque("bench/blob"), 1)
+        lat = _clients(daemon.socket, seconds, clients, rate, bare=False)
+        floor = np.array(_clients(bare_sock, seconds, clients, rate, bare=True)["Echo"]) * 1e3
+    finally:
+        bare.kill()
+        daemon.stop()
+    both = np.array(lat["Stat"] + lat["Prefetch"]) * 1e3
+    note = (f"{clients} client processes at {rate:.0f} calls/s each over the Unix socket, {os.cpu_count()} CPUs "
+            f"shared with the daemon; limit: a bare gRPC echo under the same load")
+    out = []
+    for q, target in ((99, 2.0), (50, 0.5)):
+        ours, lim = float(np.percentile(both, q)), float(np.percentile(floor, q))
+        out.append(Result(f"control_rpc_p{q}_ms", round(ours, 3), "ms", round(lim, 3), round(lim / ours, 3),
+                          f"p{q} <= {target} ms", ours <= target,
+                          {k: {"p50_ms": float(np.percentile(np.array(v) * 1e3, 50)),
+                               "p99_ms": float(np.percentile(np.array(v) * 1e3, 99)), "n": len(v)}
+                           for k, v in lat.items()} if q == 99 else {}, note if q == 99 else ""))
+    return out
+
+
+def run(quick: bool) -> list[Result]:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as root:
+        return [inline_get(root, quick), *control_latency(root, quick)]

@@ -1,0 +1,114 @@
+"""Index scale: 10,000 sessions and 1,000,000 pages on disk. Recovery time,
+metadata bytes per page (index file and daemon memory), and Stat and List
+latency from a client, on a data dir built directly (sparse slab files)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+import psutil
+
+from bench.common import Result
+from tierd.clock import FakeClock
+from tierd.core.index import DiskIndex, Row
+from tierd.core.model import SessionKey
+from tierd.core.store import Store
+from tierd.layout import KVSpec
+from tierd.testing import Daemon
+from tierd.tiers.allocator import Piece
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.host import HostTier
+from tierd.transfer.copier import CopyEngine
+from tierd.transfer.ioqueue import PriorityExecutor
+
+GiB = 1 << 30
+SPEC = KVSpec.opaque("bench/index", page_bytes=4096)
+
+
+def build(data_dir: str, sessions: int, pages: int) -> int:
+    """An index of `sessions` durable sessions of `pages` pages each, over
+    sparse slab files; returns the slab size."""
+    slabs = os.path.join(data_dir, "slabs")
+    os.makedirs(slabs, mode=0o700)
+    per_session = pages * 4096
+    total = sessions * per_session
+    slab = GiB
+    for i in range(-(-total // slab)):
+        with open(os.path.join(slabs, f"slab-{i:06d}.bin"), "wb") as f:
+            f.truncate(slab)
+    index = DiskIndex(os.path.join(data_dir, "index.db"))
+    sums = np.arange(pages, dtype="<u8").tobytes()
+    stmts = []
+    per_slab = slab // per_session
+    for s in range(sessions):
+        key = SessionKey("default", f"session-{s:06d}")
+        offset = (s // per_slab) * slab + (s % per_slab) * per_session
+        stmts.append(("INSERT INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (*key, 0, pages, offset, per_session, sums)))
+        stmts.append(DiskIndex._row_stmt(key, Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0)))
+    index._tx(stmts)  # one transaction: building the fixture, not measuring writes
+    index.close()
+    return slab
+
+
+def recover(data_dir: str, slab: int) -> tuple[float, int]:
+    """Seconds to open a store on the data dir, and the RSS it added."""
+    before = psutil.Process().memory_info().rss
+    executor = PriorityExecutor(2)
+    t0 = time.perf_counter()
+    tiers = {"host": HostTier(GiB, f"tierd-bench-index-{os.getpid()}", slab_bytes=GiB),
+             "disk": DiskTier(64 * GiB, os.path.join(data_dir, "slabs"), executor, slab_bytes=slab)}
+    store = Store(tiers, CopyEngine(tiers), DiskIndex(os.path.join(data_dir, "index.db")), clock=FakeClock())
+    seconds = time.perf_counter() - t0
+    grown = psutil.Process().memory_info().rss - before
+    assert len(store.keys()) > 0 and not store.recovery_problems
+    store.close(flush=False)
+    executor.shutdown()
+    return seconds, grown
+
+
+def run(quick: bool) -> list[Result]:
+    sessions, pages = (1000, 100) if quick else (10_000, 100)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as root:
+        data_dir = os.path.join(root, "data")
+        slab = build(data_dir, sessions, pages)
+        n_pages = sessions * pages
+        seconds, grown = recover(data_dir, slab)
+        index_bytes = sum(os.path.getsize(os.path.join(data_dir, f)) for f in os.listdir(data_dir)
+                          if f.startswith("index.db"))
+        daemon = Daemon(root, "--disk-budget", f"{-(-sessions * pages * 4096 // GiB) + 1}GiB", "--disk-slab",
+                        f"{slab}", "--writeback-idle", "off").start()
+        try:
+            rss = psutil.Process(daemon.pid()).memory_info().rss
+            with daemon.client() as c:
+                rng = np.random.default_rng(0)
+                stat = []
+                for s in rng.integers(0, sessions, 2000):
+                    t0 = time.perf_counter()
+                    c.stat(f"session-{s:06d}")
+                    stat.append(time.perf_counter() - t0)
+                pages_t, token = [], ""
+                while True:
+                    t0 = time.perf_counter()
+                    page, token = c.list_page(500, token)
+                    pages_t.append(time.perf_counter() - t0)
+                    if not token:
+                        break
+        finally:
+            daemon.stop()
+    stat_ms = np.array(stat) * 1e3
+    meta = (index_bytes + grown) / n_pages
+    return [
+        Result("index_recovery_seconds", round(seconds, 3), "s", None, None, "<= 10 s", seconds <= 10,
+               note=f"{sessions} sessions, {n_pages} pages"),
+        Result("index_bytes_per_page", round(meta, 1), "B", None, None, "<= 512 B", meta <= 512,
+               {"index_file_bytes": index_bytes, "recovery_rss_bytes": grown, "daemon_rss_bytes": rss},
+               "index file + memory added by recovery, per page"),
+        Result("index_stat_p99_ms", round(float(np.percentile(stat_ms, 99)), 3), "ms", None, None, "-", None,
+               {"p50_ms": float(np.percentile(stat_ms, 50)), "n": len(stat)}, f"over {sessions} sessions"),
+        Result("index_list_page_ms", round(float(np.median(pages_t)) * 1e3, 3), "ms", None, None, "-", None,
+               {"pages": len(pages_t), "max_ms": max(pages_t) * 1e3}, "500 sessions a page"),
+    ]
