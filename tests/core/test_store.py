@@ -347,3 +347,23 @@ def test_put_appends_pages_from_start_token(store):
     with pytest.raises(InvalidArgument, match="replaced whole"):
         store.put(B, KVSpec.opaque("m"), 1, 10, [b"x" * 10], start_token=16)
     assert b"".join(store.get(A)[1]) == first[: SPEC.page_bytes] + more
+
+
+def test_a_prefetched_session_waits_in_host_while_others_make_room(tmp_path):
+    h = Harness(str(tmp_path), host_budget=4 * MiB, host_slab=4 * MiB)
+    store, clock = h.open(), h.clock
+    eng = HostEngine(num_blocks=200, seed=23)
+    for i, name in enumerate("abc"):
+        clock.advance(1)
+        store.save(make_key("default", name), eng.memory, SPEC, list(range(i * 40, i * 40 + 40)), 640)
+        store.release(make_key("default", name))
+    # a is the least recently used, but the engine just asked for it: it is "ready" in host and awaited
+    assert store.prefetch(make_key("default", "a")) == "ready"
+    clock.advance(1)
+    store.save(make_key("default", "d"), eng.memory, SPEC, list(range(120, 160)), 640)  # needs room
+    assert store.stat(make_key("default", "a")).tier == "host"
+    assert store.stat(make_key("default", "b")).tier == "disk"
+    # once restored, a is an ordinary session again
+    store.restore(make_key("default", "a"), HostEngine(num_blocks=200).memory, SPEC, list(range(40)))
+    assert not store._sessions[make_key("default", "a")].awaited
+    h.close()

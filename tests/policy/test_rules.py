@@ -92,3 +92,9 @@ def test_config_rejects_nonsense():
         PolicyConfig(host_idle=-1)
     with pytest.raises(ValueError):
         PolicyConfig(low_watermark=0.9, high_watermark=0.5)
+
+
+def test_sessions_awaited_after_a_prefetch_are_evicted_last():
+    views = [view("awaited-old", {"host": 1}, last=10, awaited=True), view("recent", {"host": 1}, last=500),
+             view("old", {"host": 1}, last=20)]
+    assert [v.key.session_id for v in eviction_order(views, "host", CFG)] == ["old", "recent", "awaited-old"]

@@ -161,6 +161,7 @@ class Session:
     damaged: bool = False
     moving: bool = False
     dropped: bool = False
+    awaited: bool = False  # prefetched, not yet restored or read
     row: Any = None  # the complete state recorded in the disk index (index.Row), if any
     row_version: int = -1  # the snapshot version that row describes
     op: threading.Lock = field(default_factory=threading.Lock)

@@ -294,7 +294,7 @@ class Store:
             snap.add_pieces(tier, pieces)
             snap.num_tokens, snap.nbytes = num_tokens, nbytes
             snap.version += 1
-            session.last_access, session.released_at = now, None
+            session.last_access, session.released_at, session.awaited = now, None, False
             if priority is not None:
                 session.priority = priority
             self._changed.notify_all()
@@ -372,7 +372,7 @@ class Store:
                 raise self._io_error(key, exc) from None
             seconds = time.perf_counter() - t0
             with self._lock:
-                session.last_access, session.released_at = self.clock.now(), None
+                session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
             self.events.restored(source, ids.size * snap.spec.page_bytes, seconds)
             return RestoreResult(min(snap.num_tokens, ids.size * snap.spec.block_tokens), int(ids.size), source, seconds)
 
@@ -459,7 +459,7 @@ class Store:
         except OSError as exc:
             raise self._io_error(session.key, exc) from None
         with self._lock:
-            session.last_access, session.released_at = self.clock.now(), None
+            session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -517,10 +517,21 @@ class Store:
         if session.damaged:
             raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
         if tier_rank(session.snap.slowest_tier() or "device") <= tier_rank(tier):
+            self._expect(session)
             self.events.prefetch_outcome("ready")
             return "ready"
         self.mover.submit(Job(key, tier, "prefetch", Priority.PREFETCH, priority, deadline), _merge_prefetch)
         return "queued"
+
+    def _expect(self, session: Session) -> float:
+        """The engine is about to come back for this session: a fresh idle clock,
+        and evicted after every session not awaited. Returns the time."""
+        now = self.clock.now()
+        with self._lock:
+            session.last_access, session.awaited = now, True
+            if session.released_at is not None:
+                session.released_at = now
+        return now
 
     def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
         """Wait until the whole session is in `tier` or faster; returns
@@ -562,10 +573,7 @@ class Store:
                 session.moving = True
             if job.reason == "prefetch":
                 self.placement.promote(session, job.target, Priority.PREFETCH)
-                now = self.clock.now()
-                with self._lock:
-                    if session.released_at is not None:
-                        session.released_at = now  # fresh idle clock: the engine is about to come
+                now = self._expect(session)
                 self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
             elif job.target == DROP:
                 self._forget(session, job.reason)
@@ -609,7 +617,8 @@ class Store:
         return [
             SessionView(s.key, {t: sum(p.alloc_bytes for p in pieces) for t, pieces in s.snap.placement.items()
                                 if pieces},
-                        s.last_access, s.released_at, s.priority, s.pins > 0, s.op.locked() or s.key in busy, s.durable)
+                        s.last_access, s.released_at, s.priority, s.pins > 0, s.op.locked() or s.key in busy, s.durable,
+                        s.awaited)
             for s in sessions
         ]
 

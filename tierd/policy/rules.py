@@ -49,6 +49,7 @@ class SessionView:
     pinned: bool = False
     busy: bool = False  # a move or a data call holds it
     durable: bool = False
+    awaited: bool = False  # prefetched and not yet used: the engine is about to come
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +75,10 @@ def _next_lower(tier: str, present: Iterable[str]) -> str:
 def eviction_order(views: Iterable[SessionView], tier: str, cfg: PolicyConfig) -> list[SessionView]:
     """Sessions holding bytes in `tier` that may leave it, least valuable first:
     least recently used, each priority step worth priority_weight seconds;
-    pinned and busy sessions never."""
+    sessions prefetched and not yet used after all the others; pinned and busy
+    sessions never."""
     movable = [v for v in views if v.tier_bytes.get(tier) and not v.pinned and not v.busy]
-    return sorted(movable, key=lambda v: (_value(v, cfg), v.key))
+    return sorted(movable, key=lambda v: (v.awaited, _value(v, cfg), v.key))
 
 
 def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: Iterable[str],
