@@ -29,7 +29,8 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python -m bench
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench --quick --json bench/out/results.json --plots bench/out
 
 # Regenerate tierd/v1 from proto/ with a pinned generator (its output is committed;
 # tests/api/test_proto.py fails when it no longer matches the proto).

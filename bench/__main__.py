@@ -16,8 +16,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (minutes on 2 cores)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
+    parser.add_argument("--plots", metavar="DIR", help="also draw PNG plots there (needs matplotlib)")
+    parser.add_argument("--soak", type=float, metavar="SECONDS",
+                        help="instead, run the soak: 16 clients for this long, RSS and open files sampled")
     args = parser.parse_args(argv)
     results = []
+    if args.soak:
+        from bench import soak
+
+        results = soak.run(args.soak)
+        print(table(results))
+        if args.json:
+            write_json(args.json, results)
+        return 0
     for name, run in SUITES.items():
         if args.only and name not in args.only:
             continue
@@ -26,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.json:
         write_json(args.json, results)
+    if args.plots:
+        from bench import plots
+
+        for path in plots.write(results, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

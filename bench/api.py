@@ -157,7 +157,8 @@ def control_latency(root: str, quick: bool) -> list[Result]:
                           f"p{q} <= {target} ms", ours <= target,
                           {k: {"p50_ms": float(np.percentile(np.array(v) * 1e3, 50)),
                                "p99_ms": float(np.percentile(np.array(v) * 1e3, 99)), "n": len(v)}
-                           for k, v in lat.items()} if q == 99 else {}, note if q == 99 else ""))
+                           for k, v in lat.items()} if q == 99 else {}, note if q == 99 else "",
+                          {"tierd_ms": both.tolist(), "bare_grpc_ms": floor.tolist()} if q == 99 else {}))
     return out
 
 

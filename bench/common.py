@@ -24,6 +24,7 @@ class Result:
     ok: bool | None = None
     spread: dict = field(default_factory=dict)
     note: str = ""
+    series: dict = field(default_factory=dict, repr=False)  # raw samples for plots; not written to JSON
 
 
 def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None) -> list[float]:
@@ -83,4 +84,5 @@ def table(results: list[Result]) -> str:
 
 def write_json(path: str, results: list[Result]) -> None:
     with open(path, "w") as f:
-        json.dump({"results": [asdict(r) for r in results], "machine": machine()}, f, indent=2)
+        json.dump({"results": [{k: v for k, v in asdict(r).items() if k != "series"} for r in results],
+                   "machine": machine()}, f, indent=2)

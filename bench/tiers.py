@@ -93,6 +93,7 @@ def run(quick: bool) -> list[Result]:
             restore = timed(lambda: store.restore(KEY, _memory(kv), QWEN, blocks), repeat)
             results.append(ratio_result("host_restore_vs_memcpy", restore, memcpy, nbytes, 0.7,
                                         note=f"{nbytes >> 20} MiB into a contiguous block table"))
+            results[-1].series = _sweep(store, kv, pages, repeat)
 
             raw_write, raw_read = _raw_direct(os.path.join(root, "raw.bin"), nbytes)
 
@@ -116,6 +117,26 @@ def run(quick: bool) -> list[Result]:
             kv.close()
             world.close()
     return results
+
+
+def _sweep(store: Store, kv: SharedKVCache, pages: int, repeat: int) -> dict:
+    """Save, restore and memcpy bandwidth (GB/s) by snapshot size, for the plot."""
+    out: dict = {"bytes": [], "save": [], "restore": [], "memcpy": []}
+    n = 4
+    while n <= pages:
+        nbytes = n * QWEN.page_bytes
+        blocks = np.arange(n)
+        key = make_key("default", f"sweep-{n}")
+        src, dst = random_bytes(nbytes, 5), np.zeros(nbytes, dtype=np.uint8)
+        store.save(key, _memory(kv), QWEN, blocks, n * 16)
+        out["bytes"].append(nbytes)
+        for name, fn in (("save", lambda: store.save(key, _memory(kv), QWEN, blocks, n * 16)),
+                         ("restore", lambda: store.restore(key, _memory(kv), QWEN, blocks)),
+                         ("memcpy", lambda: np.copyto(dst, src))):
+            out[name].append(nbytes / min(timed(fn, repeat)) / 1e9)
+        store.drop(key)
+        n *= 4
+    return out
 
 
 def _memory(kv: SharedKVCache):

@@ -73,6 +73,19 @@ def run(quick: bool, lead: float = 1.0) -> list[Result]:
                 with lock:
                     slots.append(slot)
 
+            occupancy: dict[str, list[float]] = {"t": [], "host": [], "disk": []}
+            sampling = threading.Event()
+
+            def sample() -> None:
+                with daemon.client() as watcher:
+                    while not sampling.wait(0.25):
+                        tiers = {t.name: t.used for t in watcher.stats()["tiers"]}
+                        occupancy["t"].append(time.monotonic() - start)
+                        occupancy["host"].append(tiers["host"])
+                        occupancy["disk"].append(tiers["disk"])
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
             running: dict[int, object] = {}
             late: list[float] = []  # how far behind schedule turns started
             with ThreadPoolExecutor(workers) as pool:
@@ -105,6 +118,8 @@ def run(quick: bool, lead: float = 1.0) -> list[Result]:
             for future in running.values():
                 future.result()  # a turn that failed fails the benchmark
             elapsed = time.monotonic() - start
+            sampling.set()
+            sampler.join()
             stats = client.stats()
 
             engine.close()
@@ -122,7 +137,8 @@ def run(quick: bool, lead: float = 1.0) -> list[Result]:
                 "disk_to_host_bytes_per_s": stats["bandwidth"].get("disk->host", 0.0),
                 "turns_late": len(late), "p99_lateness_s": float(np.percentile(late, 99)) if late else 0.0},
                f"{sessions} sessions x {turns} turns over {elapsed:.0f} s, {tokens_per_turn} tokens a turn, "
-               f"prefetch {lead} s ahead; {counts['disk']} resumes found their session on disk"),
+               f"prefetch {lead} s ahead; {counts['disk']} resumes found their session on disk",
+               {**occupancy, "host_budget": 48 << 20}),
         Result("trace_bytes_moved", sum(moved.values()), "B", None, None, "-", None, moved),
         Result("trace_prefill_seconds_saved", round(restored_tokens / PREFILL_TOKENS_PER_S, 1), "s", None, None, "-",
                None, {"restored_tokens": restored_tokens, "prefill_tokens_per_s": PREFILL_TOKENS_PER_S},

@@ -28,11 +28,11 @@ def test_sixteen_clients_for_thirty_seconds(tmp_path):
     d = Daemon(tmp_path, "--writeback-idle", "0.5", "--host-idle", "2").start()
     try:
         # warm up: one short round, so imports and pools are counted in the baseline
-        warm = subprocess.run([sys.executable, "-m", "tests.api.load_client", d.socket, "99", "1"], cwd=ROOT,
+        warm = subprocess.run([sys.executable, "-m", "bench.load", d.socket, "99", "1"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert warm.returncode == 0, warm.stderr
         baseline = _rss(d.pid())
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.api.load_client", d.socket, str(w), str(SECONDS)],
+        procs = [subprocess.Popen([sys.executable, "-m", "bench.load", d.socket, str(w), str(SECONDS)],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for w in range(CLIENTS)]
         reports = []

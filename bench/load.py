@@ -1,5 +1,8 @@
-"""One of many client processes hammering a daemon: save, restore, put, get
-on sessions of its own, checking every byte. Prints a JSON report."""
+"""One of many client processes hammering a daemon: save, restore, put, get,
+prefetch and drop on sessions of its own, checking every byte. Prints a JSON
+report. Used by the concurrency test and by the soak run.
+
+    python -m bench.load SOCKET WORKER SECONDS"""
 
 import json
 import sys
@@ -39,9 +42,10 @@ def main(socket: str, worker: int, seconds: float) -> None:
                 c.put(sid + "-blob", blob, OPAQUE, num_tokens=1, chunk_bytes=65536)
                 report["mismatches"] += c.get(sid + "-blob") != blob
                 c.release(sid)
+                c.prefetch(sid)
                 if i % 5 == 0:
                     c.drop(sid + "-blob")
-                report["ops"] += 6
+                report["ops"] += 7
             except Exception as exc:  # every error is a failure of the test: report it
                 report["errors"].append(f"{type(exc).__name__}: {exc}")
         for s in c.list():
