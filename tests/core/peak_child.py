@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import psutil
+import torch  # noqa: F401  (loaded before measuring, as in the daemon, which probes the GPU with it)
 
 from tests.helpers import Harness
 from tierd.core.store import make_key

@@ -25,10 +25,13 @@ def is_device(buf: Any) -> bool:
     return not isinstance(buf, np.ndarray) and buf.device.type != "cpu"
 
 
+PARALLEL_COPY = 1 << 20  # from this size, host copies go through torch, which copies on every core
+
+
 def copy(dst: Any, src: Any) -> None:
     """dst[...] = src for numpy arrays and torch tensors in any combination."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src)
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray) and dst.nbytes < PARALLEL_COPY:
+        np.copyto(dst, src)  # small: numpy's lower call overhead wins
         return
     import torch
 
