@@ -18,7 +18,6 @@ from tierd.core.model import SessionKey
 from tierd.core.store import Store
 from tierd.layout import KVSpec
 from tierd.testing import Daemon
-from tierd.tiers.allocator import Piece
 from tierd.tiers.disk import DiskTier
 from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine

@@ -16,6 +16,7 @@ from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import PolicyConfig
 from tierd.tiers.device import DeviceTier
 from tierd.tiers.disk import DiskTier
+from tierd.tiers.factory import arena_prefix
 from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine, EngineMemory
 from tierd.transfer.ioqueue import PriorityExecutor
@@ -53,7 +54,10 @@ class Harness:
 
     def open(self) -> Store:
         self.executor = PriorityExecutor(4)
-        tiers: dict = {"host": host_tier(self.host_budget, self.host_slab)}
+        # One arena name per data dir, as the daemon does: opening clears what a killed run left.
+        prefix = "tierd-test-" + arena_prefix(self.root).removeprefix("tierd-")
+        HostTier.remove_stale(prefix)
+        tiers: dict = {"host": HostTier(self.host_budget, prefix, self.host_slab)}
         index = None
         if self.disk:
             tiers["disk"] = DiskTier(self.disk_budget, os.path.join(self.root, "slabs"), self.executor, self.disk_slab,

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 from tierd.client import Client
+from tierd.tiers.factory import arena_prefix
+from tierd.tiers.host import HostTier
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, so `python -m tierd` finds this tree
 
@@ -76,6 +78,13 @@ class Daemon:
         return Client(self.socket, **kw)
 
     def close(self) -> None:
+        """Stop the daemon (SIGTERM, SIGKILL if it does not go) and remove the
+        shared memory a killed daemon leaves behind."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        HostTier.remove_stale(arena_prefix(self.data_dir))

@@ -12,7 +12,6 @@ import pytest
 
 from tierd.testing import ROOT, Daemon
 from tierd.client import (
-    DataLoss,
     FailedPrecondition,
     IdentityMismatch,
     InvalidArgument,

@@ -8,7 +8,6 @@ import errno
 import logging
 import threading
 
-import numpy as np
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine

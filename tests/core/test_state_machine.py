@@ -184,7 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert sorted(self.store.keys()) == sorted(self.model)
         for key, (pages, tokens) in self.model.items():
             info = self.store.stat(key)
-            assert info.num_tokens == tokens and info.pins >= 0
+            assert (info.num_tokens, info.num_pages) == (tokens, len(pages)) and info.pins >= 0
             assert info.tier in TIER_ORDER
 
 

@@ -6,7 +6,6 @@ import hashlib
 import random
 import threading
 
-import numpy as np
 
 from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
