@@ -45,7 +45,8 @@ def run(seconds: float) -> list[Result]:
     quarter = max(1, len(warm) // 4)
     rss0 = float(np.median([s[1] for s in warm[:quarter]]))  # after warm-up
     rss1 = float(np.median([s[1] for s in warm[-quarter:]]))  # at the end
-    fds0, fds1 = warm[0][2], max(s[2] for s in warm)
+    fds0 = int(np.median([s[2] for s in warm[:quarter]]))
+    fds1 = int(np.median([s[2] for s in warm[-quarter:]]))
     growth = (rss1 - rss0) / rss0
     errors = sum(len(r["errors"]) for r in reports)
     mismatches = sum(r["mismatches"] for r in reports)
@@ -53,7 +54,7 @@ def run(seconds: float) -> list[Result]:
     return [
         Result("soak_memory_growth", round(growth, 4), "ratio", None, None, "< 0.05 after warm-up", growth < 0.05,
                {"private_bytes_after_warmup": rss0, "private_bytes_at_end": rss1, "fds_after_warmup": fds0,
-                "fds_max": fds1,
+                "fds_at_end": fds1, "fds_max": max(s[2] for s in warm),
                 "errors": errors, "mismatches": mismatches, "calls": calls},
                f"{CLIENTS} clients for {seconds:.0f} s: {calls} calls, {errors} errors, {mismatches} wrong bytes",
                {"t": [s[0] for s in samples], "private": [s[1] for s in samples], "fds": [s[2] for s in samples]}),
