@@ -192,7 +192,7 @@ def serve(cfg: Config) -> int:
         except OSError as exc:
             raise StartupError(f"cannot open the disk tier under {cfg.data_dir}: {exc}") from None
         stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
-        backends = {**machine.backends, **{t.name: t.backend for t in store.stats() if t.name != "device"}}
+        backends = machine.backends  # each tier's live backend is in its stats and tierd_tier_backend_info
         metrics.set_backends(backends)
         metrics.watch(store)
         for t in store.stats():

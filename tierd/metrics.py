@@ -112,8 +112,7 @@ class _StoreCollector:
         full = GaugeMetricFamily("tierd_tier_out_of_space", "1 while the file system under the tier is full "
                                  "(demotion to it pauses)", labels=["tier"])
         for name, tier in self.store.tiers.items():
-            if hasattr(tier, "out_of_space"):
-                full.add_metric([name], float(tier.out_of_space))
+            full.add_metric([name], float(tier.out_of_space))
         yield full
         backend = GaugeMetricFamily("tierd_tier_backend_info", "The mechanism behind each tier (value 1)",
                                     labels=["tier", "backend"])

@@ -61,6 +61,10 @@ class Snapshot:
     def bytes_in(self, tier: str) -> int:
         return sum(p.alloc_bytes for p in self.pieces(tier))
 
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes held in each tier that holds any."""
+        return {t: sum(p.alloc_bytes for p in pieces) for t, pieces in self.placement.items() if pieces}
+
     def tiers_held(self) -> list[str]:
         return [t for t in TIER_ORDER if self.placement.get(t)]
 

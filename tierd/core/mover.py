@@ -78,10 +78,6 @@ class Mover:
                 self._cond.notify_all()
             return job
 
-    def pending(self, key: SessionKey) -> Job | None:
-        with self._cond:
-            return self._queued.get(key) or self._running.get(key)
-
     def busy_keys(self) -> set[SessionKey]:
         """Sessions with a move queued or running."""
         with self._cond:

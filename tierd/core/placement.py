@@ -68,7 +68,7 @@ class Placement:
                 return got
             for p in got:
                 t.free(p)
-            if getattr(t, "out_of_space", False):
+            if t.out_of_space:
                 # The file system is full, not the budget: evicting sessions would not help.
                 raise Unavailable(f"the file system under the {tier} tier is full; demotion pauses until space "
                                   "frees", tier=tier)
@@ -128,7 +128,7 @@ class Placement:
             if isinstance(exc, DataLoss):
                 self.mark_damaged(session, exc)
             elif isinstance(exc, OSError):
-                raise self._io_failed("read", exc) from exc
+                raise self.io_failed("read", exc, session.key) from exc
             raise
         with self.lock:
             snap.add_pieces(target, pieces)
@@ -160,7 +160,7 @@ class Placement:
                 if isinstance(exc, DataLoss):
                     self.mark_damaged(session, exc)
                 elif isinstance(exc, OSError):
-                    raise self._io_failed("write", exc) from exc
+                    raise self.io_failed("write", exc, session.key) from exc
                 raise
             source = max((s.tier for s in src), key=tier_rank)
             self.events.moved(source, "disk", reason, moved, time.perf_counter() - t0)
@@ -205,11 +205,13 @@ class Placement:
         for tier, pieces in placement.items():
             self.free(tier, pieces)
 
-    def _io_failed(self, op: str, exc: OSError) -> Unavailable:
-        """A move's I/O failed: counted; the old copies stay authoritative."""
+    def io_failed(self, op: str, exc: OSError, key: SessionKey) -> Unavailable:
+        """Disk I/O failed while moving or serving a session: counted, logged, and
+        retryable (nothing was served or changed; the old copies stay authoritative)."""
         self.events.disk_error(op)
-        log.error("disk %s failed during a move: %s", op, exc)
-        return Unavailable(f"disk {op} failed ({exc.strerror or exc}); the session stays where it was", op=op)
+        log.error("disk %s for %s/%s failed: %s", op, key.tenant, key.session_id, exc)
+        return Unavailable(f"a disk {op} for session {key.session_id!r} failed ({exc.strerror or exc}); "
+                           "nothing was changed, try again", op=op, session_id=key.session_id)
 
     def mark_damaged(self, session: Session, exc: DataLoss) -> None:
         log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)

@@ -35,7 +35,6 @@ from tierd.errors import (
     NotFound,
     ResourceExhausted,
     TierdError,
-    Unavailable,
 )
 from tierd.layout import KVSpec
 from tierd.policy import (
@@ -258,19 +257,11 @@ class Store:
             raise InvalidArgument("block ids repeat: each block can hold one page", field="block_ids")
         return ids
 
-    def _io_error(self, key: SessionKey, exc: OSError) -> Unavailable:
-        """A tier's I/O failed while serving a session: counted, and the call may
-        be retried (the bytes were not served, and nothing was changed)."""
-        self.events.disk_error("read")
-        log.error("reading %s/%s failed: %s", key.tenant, key.session_id, exc)
-        return Unavailable(f"reading session {key.session_id!r} failed ({exc.strerror or exc}); try again",
-                           session_id=key.session_id)
-
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
         return SessionInfo(
             tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
-            tier_bytes={t: snap.bytes_in(t) for t in snap.tiers_held()}, state=s.state.value,
+            tier_bytes=snap.tier_bytes(), state=s.state.value,
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=s.durable,
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec)
@@ -369,7 +360,7 @@ class Store:
                 self.placement.mark_damaged(session, exc)
                 raise DataLoss(f"session {key.session_id!r}: {exc}", session_id=key.session_id, **exc.details) from None
             except OSError as exc:
-                raise self._io_error(key, exc) from None
+                raise self.placement.io_failed("read", exc, key) from None
             seconds = time.perf_counter() - t0
             with self._lock:
                 session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
@@ -457,7 +448,7 @@ class Store:
             self.placement.mark_damaged(session, exc)
             raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
         except OSError as exc:
-            raise self._io_error(session.key, exc) from None
+            raise self.placement.io_failed("read", exc, session.key) from None
         with self._lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
@@ -615,9 +606,7 @@ class Store:
             sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
         busy = self.mover.busy_keys()
         return [
-            SessionView(s.key, {t: sum(p.alloc_bytes for p in pieces) for t, pieces in s.snap.placement.items()
-                                if pieces},
-                        s.last_access, s.released_at, s.priority, s.pins > 0, s.op.locked() or s.key in busy, s.durable,
+            SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0, s.op.locked() or s.key in busy, s.durable,
                         s.awaited)
             for s in sessions
         ]
@@ -705,7 +694,7 @@ class Store:
             for s in self._sessions.values():
                 for t in s.snap.tiers_held():
                     counts[t] += 1
-        return [TierStats(name, t.budget, t.used, t.capacity, counts[name], getattr(t, "backend", name))
+        return [TierStats(name, t.budget, t.used, t.capacity, counts[name], t.backend)
                 for name, t in sorted(self.tiers.items(), key=lambda kv: tier_rank(kv[0]))]
 
     def set_budget(self, tier: str, nbytes: int) -> BudgetResult:

@@ -20,6 +20,8 @@ def tier_rank(name: str) -> int:
 class Tier(Protocol):
     name: str
     budget: int
+    backend: str  # the mechanism behind it, for logs and metrics
+    out_of_space: bool  # the system refused room the budget allows
 
     @property
     def used(self) -> int: ...

@@ -80,12 +80,12 @@ class DiskTier(SlabTier):
                  direct: bool | None = None, ops: FileOps | None = None) -> None:
         super().__init__(budget, slab_bytes, granule=ALIGN)
         self.ops = ops or FileOps()
-        self.out_of_space = False  # the file system refused room: demotion pauses until it frees
         self._failed_syncs = 0
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.direct = probe_direct_io(directory) if direct is None else direct
         self.backend = "posix-odirect" if self.direct else "posix-buffered"
+        self.out_of_space = False  # the file system refused room: demotion pauses until it frees
         self._executor = executor
         self._fds: dict[int, int] = {}
         self._dirty: set[int] = set()

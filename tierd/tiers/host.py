@@ -36,7 +36,6 @@ class HostTier(SlabTier):
         self.prefix = prefix
         self.shm_dir = shm_dir
         self.pin = pin
-        self.pinned = False
         self._maps: dict[int, mmap.mmap] = {}
         self._fds: dict[int, int] = {}
         self._arrays: dict[int, np.ndarray] = {}
@@ -44,6 +43,11 @@ class HostTier(SlabTier):
         self._backed: dict[int, np.ndarray] = {}  # per slab, per granule: memory is reserved in /dev/shm
         self._unreleased = False
         self._last_alloc = 0.0
+
+    @property
+    def pinned(self) -> bool:
+        """Every slab is registered with CUDA for DMA."""
+        return bool(self._registered) and len(self._registered) == len(self._maps)
 
     @property
     def backend(self) -> str:
@@ -78,12 +82,10 @@ class HostTier(SlabTier):
 
         handle = cuda_host.register(self._arrays[index])
         if handle is None:
-            if self.pinned or not self._registered:
-                log.warning("host arena: cudaHostRegister failed; copies to the GPU use pageable memory")
-            self.pinned = False
+            log.warning("host arena: cudaHostRegister failed for slab %d; copies to the GPU use pageable memory",
+                        index)
             return
         self._registered[index] = handle
-        self.pinned = len(self._registered) == len(self._maps)
 
     def _close_slab(self, index: int) -> None:
         handle = self._registered.pop(index, None)

@@ -18,6 +18,8 @@ log = logging.getLogger("tierd.tiers")
 
 class SlabTier:
     name = "tier"
+    backend = "slabs"
+    out_of_space = False  # the system refused room the budget allows (the disk tier sets it)
 
     def __init__(self, budget: int, slab_bytes: int, granule: int = 4096) -> None:
         if budget < 0:

@@ -61,8 +61,6 @@ class CopyEngine:
             ("disk", "host"): self._disk_to_host,
             ("host", "device"): self._view_to_view,
             ("device", "host"): self._view_to_view,
-            ("host", "host"): self._view_to_view,
-            ("device", "device"): self._view_to_view,
             ("disk", "device"): self._disk_to_device,
             ("device", "disk"): self._device_to_disk,
         }
