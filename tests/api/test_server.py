@@ -66,3 +66,28 @@ def test_prefetch_outcomes_are_counted(daemon):
         assert c.wait_ready("late", timeout=10) == (True, "host")
     text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     assert 'tierd_prefetch_total{outcome="in_time"} 1.0' in text
+
+
+def test_an_emulated_device_tier_serves_through_the_daemon(tmp_path):
+    # --device cpu builds the device tier on host memory: the GPU tier's policy runs without a GPU.
+    d = Daemon(tmp_path, "--device", "cpu", "--device-budget", "8MiB", "--device-idle", "0.3",
+               "--writeback-idle", "off").start()
+    try:
+        assert "device tier: emulated in host memory" in d.log()
+        with d.client() as c:
+            tiers = {t.name: t for t in c.stats()["tiers"]}
+            assert tiers["device"].budget == 8 << 20 and tiers["device"].backend == "torch-cpu"
+            c.put("s", b"d" * 100_000, KVSpec.opaque("m"), num_tokens=1)
+            assert c.prefetch("s", "device") == "queued"
+            assert c.wait_ready("s", tier="device", timeout=10) == (True, "device")
+            assert c.wait_ready("s", tier="host", timeout=1) == (True, "device")  # faster than asked is ready
+            c.release("s")
+            import time
+
+            deadline = time.monotonic() + 10
+            while "device" in c.stat("s").tier_bytes:  # idle past --device-idle: back to host
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert c.get("s") == b"d" * 100_000
+    finally:
+        d.close()
