@@ -139,6 +139,23 @@ CASES = {
     "negative prefetch deadline": (lambda c, e, o, s: c.prefetch("kv", deadline_seconds=-1), InvalidArgument),
     "list with a huge limit": (lambda c, e, o, s: c.list_page(limit=1_000_000), InvalidArgument),
     "advise with no rate": (lambda c, e, o, s: c.advise("kv", 0), InvalidArgument),
+    "save with the wrong number of token ids": (lambda c, e, o, s: e.save("new", [0], 16, token_ids=[1, 2]),
+                                                InvalidArgument),
+    "token ids for an opaque put": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, 1, token_ids=[1]), InvalidArgument),
+    "lookup of an unknown session": (lambda c, e, o, s: c.lookup("nope", [1, 2]), NotFound),
+    "lookup with another identity": (lambda c, e, o, s: c.lookup("kv", [1, 2], OTHER), IdentityMismatch),
+    "lookup with negative token ids": (lambda c, e, o, s: c.lookup("kv", [-5]), InvalidArgument),
+    "save lease with a negative ttl": (lambda c, e, o, s: c.begin_save("new", SPEC, 16, ttl=-1), InvalidArgument),
+    "save lease with too few token ids": (lambda c, e, o, s: c.begin_save("new", SPEC, 16, token_ids=[1]),
+                                          InvalidArgument),
+    "save lease appending to nothing": (lambda c, e, o, s: c.begin_save("new", SPEC, 48, start_token=32), NotFound),
+    "commit of an unknown lease": (lambda c, e, o, s: c.commit_save("f" * 32), NotFound),
+    "abort of an unknown lease": (lambda c, e, o, s: c.abort_save("f" * 32), NotFound),
+    "end of an unknown lease": (lambda c, e, o, s: c.end_restore("f" * 32), NotFound),
+    "restore lease of more pages than stored": (lambda c, e, o, s: c.begin_restore("kv", num_pages=9),
+                                                InvalidArgument),
+    "restore lease with another identity": (lambda c, e, o, s: c.begin_restore("kv", OTHER), IdentityMismatch),
+    "restore lease of an opaque blob's missing session": (lambda c, e, o, s: c.begin_restore("nope"), NotFound),
 }
 
 

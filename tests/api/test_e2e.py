@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from tierd.client import KVSpec, SharedKVCache
+from tierd.client import Arena, KVSpec, NotFound, SharedKVCache
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 
@@ -131,3 +131,34 @@ def test_priority_is_kept_and_checked(daemon):
         with pytest.raises(InvalidArgument, match="priority"):
             c.put("vip", b"x", spec, num_tokens=1, priority=10_000)
         assert c.get("vip") == b"w" * 100
+
+
+def test_leases_save_and_restore_through_the_arena_across_kill_9(daemon):
+    """An engine with private KV memory: it copies pages into leased arena
+    slots itself, the daemon demotes them, and a restore lease brings them back
+    after the daemon was killed and restarted. Lookup matches the prompt."""
+    ids = np.random.default_rng(3).integers(0, 50_000, 70)
+    rng = np.random.default_rng(4)
+    arena = Arena()
+    with daemon.client() as c:
+        lease = c.begin_save("chat", SPEC, 70, token_ids=ids)
+        pages = arena.pages(lease)
+        for page in pages:
+            page[:] = rng.integers(0, 256, page.size, dtype=np.uint8)
+        want = [p.tobytes() for p in pages]
+        info = c.commit_save(lease)
+        assert (info.num_tokens, info.num_pages) == (70, 5)
+        c.release("chat")
+        _wait_tier(c, "chat", "disk")
+    daemon.kill()
+    daemon.start()
+    with daemon.client() as c:
+        edited = np.concatenate([ids[:40], [7, 7, 7], ids[43:]])
+        r = c.lookup("chat", edited, SPEC)
+        assert (r.num_tokens, r.num_pages, r.stored_tokens, r.tier) == (32, 2, 70, "disk")
+        held = c.begin_restore("chat", SPEC, num_pages=r.num_pages)
+        assert held.num_tokens == 32 and [p.tobytes() for p in arena.pages(held)] == want[:2]
+        c.end_restore(held)
+        with pytest.raises(NotFound):
+            c.end_restore(held)
+    arena.close()

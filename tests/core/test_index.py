@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import SPEC
-from tierd.core.index import DiskIndex, IndexFormatError, Row
+from tierd.core import tokens
+from tierd.core.index import SCHEMA, DiskIndex, IndexFormatError, Row
 from tierd.core.model import SessionKey
 from tierd.tiers.allocator import Piece
 
@@ -20,23 +21,54 @@ def sums(first, n):
     return np.arange(first, first + n, dtype=np.uint64) * 7919
 
 
+def hashes(first, n):
+    """Token hashes of pages [first, first + n): distinct, never the all-zero 'unknown'."""
+    return np.repeat(np.arange(first + 1, first + n + 1, dtype=np.uint8)[:, None], tokens.HASH_BYTES, axis=1)
+
+
+def piece(offset, nbytes, first, n, known=True):
+    return Piece(offset, nbytes, first, n), sums(first, n), hashes(first, n) if known else tokens.empty(n)
+
+
 def test_complete_state_is_recovered(tmp_path):
     idx = DiskIndex(str(tmp_path / "i.db"))
-    idx.add_pieces(K, [(Piece(0, 8192, 0, 2), sums(0, 2)), (Piece(65536, 4096, 2, 1), sums(2, 1))], row(3, 40))
+    idx.add_pieces(K, [piece(0, 8192, 0, 2), piece(65536, 4096, 2, 1)], row(3, 40))
     idx.close()
     (rec,), problems = DiskIndex(str(tmp_path / "i.db")).recover()
     assert problems == []
     assert rec.key == K and rec.row.num_tokens == 40 and rec.row.spec == SPEC
     assert [p.first_page for p in rec.pieces] == [0, 2]
     assert rec.checksums.tolist() == sums(0, 3).tolist()
+    assert rec.token_hashes.tolist() == hashes(0, 3).tolist()
+
+
+def test_pages_without_token_ids_recover_as_unknown(tmp_path):
+    idx = DiskIndex(str(tmp_path / "i.db"))
+    idx.add_pieces(K, [piece(0, 8192, 0, 2, known=False), piece(8192, 4096, 2, 1)], row(3))
+    (rec,), _ = idx.recover()
+    assert not rec.token_hashes[:2].any() and rec.token_hashes[2].tolist() == hashes(2, 1)[0].tolist()
+
+
+def test_a_format_1_index_is_upgraded_in_place(tmp_path):
+    path = str(tmp_path / "i.db")
+    db = sqlite3.connect(path)
+    db.executescript(SCHEMA.replace("    tokens BLOB NOT NULL DEFAULT x'',\n", ""))
+    db.execute("INSERT INTO meta VALUES ('format', '1')")
+    db.execute("INSERT INTO sessions VALUES ('t', 's', ?, 32, 2, ?, 1.0, 2.0, 0)", (SPEC.to_json(), 2 * SPEC.page_bytes))
+    db.execute("INSERT INTO pieces VALUES ('t', 's', 0, 2, 0, 8192, ?)", (sums(0, 2).astype("<u8").tobytes(),))
+    db.commit()
+    db.close()
+    (rec,), problems = DiskIndex(path).recover()
+    assert problems == [] and rec.checksums.tolist() == sums(0, 2).tolist() and not rec.token_hashes.any()
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "2"
 
 
 def test_pages_past_the_complete_state_are_reclaimed(tmp_path):
     idx = DiskIndex(str(tmp_path / "i.db"))
-    idx.add_pieces(K, [(Piece(0, 8192, 0, 2), sums(0, 2))], row(2))
+    idx.add_pieces(K, [piece(0, 8192, 0, 2)], row(2))
     # An append reached disk partly, then the process died: no row for 4 pages.
-    idx.add_pieces(K, [(Piece(8192, 8192, 2, 2), sums(2, 2))], None)
-    idx.add_pieces(SessionKey("t", "orphan"), [(Piece(16384, 4096, 0, 1), sums(0, 1))], None)
+    idx.add_pieces(K, [piece(8192, 8192, 2, 2)], None)
+    idx.add_pieces(SessionKey("t", "orphan"), [piece(16384, 4096, 0, 1)], None)
     (rec,), problems = idx.recover()
     assert rec.row.num_pages == 2 and len(rec.pieces) == 1
     assert len(problems) == 2
@@ -45,18 +77,19 @@ def test_pages_past_the_complete_state_are_reclaimed(tmp_path):
 
 def test_truncate_keeps_a_valid_prefix(tmp_path):
     idx = DiskIndex(str(tmp_path / "i.db"))
-    idx.add_pieces(K, [(Piece(0, 4 * 4096, 0, 4), sums(0, 4))], row(4))
+    idx.add_pieces(K, [piece(0, 4 * 4096, 0, 4)], row(4))
     idx.truncate(K, 3, row(3))
     (rec,), _ = idx.recover()
     assert rec.row.num_pages == 3 and rec.pieces[0].n_pages == 3
     assert rec.checksums.tolist() == sums(0, 3).tolist()
+    assert rec.token_hashes.tolist() == hashes(0, 3).tolist()
     idx.truncate(K, 0, None)
     assert idx.recover()[0] == [] and idx.count() == (0, 0)
 
 
 def test_missing_pieces_drop_the_session(tmp_path):
     idx = DiskIndex(str(tmp_path / "i.db"))
-    idx.add_pieces(K, [(Piece(0, 4096, 0, 1), sums(0, 1))], row(2))
+    idx.add_pieces(K, [piece(0, 4096, 0, 1)], row(2))
     recs, problems = idx.recover()
     assert recs == [] and "cover 1 of 2" in problems[0]
 

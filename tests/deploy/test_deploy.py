@@ -159,6 +159,6 @@ def test_an_index_of_another_format_is_refused_at_start(tmp_path):
     db.execute("UPDATE meta SET value='99' WHERE key='format'")
     db.commit()
     db.close()
-    with pytest.raises(RuntimeError, match="this tierd reads format 1; nothing was changed"):
+    with pytest.raises(RuntimeError, match="this tierd reads format 2; nothing was changed"):
         d.start()
     assert d.proc.returncode == 1

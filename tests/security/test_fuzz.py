@@ -20,6 +20,7 @@ ids = st.one_of(st.sampled_from(["s1", "s2", "missing", "", "..", "a/b", "a\x00b
                 st.text(max_size=40))
 u64 = st.one_of(st.integers(0, 64), st.sampled_from([2**31, 2**32 + 1, 2**63, 2**64 - 1]))
 i64 = st.one_of(st.integers(-5, 70), st.sampled_from([-(2**63), 2**63 - 1, 2**40]))
+ttls = st.one_of(st.floats(0.05, 2), st.floats(allow_nan=True, allow_infinity=True))
 tiers = st.one_of(st.sampled_from(["", "host", "disk", "device", "moon"]), st.text(max_size=8))
 specs = st.builds(pb.KVSpec, model_id=st.one_of(st.just("fuzz/model"), st.text(max_size=20)),
                   num_layers=st.integers(0, 5000), num_kv_heads=st.integers(0, 8), head_dim=st.integers(0, 300),
@@ -72,6 +73,15 @@ def requests(name, engine_id):
             segments=st.lists(st.builds(pb.Segment, region=st.integers(0, 3), offset=u64, stride=u64, nbytes=u64),
                               max_size=3)),
         "Get": st.builds(pb.GetRequest, session_id=ids, chunk_bytes=u64),
+        "Lookup": st.builds(pb.LookupRequest, session_id=ids, token_ids=st.lists(i64, max_size=40),
+                            spec=st.one_of(st.none(), specs)),
+        "BeginSave": st.builds(pb.BeginSaveRequest, session_id=ids, spec=specs, num_tokens=u64, start_token=u64,
+                               token_ids=st.lists(i64, max_size=40), ttl_seconds=ttls),
+        "BeginRestore": st.builds(pb.BeginRestoreRequest, session_id=ids, spec=st.one_of(st.none(), specs),
+                                  num_pages=u64, ttl_seconds=ttls),
+        "CommitSave": st.builds(pb.LeaseRequest, lease_id=st.text(max_size=40)),
+        "AbortSave": st.builds(pb.LeaseRequest, lease_id=st.text(max_size=40)),
+        "EndRestore": st.builds(pb.LeaseRequest, lease_id=st.text(max_size=40)),
         # a stream: header and chunks in any order and number, often cut short
         "Put": st.lists(st.one_of(st.builds(pb.PutRequest, header=header), st.builds(pb.PutRequest, chunk=chunk)),
                         max_size=4),
@@ -79,7 +89,8 @@ def requests(name, engine_id):
 
 
 RPCS = ["Stat", "Release", "Unpin", "Drop", "Prefetch", "WaitReady", "Advise", "List", "SetBudget", "Save",
-        "Restore", "RegisterEngine", "Get", "Put"]
+        "Restore", "RegisterEngine", "Get", "Put", "Lookup", "BeginSave", "CommitSave", "AbortSave", "BeginRestore",
+        "EndRestore"]
 
 
 def state(client):
@@ -103,7 +114,12 @@ def test_random_requests_never_crash_the_daemon_or_change_it_when_refused(world,
         elif name == "Get":
             list(stub.Get(request, timeout=10))
         else:
-            getattr(stub, name)(request, timeout=10)
+            reply = getattr(stub, name)(request, timeout=10)
+            # a lease granted holds space or a session: end it, as an engine would
+            if name == "BeginSave":
+                stub.AbortSave(pb.LeaseRequest(lease_id=reply.lease_id), timeout=10)
+            elif name == "BeginRestore":
+                stub.EndRestore(pb.LeaseRequest(lease_id=reply.lease_id), timeout=10)
     except grpc.RpcError as err:
         assert err.code() not in BAD_CODES, f"{name}: {err.code()} {err.details()}"
         if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:

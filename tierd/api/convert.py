@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierd.core.model import SessionInfo
+from tierd.core.store import Lease, LookupResult, Slot
 from tierd.errors import InvalidArgument
 from tierd.layout import KVSpec
 from tierd.v1 import tierd_pb2 as pb
@@ -46,3 +47,20 @@ def info_from_pb(msg: pb.SessionInfo) -> SessionInfo:
         state=msg.state, num_tokens=msg.num_tokens, size_bytes=msg.size_bytes, num_pages=msg.num_pages,
         durable=msg.durable, last_access=msg.last_access, created=msg.created, priority=msg.priority,
         pins=msg.pins, model_id=spec.model_id, fingerprint=msg.fingerprint, spec=spec)
+
+
+def lease_to_pb(lease: Lease) -> pb.Lease:
+    return pb.Lease(
+        lease_id=lease.lease_id, page_bytes=lease.page_bytes, page_stride=lease.page_stride,
+        first_page=lease.first_page, num_pages=lease.num_pages, num_tokens=lease.num_tokens, ttl_seconds=lease.ttl,
+        slots=[pb.Slot(shm_name=s.shm_name, offset=s.offset, first_page=s.first_page, num_pages=s.n_pages)
+               for s in lease.slots])
+
+
+def lease_from_pb(msg: pb.Lease) -> Lease:
+    return Lease(msg.lease_id, [Slot(s.shm_name, s.offset, s.first_page, s.num_pages) for s in msg.slots],
+                 msg.page_bytes, msg.page_stride, msg.first_page, msg.num_pages, msg.num_tokens, msg.ttl_seconds)
+
+
+def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
+    return LookupResult(msg.num_tokens, msg.num_pages, msg.stored_tokens, msg.tier or None)

@@ -22,11 +22,11 @@ import xxhash
 
 from tierd import __version__
 from tierd.api.auth import Authenticator, Caller
-from tierd.api.convert import info_to_pb, spec_from_pb
+from tierd.api.convert import info_to_pb, lease_to_pb, spec_from_pb
 from tierd.api.inflight import InflightBytes
 from tierd.api.status import ERROR_KEY, status_of
 from tierd.core.engines import EngineRegistry
-from tierd.core.store import Store, make_key
+from tierd.core.store import DEFAULT_LEASE_SECONDS, Store, make_key
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, TierdError
 from tierd.layout import EngineLayout, Segment
 from tierd.metrics import Metrics
@@ -121,7 +121,7 @@ class TierdServicer(pb_grpc.TierdServicer):
         with self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
             info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
                                    req.num_tokens, req.start_token, req.tier or None,
-                                   req.priority if req.HasField("priority") else None)
+                                   req.priority if req.HasField("priority") else None, _token_ids(req.token_ids))
         return info_to_pb(info)
 
     @_unary(blocking=True)
@@ -132,6 +132,44 @@ class TierdServicer(pb_grpc.TierdServicer):
             r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)
+
+    # -- leases and lookup ------------------------------------------------------------
+
+    @_unary(blocking=True)
+    def BeginSave(self, req: pb.BeginSaveRequest, caller: Caller) -> pb.Lease:
+        lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
+                                      req.start_token, _token_ids(req.token_ids),
+                                      req.priority if req.HasField("priority") else None,
+                                      req.ttl_seconds or DEFAULT_LEASE_SECONDS)
+        return lease_to_pb(lease)
+
+    @_unary(blocking=True)
+    def CommitSave(self, req: pb.LeaseRequest, caller: Caller) -> pb.SessionInfo:
+        return info_to_pb(self.store.commit_save(caller.tenant, req.lease_id))
+
+    @_unary(blocking=True)
+    def AbortSave(self, req: pb.LeaseRequest, caller: Caller) -> pb.Empty:
+        self.store.abort_save(caller.tenant, req.lease_id)
+        return pb.Empty()
+
+    @_unary(blocking=True)
+    def BeginRestore(self, req: pb.BeginRestoreRequest, caller: Caller) -> pb.Lease:
+        lease = self.store.begin_restore(make_key(caller.tenant, req.session_id),
+                                         spec_from_pb(req.spec) if req.HasField("spec") else None, req.num_pages,
+                                         req.ttl_seconds or DEFAULT_LEASE_SECONDS, _token_ids(req.token_ids))
+        return lease_to_pb(lease)
+
+    @_unary()
+    def EndRestore(self, req: pb.LeaseRequest, caller: Caller) -> pb.Empty:
+        self.store.end_restore(caller.tenant, req.lease_id)
+        return pb.Empty()
+
+    @_unary(blocking=True)
+    def Lookup(self, req: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
+        r = self.store.lookup(make_key(caller.tenant, req.session_id), np.asarray(req.token_ids, dtype=np.int64),
+                              spec_from_pb(req.spec) if req.HasField("spec") else None)
+        return pb.LookupResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, stored_tokens=r.stored_tokens,
+                                 tier=r.tier or "")
 
     # -- bytes ---------------------------------------------------------------------
 
@@ -150,7 +188,7 @@ class TierdServicer(pb_grpc.TierdServicer):
             with self.inflight.hold(caller.tenant, head.size):
                 job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
                                            _verified(chunks), head.priority if head.HasField("priority") else None,
-                                           head.start_token)
+                                           head.start_token, _token_ids(head.token_ids))
                 job.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if the client left
                 try:
                     async for msg in request_iterator:
@@ -273,6 +311,11 @@ class TierdServicer(pb_grpc.TierdServicer):
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
                                  recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)
+
+
+def _token_ids(field: Any) -> np.ndarray | None:
+    """A repeated token_ids field: None when empty (not known)."""
+    return np.asarray(field, dtype=np.int64) if len(field) else None
 
 
 async def _feed(chunks: queue.Queue, item: Any, job: asyncio.Future) -> None:

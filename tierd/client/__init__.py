@@ -3,9 +3,9 @@
 below, each carrying the daemon's message."""
 
 from tierd.client.calls import AsyncClient, AsyncEngine, Client, Engine, default_address
-from tierd.client.shm import SharedKVCache
+from tierd.client.shm import Arena, SharedKVCache
 from tierd.core.model import SessionInfo
-from tierd.core.store import RestoreResult
+from tierd.core.store import Lease, LookupResult, RestoreResult
 from tierd.errors import (
     DataLoss,
     FailedPrecondition,
@@ -21,6 +21,7 @@ from tierd.errors import (
 from tierd.layout import KVSpec
 
 __all__ = [
+    "Arena",
     "AsyncClient",
     "AsyncEngine",
     "Client",
@@ -30,6 +31,8 @@ __all__ = [
     "IdentityMismatch",
     "InvalidArgument",
     "KVSpec",
+    "Lease",
+    "LookupResult",
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",

@@ -12,11 +12,11 @@ import grpc
 import numpy as np
 import xxhash
 
-from tierd.api.convert import info_from_pb, spec_to_pb
+from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, spec_to_pb
 from tierd.api.status import from_rpc_error
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
-from tierd.core.store import BudgetResult, RestoreResult
+from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
 from tierd.errors import DataLoss, InvalidArgument
 from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import Advice
@@ -65,10 +65,11 @@ def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None]:
 
 
 def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
-                  priority: int | None, start_token: int) -> Iterator[pb.PutRequest]:
+                  priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest]:
     view = as_bytes(data)
     yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
-                                            size=len(view), priority=priority, start_token=start_token))
+                                            size=len(view), priority=priority, start_token=start_token,
+                                            token_ids=_ids(token_ids)))
     for i in range(0, len(view), chunk):
         part = view[i : i + chunk]
         yield pb.PutRequest(chunk=pb.Chunk(data=bytes(part), xxh3=xxhash.xxh3_64_intdigest(part)))
@@ -79,6 +80,16 @@ def _chunk(msg: pb.GetResponse, n: int) -> bytes:
     if msg.chunk.xxh3 and xxhash.xxh3_64_intdigest(data) != msg.chunk.xxh3:
         raise DataLoss(f"chunk {n} of the Get stream arrived damaged (checksum mismatch)")
     return data
+
+
+def _ids(token_ids: Any) -> list[int] | None:
+    if token_ids is None:
+        return None
+    return token_ids.tolist() if isinstance(token_ids, np.ndarray) else [int(t) for t in token_ids]
+
+
+def _lease(lease: Lease | str) -> pb.LeaseRequest:
+    return pb.LeaseRequest(lease_id=lease if isinstance(lease, str) else lease.lease_id)
 
 
 def _restore(r: pb.RestoreResponse) -> RestoreResult:
@@ -122,6 +133,43 @@ class _Calls:
         """Wait until the whole session is in `tier` or faster: (ready, tier it is in)."""
         req = pb.WaitReadyRequest(session_id=session_id, tier=tier, timeout_seconds=timeout)
         return self._call("WaitReady", req, lambda r: (r.ready, r.tier or None), timeout=timeout + 10)
+
+    def lookup(self, session_id: str, token_ids: Any, spec: KVSpec | None = None) -> LookupResult:
+        """How many leading tokens of a prompt (its token ids) the session's
+        snapshot supplies; with spec, another identity is FAILED_PRECONDITION."""
+        req = pb.LookupRequest(session_id=session_id, token_ids=_ids(token_ids),
+                               spec=spec_to_pb(spec) if spec is not None else None)
+        return self._call("Lookup", req, lookup_from_pb)
+
+    def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
+                   token_ids: Any = None, priority: int | None = None, ttl: float = 0.0) -> Lease:
+        """Slots in the host arena for the pages of tokens [start_token,
+        num_tokens): write them (Arena.runs), then commit_save or abort_save."""
+        req = pb.BeginSaveRequest(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
+                                  start_token=start_token, token_ids=_ids(token_ids), priority=priority,
+                                  ttl_seconds=ttl)
+        return self._call("BeginSave", req, lease_from_pb)
+
+    def commit_save(self, lease: Lease | str) -> SessionInfo:
+        """Publish the pages written into a save lease."""
+        return self._call("CommitSave", _lease(lease), info_from_pb)
+
+    def abort_save(self, lease: Lease | str) -> None:
+        return self._call("AbortSave", _lease(lease), lambda r: None)
+
+    def begin_restore(self, session_id: str, spec: KVSpec | None = None, num_pages: int = 0,
+                      ttl: float = 0.0, token_ids: Any = None) -> Lease:
+        """The first num_pages pages (0: all), brought to the host arena and
+        held there: read them (Arena.runs), then end_restore. With token_ids
+        (the prompt), pages holding other tokens are FAILED_PRECONDITION."""
+        req = pb.BeginRestoreRequest(session_id=session_id, spec=spec_to_pb(spec) if spec is not None else None,
+                                     num_pages=num_pages, ttl_seconds=ttl, token_ids=_ids(token_ids))
+        return self._call("BeginRestore", req, lease_from_pb)
+
+    def end_restore(self, lease: Lease | str) -> None:
+        """Let the pages move again. NotFound if the lease expired before: what
+        was read may be wrong, recompute it."""
+        return self._call("EndRestore", _lease(lease), lambda r: None)
 
     def release(self, session_id: str) -> SessionInfo:
         """The engine is done with the session for now: its idle clock starts."""
@@ -186,11 +234,13 @@ class _EngineCalls:
         self.spec = spec
 
     def save(self, session_id: str, block_ids: Any, num_tokens: int, start_token: int = 0,
-             tier: str = "", priority: int | None = None) -> SessionInfo:
+             tier: str = "", priority: int | None = None, token_ids: Any = None) -> SessionInfo:
         """Gather the blocks holding tokens [start_token, num_tokens) into the session.
-        `priority` weighs eviction: each step counts as a minute of recency."""
+        `priority` weighs eviction: each step counts as a minute of recency;
+        `token_ids` (of tokens [0, num_tokens)) lets lookup() match later prompts."""
         req = pb.SaveRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids],
-                             num_tokens=num_tokens, start_token=start_token, tier=tier, priority=priority)
+                             num_tokens=num_tokens, start_token=start_token, tier=tier, priority=priority,
+                             token_ids=_ids(token_ids))
         return self.client._call("Save", req, info_from_pb)
 
     def restore(self, session_id: str, block_ids: Any) -> RestoreResult:
@@ -282,12 +332,12 @@ class Client(_Calls):
                 return out
 
     def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-            priority: int | None = None, start_token: int = 0) -> SessionInfo:
+            priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
         """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
         with start_token (KV specs), the bytes are the pages from there on, appended."""
         try:
             reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
-                                                 start_token),
+                                                 start_token, token_ids),
                                    timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
@@ -356,10 +406,10 @@ class AsyncClient(_Calls):
                 return out
 
     async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-                  priority: int | None = None, start_token: int = 0) -> SessionInfo:
+                  priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
         try:
             reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
-                                                       start_token),
+                                                       start_token, token_ids),
                                          timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

@@ -69,3 +69,53 @@ class SharedKVCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Arena:
+    """The daemon's host arena as an engine on the same machine sees it: the
+    slabs a lease names, mapped read-write, with numpy views of leased pages.
+    A slab replaced by a restarted daemon is mapped anew."""
+
+    def __init__(self, shm_dir: str = SHM_DIR) -> None:
+        self.shm_dir = shm_dir
+        self._maps: dict[str, tuple[int, mmap.mmap, np.ndarray]] = {}
+
+    def _slab(self, name: str) -> np.ndarray:
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"not a slab name: {name!r}")
+        path = os.path.join(self.shm_dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            have = self._maps.get(name)
+            if have is not None and have[0] == st.st_ino:
+                return have[2]
+            m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._maps[name] = (st.st_ino, m, np.frombuffer(m, dtype=np.uint8))
+        return self._maps[name][2]
+
+    def runs(self, lease: object) -> list[tuple[int, np.ndarray]]:
+        """(first page, uint8 array [pages, page_bytes]) for each run of leased
+        pages: views into the arena, written by a save lease's holder before
+        commit, read by a restore lease's holder before it ends."""
+        out = []
+        stride, nbytes = lease.page_stride, lease.page_bytes  # type: ignore[attr-defined]
+        for slot in lease.slots:  # type: ignore[attr-defined]
+            slab = self._slab(slot.shm_name)
+            rows = slab[slot.offset : slot.offset + slot.n_pages * stride].reshape(slot.n_pages, stride)
+            out.append((slot.first_page, rows[:, :nbytes]))
+        return out
+
+    def pages(self, lease: object) -> list[np.ndarray]:
+        """One uint8 view per leased page, in page order."""
+        return [row for _, rows in self.runs(lease) for row in rows]
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        for _, m, _ in maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it

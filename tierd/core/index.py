@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierd.core import tokens
 from tierd.core.model import SessionKey
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
@@ -44,11 +45,12 @@ CREATE TABLE IF NOT EXISTS pieces (
     offset INTEGER NOT NULL,
     alloc_bytes INTEGER NOT NULL,
     checksums BLOB NOT NULL,
+    tokens BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (tenant, session_id, first_page)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: pieces record the token hashes of their pages (empty: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class Recovered:
     row: Row
     pieces: list[Piece]
     checksums: np.ndarray
+    token_hashes: np.ndarray
 
 
 class IndexFormatError(RuntimeError):
@@ -85,6 +88,9 @@ class DiskIndex:
         found = self._db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
         if found is None:
             self._db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT_VERSION,))
+        elif found[0] == "1":
+            self._tx([("ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''", ()),
+                      ("UPDATE meta SET value=? WHERE key='format'", (FORMAT_VERSION,))])
         elif found[0] != FORMAT_VERSION:
             self._db.close()
             raise IndexFormatError(f"the index {path} has format {found[0]}; this tierd reads format {FORMAT_VERSION}")
@@ -113,13 +119,16 @@ class DiskIndex:
              row.created, row.last_access, row.priority),
         )
 
-    def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray]], row: Row | None) -> None:
-        """Record pieces already written and synced; with row, mark a complete state."""
+    def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
+                   row: Row | None) -> None:
+        """Record pieces already written and synced, with their pages' checksums
+        and token hashes; with row, mark a complete state."""
         stmts = [
-            ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?)",
+            ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
              (key.tenant, key.session_id, p.first_page, p.n_pages, p.offset, p.alloc_bytes,
-              np.ascontiguousarray(sums, dtype="<u8").tobytes()))
-            for p, sums in pieces
+              np.ascontiguousarray(sums, dtype="<u8").tobytes(),
+              np.ascontiguousarray(hashes, dtype=np.uint8).tobytes() if hashes.any() else b""))
+            for p, sums, hashes in pieces
         ]
         if row is not None:
             stmts.append(self._row_stmt(key, row))
@@ -133,12 +142,13 @@ class DiskIndex:
         ]
         with self._lock:
             cut = self._db.execute(
-                "SELECT first_page, checksums FROM pieces WHERE tenant=? AND session_id=? AND first_page<? "
-                "AND first_page+n_pages>?", (*key, n_pages, n_pages)).fetchall()
-        for first, blob in cut:
+                "SELECT first_page, checksums, tokens FROM pieces WHERE tenant=? AND session_id=? "
+                "AND first_page<? AND first_page+n_pages>?", (*key, n_pages, n_pages)).fetchall()
+        for first, blob, hashes in cut:
             stmts.append((
-                "UPDATE pieces SET n_pages=?, checksums=? WHERE tenant=? AND session_id=? AND first_page=?",
-                (n_pages - first, blob[: 8 * (n_pages - first)], *key, first),
+                "UPDATE pieces SET n_pages=?, checksums=?, tokens=? WHERE tenant=? AND session_id=? AND first_page=?",
+                (n_pages - first, blob[: 8 * (n_pages - first)], hashes[: tokens.HASH_BYTES * (n_pages - first)],
+                 *key, first),
             ))
         if row is None:
             stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
@@ -159,7 +169,7 @@ class DiskIndex:
         with self._lock:
             rows = self._db.execute("SELECT * FROM sessions").fetchall()
             all_pieces = self._db.execute(
-                "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums FROM pieces "
+                "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums, tokens FROM pieces "
                 "ORDER BY tenant, session_id, first_page").fetchall()
         by_key: dict[SessionKey, list[tuple]] = {}
         for rec in all_pieces:
@@ -180,18 +190,21 @@ class DiskIndex:
             row = Row(spec, r[3], r[4], r[5], r[6], r[7], r[8])
             recs = by_key.get(key, [])
             pieces, sums, covered = [], np.empty(row.num_pages, dtype=np.uint64), 0
-            for first, n, offset, alloc, blob in recs:
+            hashes = tokens.empty(row.num_pages)
+            for first, n, offset, alloc, blob, token_blob in recs:
                 if first != covered or covered >= row.num_pages:
                     break
                 keep = min(n, row.num_pages - first)
                 pieces.append(Piece(offset, alloc, first, keep))
                 sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
+                if len(token_blob) == tokens.HASH_BYTES * n:
+                    hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]
                 covered += keep
             if covered != row.num_pages:
                 problems.append(f"{key}: pieces cover {covered} of {row.num_pages} pages; dropped")
                 broken.append(key)
                 continue
-            rec = Recovered(key, row, pieces, sums)
+            rec = Recovered(key, row, pieces, sums, hashes)
             out.append(rec)
             if any(first + n > row.num_pages for first, n, *_ in recs):
                 trims.append(rec)

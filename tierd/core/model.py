@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from tierd.core import tokens
 from tierd.layout import KVSpec
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
@@ -41,6 +42,7 @@ class Snapshot:
     checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
     placement: dict[str, list[Piece]] = field(default_factory=dict)
     version: int = 0  # bumped whenever the content changes
+    token_hashes: np.ndarray = field(default_factory=tokens.empty)  # a chained hash per page (tokens.py)
 
     @property
     def n_pages(self) -> int:
@@ -136,6 +138,7 @@ class Snapshot:
                     kept.append(p)
             self.placement[tier] = kept
         self.checksums = self.checksums[:n_pages].copy()
+        self.token_hashes = self.token_hashes[:n_pages].copy()
         self.nbytes = min(self.nbytes, n_pages * self.spec.page_bytes)
         self.num_tokens = 0 if n_pages == 0 else min(self.num_tokens, n_pages * self.spec.block_tokens)
         return freed

@@ -92,7 +92,7 @@ class Placement:
         missing = snap.missing([t for t in TIER_ORDER if tier_rank(t) <= tier_rank(target)])
         if not missing:
             return 0
-        return self._copy_in(session, target, missing, klass, "prefetch")
+        return self.copy_in(session, target, missing, klass, "prefetch")
 
     def demote(self, session: Session, target: str, klass: Priority, reason: str) -> None:
         """Leave no page faster than `target`: copy the faster pages that
@@ -106,14 +106,14 @@ class Placement:
         else:
             missing = snap.missing([target], among=faster)
             if missing:
-                self._copy_in(session, target, missing, klass, reason)
+                self.copy_in(session, target, missing, klass, reason)
         with self.lock:
             dropped = {t: snap.remove_tier(t) for t in faster}
         for t, pieces in dropped.items():
             self.free(t, pieces)
             self.events.evicted(t, reason)
 
-    def _copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], klass: Priority,
+    def copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], klass: Priority,
                  reason: str) -> int:
         snap = session.snap
         geom = snap.geometry
@@ -167,7 +167,8 @@ class Placement:
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
                   session.priority)
         try:
-            self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages])
+            self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],
+                                                 snap.token_hashes[p.first_page : p.first_page + p.n_pages])
                                                 for p in pieces], row)
         except BaseException:
             self.free("disk", pieces)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.clock import Clock, SystemClock
+from tierd.core import tokens
 from tierd.core.events import NullEvents, StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.model import Session, SessionInfo, SessionKey, Snapshot, TierStats
@@ -35,6 +37,7 @@ from tierd.errors import (
     NotFound,
     ResourceExhausted,
     TierdError,
+    Unavailable,
 )
 from tierd.layout import KVSpec
 from tierd.policy import (
@@ -59,6 +62,8 @@ _ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}$")
 # Used by advise() until a route has been measured (bytes/s).
 DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
 MAX_PRIORITY = 1000
+DEFAULT_LEASE_SECONDS = 60.0
+MAX_LEASE_SECONDS = 3600.0
 
 
 def check_id(name: str, value: object) -> str:
@@ -89,6 +94,66 @@ class RestoreResult:
     num_pages: int
     source_tier: str
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_tokens: int     # leading tokens of the request the snapshot supplies
+    num_pages: int      # the pages that hold them
+    stored_tokens: int  # tokens in the snapshot
+    tier: str | None    # the slowest tier those pages are read from
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Pages [first_page, first_page + n_pages) at offset in the host arena's
+    slab shm_name (a file in /dev/shm), one every page_stride bytes."""
+
+    shm_name: str
+    offset: int
+    first_page: int
+    n_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    slots: list[Slot]
+    page_bytes: int
+    page_stride: int
+    first_page: int
+    num_pages: int
+    num_tokens: int
+    ttl: float
+
+
+@dataclass(eq=False)
+class _Lease:
+    what = "lease"
+    lease_id: str
+    key: SessionKey
+    expires: float
+
+
+@dataclass(eq=False)
+class _SaveLease(_Lease):
+    what = "save"
+    spec: KVSpec
+    first_page: int
+    pieces: list
+    num_tokens: int
+    hashes: np.ndarray | None
+    priority: int | None
+    started: float
+
+
+@dataclass(eq=False)
+class _RestoreLease(_Lease):
+    what = "restore"
+    lock: threading.Lock
+    source: str
+    nbytes: int
+    started: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +188,7 @@ class Store:
         self.placement.make_room = self._make_room
         self.placement.quota = self.policy.quota
         self._per_tenant: dict[str, int] = {}  # sessions held by each tenant
+        self._leases: dict[str, _Lease] = {}
         self.recovery_problems = self._recover() if index is not None else []
         self.mover = Mover(self._run_job, movers)
         self._closed = False
@@ -144,7 +210,8 @@ class Store:
         disk.reserve([(p, rec.key.tenant) for rec in kept for p in rec.pieces])
         now = self.clock.now()
         for rec in kept:
-            snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces})
+            snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces},
+                            token_hashes=rec.token_hashes)
             session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
                               priority=rec.row.priority, row=rec.row, row_version=snap.version)
             self._sessions[rec.key] = session
@@ -222,9 +289,23 @@ class Store:
             raise InvalidArgument("opaque snapshots are replaced whole: start_token must be 0", field="start_token")
         return start_token // bt
 
-    def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int) -> None:
+    @classmethod
+    def _check_blocks_range(cls, spec: KVSpec, start_token: int, num_tokens: int) -> int:
+        """Tokens [start_token, num_tokens) of a KV spec, in whole pages from
+        start_token: returns the first page."""
+        if spec.is_opaque:
+            raise InvalidArgument("an opaque spec has no blocks: use put", field="spec")
+        first_page = cls._check_start(spec, start_token)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= start_token:
+            raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}), "
+                                  f"got {num_tokens!r}", field="num_tokens", value=num_tokens)
+        return first_page
+
+    def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int,
+                      hashes: np.ndarray | None = None) -> None:
         """A store from start_token > 0 extends an existing snapshot of the same
-        identity; a new session must fit the tenant's session quota."""
+        identity (and, with token hashes, of the same tokens before start_token);
+        a new session must fit the tenant's session quota."""
         limit = self.policy.tenant_sessions
         if session is None and limit and self._per_tenant.get(key.tenant, 0) >= limit:
             raise ResourceExhausted(f"tenant {key.tenant!r} may hold {limit} sessions; drop some first",
@@ -239,6 +320,10 @@ class Store:
         if start_token > session.snap.num_tokens:
             raise FailedPrecondition(f"start_token {start_token} is past the {session.snap.num_tokens} tokens stored",
                                      field="start_token", have=session.snap.num_tokens)
+        kept = session.snap.token_hashes[: start_token // spec.block_tokens]
+        if hashes is not None and tokens.known(kept) and not np.array_equal(kept, hashes[: len(kept)]):
+            raise FailedPrecondition(f"session {key.session_id!r} holds other tokens before start_token {start_token}: "
+                                     "store it from token 0", field="token_ids")
 
     @staticmethod
     def _check_blocks(block_ids: Iterable[int], num_blocks: int) -> np.ndarray:
@@ -257,6 +342,15 @@ class Store:
             raise InvalidArgument("block ids repeat: each block can hold one page", field="block_ids")
         return ids
 
+    @staticmethod
+    def _token_hashes(spec: KVSpec, token_ids: Iterable[int] | None, num_tokens: int) -> np.ndarray | None:
+        """The page hashes of a store's token ids (tokens [0, num_tokens)), if given."""
+        if token_ids is None:
+            return None
+        if spec.is_opaque:
+            raise InvalidArgument("opaque snapshots have no tokens: give no token ids", field="token_ids")
+        return tokens.chain(tokens.check_ids(token_ids, num_tokens), spec.block_tokens)
+
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
         return SessionInfo(
@@ -268,8 +362,9 @@ class Store:
 
     def _publish(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                  first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
-                 nbytes: int, priority: int | None) -> Session:
-        """Complete a store: replace pages from first_page on with the new ones."""
+                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None) -> Session:
+        """Complete a store: replace pages from first_page on with the new ones
+        (hashes: the token hashes of every page, if known)."""
         freed = self.placement.truncate(session, first_page) if session is not None else []
         now = self.clock.now()
         with self._changed:
@@ -281,6 +376,9 @@ class Store:
             if first_page == 0:
                 snap.spec = spec
                 session.damaged = False
+            kept = snap.token_hashes[:first_page]
+            new = hashes[first_page:] if hashes is not None and tokens.known(kept) else tokens.empty(len(sums))
+            snap.token_hashes = np.concatenate([kept, new])
             snap.checksums = np.concatenate([snap.checksums[:first_page], sums])
             snap.add_pieces(tier, pieces)
             snap.num_tokens, snap.nbytes = num_tokens, nbytes
@@ -297,21 +395,18 @@ class Store:
 
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
              num_tokens: int, start_token: int = 0, tier: str | None = None,
-             priority: int | None = None) -> SessionInfo:
+             priority: int | None = None, token_ids: Iterable[int] | None = None) -> SessionInfo:
         """Gather engine blocks holding tokens [start_token, num_tokens) into the
         session's snapshot, replacing what it held from start_token on. The new
         pages land in `tier` (default: device for GPU engines, else host);
-        `priority` sets the session's eviction weight."""
+        `priority` sets the session's eviction weight; `token_ids` (those
+        tokens' ids) lets lookup() match later prompts against the pages."""
         _check_priority(priority)
         if tier is not None and (tier not in self.tiers or tier == "disk"):
             raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {tier!r}", field="tier")
-        if spec.is_opaque:
-            raise InvalidArgument("an opaque spec has no blocks: use put", field="spec")
-        first_page = self._check_start(spec, start_token)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= start_token:
-            raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}), "
-                                  f"got {num_tokens!r}", field="num_tokens", value=num_tokens)
+        first_page = self._check_blocks_range(spec, start_token, num_tokens)
         ids = self._check_blocks(block_ids, engine.layout.num_blocks)
+        tok = self._token_hashes(spec, token_ids, num_tokens)
         n_pages = spec.pages_for_tokens(num_tokens)
         if ids.size != n_pages - first_page:
             raise InvalidArgument(
@@ -319,7 +414,7 @@ class Store:
                 f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
         lock, session = self._acquire(key)
         try:
-            self._check_append(key, session, spec, start_token)
+            self._check_append(key, session, spec, start_token, tok)
             tier = tier or self._landing(engine)
             geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
             t0 = time.perf_counter()
@@ -332,7 +427,7 @@ class Store:
                 self.placement.free(tier, pieces)
                 raise
             session = self._publish(key, lock, session, spec, first_page, pieces, tier, sums, num_tokens,
-                                    n_pages * spec.page_bytes, priority)
+                                    n_pages * spec.page_bytes, priority, tok)
             self.events.saved(tier, ids.size * spec.page_bytes, time.perf_counter() - t0)
             return self._info(session)
         finally:
@@ -371,10 +466,10 @@ class Store:
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
             chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
-            start_token: int = 0) -> SessionInfo:
+            start_token: int = 0, token_ids: Iterable[int] | None = None) -> SessionInfo:
         """Store a snapshot sent as bytes: the pages from start_token on (KV
-        specs; 0 replaces the whole snapshot). Nothing is visible unless exactly
-        nbytes arrive."""
+        specs; 0 replaces the whole snapshot), with their token ids if given.
+        Nothing is visible unless exactly nbytes arrive."""
         _check_priority(priority)
         first_page = self._check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
@@ -394,6 +489,7 @@ class Store:
                     f"tokens [{start_token}, {num_tokens}) in blocks of {spec.block_tokens} take {want} bytes "
                     f"for this spec, not {nbytes}", field="size", want=want, got=nbytes)
             last = spec.page_bytes
+        tok = self._token_hashes(spec, token_ids, num_tokens)
         tier_budget = self.tiers["host"].budget
         if nbytes > tier_budget:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
@@ -401,7 +497,7 @@ class Store:
         geom = Geometry(spec.page_bytes, n_pages, last)
         lock, session = self._acquire(key)
         try:
-            self._check_append(key, session, spec, start_token)
+            self._check_append(key, session, spec, start_token, tok)
             t0 = time.perf_counter()
             pieces = self.placement.alloc("host", [(first_page, n_pages - first_page)], geom.stride, key,
                                           Priority.DEMAND)
@@ -416,7 +512,7 @@ class Store:
                 self.placement.free("host", pieces)
                 raise
             session = self._publish(key, lock, session, spec, first_page, pieces, "host", sums, num_tokens,
-                                    (first_page * spec.page_bytes) + nbytes, priority)
+                                    (first_page * spec.page_bytes) + nbytes, priority, tok)
             self.events.saved("host", nbytes, time.perf_counter() - t0)
             return self._info(session)
         finally:
@@ -452,6 +548,180 @@ class Store:
         with self._lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
+
+    # -- token lookup -----------------------------------------------------------------
+
+    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None) -> LookupResult:
+        """How many leading tokens of a request (its token ids) the snapshot
+        supplies: whole pages whose chained token hashes match. With spec, a
+        snapshot of another identity is refused."""
+        request = tokens.check_ids(token_ids)
+        session = self._get(key)
+        with self._lock:
+            snap = session.snap
+            if spec is not None:
+                self._check_identity(session, spec)
+            hashes, stored, damaged = snap.token_hashes, snap.num_tokens, session.damaged
+            bt = snap.spec.block_tokens
+        pages = 0 if damaged or snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request)
+        with self._lock:
+            spans = [sp for sp in snap.best_spans() if sp.first_page < pages] if pages else []
+        return LookupResult(min(pages * bt, stored), pages, stored,
+                            max((sp.tier for sp in spans), key=tier_rank) if spans else None)
+
+    # -- leases: the engine copies pages in and out of the host arena itself ----------
+
+    def _check_ttl(self, ttl: float) -> float:
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl <= MAX_LEASE_SECONDS:
+            raise InvalidArgument(f"a lease lasts more than 0 and at most {MAX_LEASE_SECONDS:g} seconds, got {ttl!r}",
+                                  field="ttl_seconds", value=ttl)
+        return float(ttl)
+
+    def _slots(self, pieces: list, stride: int, lo: int = 0, hi: int | None = None) -> list[Slot]:
+        """Where pages [lo, hi) of these host pieces lie in the arena's slabs."""
+        host = self.tiers["host"]
+        out = []
+        for p in pieces:
+            first, last = max(p.first_page, lo), min(p.first_page + p.n_pages, hi if hi is not None else 1 << 62)
+            if first < last:
+                name, off = host.where(p.offset + (first - p.first_page) * stride, (last - first) * stride)
+                out.append(Slot(name, off, first, last - first))
+        return out
+
+    def _take_lease(self, tenant: str, lease_id: str, kind: type) -> _Lease:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.key.tenant != tenant or not isinstance(lease, kind):
+                raise NotFound(f"no open {kind.what} lease {lease_id!r}: it ended, expired or never was",
+                               lease_id=lease_id)
+            del self._leases[lease_id]
+        return lease
+
+    def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
+                   token_ids: Iterable[int] | None = None, priority: int | None = None,
+                   ttl: float = DEFAULT_LEASE_SECONDS) -> Lease:
+        """Host-arena slots for pages [start_token // block_tokens, pages for
+        num_tokens): the engine writes each page's bytes there, then calls
+        commit_save (or abort_save). Nothing is visible before the commit."""
+        _check_priority(priority)
+        ttl = self._check_ttl(ttl)
+        first_page = self._check_blocks_range(spec, start_token, num_tokens)
+        tok = self._token_hashes(spec, token_ids, num_tokens)
+        n_pages = spec.pages_for_tokens(num_tokens)
+        geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
+        lock, session = self._acquire(key)
+        try:
+            self._check_append(key, session, spec, start_token, tok)
+            pieces = self.placement.alloc("host", [(first_page, n_pages - first_page)], geom.stride, key,
+                                          Priority.DEMAND)
+        finally:
+            lock.release()
+        lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, spec, first_page, pieces,
+                           num_tokens, tok, priority, time.perf_counter())
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+        return Lease(lease.lease_id, self._slots(pieces, geom.stride), spec.page_bytes, geom.stride,
+                     first_page, n_pages - first_page, num_tokens, ttl)
+
+    def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
+        """Take the checksums of the leased pages and publish them."""
+        lease = self._take_lease(tenant, lease_id, _SaveLease)
+        key, spec = lease.key, lease.spec
+        n_pages = spec.pages_for_tokens(lease.num_tokens)
+        geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
+        spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in lease.pieces]
+        lock, session = self._acquire(key)
+        try:
+            try:
+                self._check_append(key, session, spec, lease.first_page * spec.block_tokens, lease.hashes)
+                sums = self.copier.checksums(spans, geom)
+            except BaseException:
+                self.placement.free("host", lease.pieces)
+                raise
+            session = self._publish(key, lock, session, spec, lease.first_page, lease.pieces, "host", sums,
+                                    lease.num_tokens, n_pages * spec.page_bytes, lease.priority, lease.hashes)
+            self.events.saved("host", (n_pages - lease.first_page) * spec.page_bytes,
+                              time.perf_counter() - lease.started)
+            return self._info(session)
+        finally:
+            lock.release()
+
+    def abort_save(self, tenant: str, lease_id: str) -> None:
+        lease = self._take_lease(tenant, lease_id, _SaveLease)
+        self.placement.free("host", lease.pieces)
+
+    def begin_restore(self, key: SessionKey, spec: KVSpec | None = None, num_pages: int = 0,
+                      ttl: float = DEFAULT_LEASE_SECONDS, token_ids: Iterable[int] | None = None) -> Lease:
+        """Bring the snapshot's first num_pages pages (0: all) into the host
+        arena if they are not there (waiting for a move in flight first),
+        hold them there, and hand out their slots; end_restore lets them move
+        again. With token_ids (the request's prompt), pages that hold other
+        tokens are refused: the snapshot changed since the lookup."""
+        ttl = self._check_ttl(ttl)
+        request = tokens.check_ids(token_ids) if token_ids is not None else None
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidArgument(f"num_pages must be a non-negative integer, got {num_pages!r}", field="num_pages")
+        lock, session = self._acquire(key)
+        try:
+            if session is None:
+                raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+            if session.damaged:
+                raise DataLoss(f"session {key.session_id!r} is damaged and cannot be restored",
+                               session_id=key.session_id)
+            if spec is not None:
+                self._check_identity(session, spec)
+            snap = session.snap
+            n = num_pages or snap.n_pages
+            if not 0 < n <= snap.n_pages:
+                raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; ask for 1 to {snap.n_pages}, "
+                                      f"not {num_pages}", field="num_pages", have=snap.n_pages)
+            bt = snap.spec.block_tokens
+            if request is not None and tokens.matched_pages(snap.token_hashes[:n], snap.num_tokens, bt, request) < n:
+                raise FailedPrecondition(f"the first {n} pages of session {key.session_id!r} hold other tokens than "
+                                         "the request's: look it up again", field="token_ids")
+            started = time.perf_counter()
+            spans = [sp for sp in snap.best_spans() if sp.first_page < n]
+            source = max((sp.tier for sp in spans), key=tier_rank)
+            missing = [(f, min(c, n - f)) for f, c in snap.missing(["host"]) if f < n]
+            if missing:
+                self.placement.copy_in(session, "host", missing, Priority.DEMAND, "restore")
+            lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, lock, source,
+                                  n * snap.spec.page_bytes, started)
+            with self._lock:
+                session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+                self._leases[lease.lease_id] = lease
+            lock = None  # the lease holds it now
+            return Lease(lease.lease_id, self._slots(snap.pieces("host"), snap.geometry.stride, 0, n),
+                         snap.spec.page_bytes, snap.geometry.stride, 0, n,
+                         min(snap.num_tokens, n * snap.spec.block_tokens), ttl)
+        except OSError as exc:
+            raise self.placement.io_failed("read", exc, key) from None
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def end_restore(self, tenant: str, lease_id: str) -> None:
+        """The engine has read its pages; they may move again. A lease that
+        expired first is NOT_FOUND: what the engine read may be wrong."""
+        lease = self._take_lease(tenant, lease_id, _RestoreLease)
+        lease.lock.release()
+        self.events.restored(lease.source, lease.nbytes, time.perf_counter() - lease.started)
+
+    def expire_leases(self, everything: bool = False) -> int:
+        """End leases past their time (or all): save slots return to the arena,
+        held sessions may move again. Returns how many ended."""
+        now = self.clock.now()
+        with self._lock:
+            gone = [lease for lease in self._leases.values() if everything or lease.expires <= now]
+            for lease in gone:
+                del self._leases[lease.lease_id]
+        for lease in gone:
+            log.warning("a %s lease on %s/%s expired", lease.what, *lease.key)
+            if isinstance(lease, _SaveLease):
+                self.placement.free("host", lease.pieces)
+            else:
+                lease.lock.release()
+        return len(gone)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -638,6 +908,7 @@ class Store:
     def tick(self) -> list[Move]:
         """Apply policy once: queue due demotions, write-backs and drops; let
         the tiers do their housekeeping."""
+        self.expire_leases()
         for tier in self.tiers.values():
             tier.maintain()
         now = self.clock.now()
@@ -770,6 +1041,7 @@ class Store:
             return
         self._closed = True
         self.mover.close()
+        self.expire_leases(everything=True)
         if flush and self.index is not None:
             for session in list(self._sessions.values()):
                 with session.op:

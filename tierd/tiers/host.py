@@ -64,6 +64,13 @@ class HostTier(SlabTier):
     def slab_name(self, index: int) -> str:
         return f"{self.prefix}.{index}"
 
+    def where(self, offset: int, nbytes: int) -> tuple[str, int]:
+        """The slab name and the offset in it of arena bytes [offset, offset + nbytes)."""
+        slab, off = self.locate(offset)
+        if off + nbytes > self.slab_bytes:
+            raise ValueError(f"bytes [{offset}, +{nbytes}) cross a slab boundary")
+        return self.slab_name(slab), off
+
     def slab_path(self, index: int) -> str:
         return os.path.join(self.shm_dir, self.slab_name(index))
 

@@ -80,7 +80,7 @@ class EngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("engine_id", "session_id", "block_ids", "num_tokens", "start_token", "tier", "priority")
+    __slots__ = ("engine_id", "session_id", "block_ids", "num_tokens", "start_token", "tier", "priority", "token_ids")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class SaveRequest(_message.Message):
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     session_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,8 @@ class SaveRequest(_message.Message):
     start_token: int
     tier: str
     priority: int
-    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("engine_id", "session_id", "block_ids")
@@ -120,20 +122,22 @@ class RestoreResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token")
+    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token", "token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
     size: int
     priority: int
     start_token: int
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data", "xxh3")
@@ -372,6 +376,98 @@ class AdviseResponse(_message.Message):
     source_tier: str
     bandwidth_bytes_per_s: float
     def __init__(self, restore: bool = ..., restore_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., source_tier: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids", "spec")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    spec: KVSpec
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_tokens", "num_pages", "stored_tokens", "tier")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_pages: int
+    stored_tokens: int
+    tier: str
+    def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class BeginSaveRequest(_message.Message):
+    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    spec: KVSpec
+    num_tokens: int
+    start_token: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    priority: int
+    ttl_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class BeginRestoreRequest(_message.Message):
+    __slots__ = ("session_id", "spec", "num_pages", "ttl_seconds", "token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    spec: KVSpec
+    num_pages: int
+    ttl_seconds: float
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_pages: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("shm_name", "offset", "first_page", "num_pages")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    offset: int
+    first_page: int
+    num_pages: int
+    def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "slots", "page_bytes", "page_stride", "first_page", "num_pages", "num_tokens", "ttl_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    page_bytes: int
+    page_stride: int
+    first_page: int
+    num_pages: int
+    num_tokens: int
+    ttl_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., page_stride: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

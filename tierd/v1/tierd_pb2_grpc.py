@@ -54,6 +54,36 @@ class TierdStub(object):
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=tierd_dot_v1_dot_tierd__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.BeginSave = channel.unary_unary(
+                '/tierd.v1.Tierd/BeginSave',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.BeginSaveRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.Lease.FromString,
+                _registered_method=True)
+        self.CommitSave = channel.unary_unary(
+                '/tierd.v1.Tierd/CommitSave',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.AbortSave = channel.unary_unary(
+                '/tierd.v1.Tierd/AbortSave',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.Empty.FromString,
+                _registered_method=True)
+        self.BeginRestore = channel.unary_unary(
+                '/tierd.v1.Tierd/BeginRestore',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.BeginRestoreRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.Lease.FromString,
+                _registered_method=True)
+        self.EndRestore = channel.unary_unary(
+                '/tierd.v1.Tierd/EndRestore',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/tierd.v1.Tierd/Lookup',
+                request_serializer=tierd_dot_v1_dot_tierd__pb2.LookupRequest.SerializeToString,
+                response_deserializer=tierd_dot_v1_dot_tierd__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/tierd.v1.Tierd/Put',
                 request_serializer=tierd_dot_v1_dot_tierd__pb2.PutRequest.SerializeToString,
@@ -146,6 +176,47 @@ class TierdServicer(object):
 
     def Restore(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginSave(self, request, context):
+        """Leases: the engine copies pages itself, through the host arena.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSave(self, request, context):
+        """checksums taken, snapshot published
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortSave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginRestore(self, request, context):
+        """brings the pages to the host tier and holds them there
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRestore(self, request, context):
+        """NOT_FOUND if the lease expired first: recompute
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """Which leading tokens of a prompt a snapshot supplies.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -253,6 +324,36 @@ def add_TierdServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=tierd_dot_v1_dot_tierd__pb2.RestoreRequest.FromString,
                     response_serializer=tierd_dot_v1_dot_tierd__pb2.RestoreResponse.SerializeToString,
+            ),
+            'BeginSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginSave,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.BeginSaveRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.Lease.SerializeToString,
+            ),
+            'CommitSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSave,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.LeaseRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.SessionInfo.SerializeToString,
+            ),
+            'AbortSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSave,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.LeaseRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.Empty.SerializeToString,
+            ),
+            'BeginRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginRestore,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.BeginRestoreRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.Lease.SerializeToString,
+            ),
+            'EndRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRestore,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.LeaseRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.Empty.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=tierd_dot_v1_dot_tierd__pb2.LookupRequest.FromString,
+                    response_serializer=tierd_dot_v1_dot_tierd__pb2.LookupResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -428,6 +529,168 @@ class Tierd(object):
             '/tierd.v1.Tierd/Restore',
             tierd_dot_v1_dot_tierd__pb2.RestoreRequest.SerializeToString,
             tierd_dot_v1_dot_tierd__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/BeginSave',
+            tierd_dot_v1_dot_tierd__pb2.BeginSaveRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/CommitSave',
+            tierd_dot_v1_dot_tierd__pb2.LeaseRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/AbortSave',
+            tierd_dot_v1_dot_tierd__pb2.LeaseRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/BeginRestore',
+            tierd_dot_v1_dot_tierd__pb2.BeginRestoreRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/EndRestore',
+            tierd_dot_v1_dot_tierd__pb2.LeaseRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierd.v1.Tierd/Lookup',
+            tierd_dot_v1_dot_tierd__pb2.LookupRequest.SerializeToString,
+            tierd_dot_v1_dot_tierd__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,247 @@
+"""Leases (the engine copies pages in and out of the host arena itself) and
+token lookup, on the store with a fake clock."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.helpers import SPEC
+from tierd.client.shm import Arena
+from tierd.core.store import make_key
+from tierd.errors import (
+    DataLoss,
+    FailedPrecondition,
+    IdentityMismatch,
+    InvalidArgument,
+    NotFound,
+)
+
+A = make_key("default", "a")
+OTHER = make_key("other", "a")
+
+
+@pytest.fixture
+def arena():
+    a = Arena()
+    yield a
+    a.close()
+
+
+def tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 32000, n)
+
+
+def lease_save(store, arena, key, num_tokens, start_token=0, token_ids=None, seed=1, **kw):
+    """Save pages of random bytes through a lease; returns them."""
+    lease = store.begin_save(key, SPEC, num_tokens, start_token, token_ids, **kw)
+    rng = np.random.default_rng(seed)
+    pages = arena.pages(lease)
+    for page in pages:
+        page[:] = rng.integers(0, 256, page.size, dtype=np.uint8)
+    return lease, [p.tobytes() for p in pages]
+
+
+def stored(store, key):
+    info, reader = store.get(key)
+    data = b"".join(bytes(c) for c in reader)
+    return [data[i : i + SPEC.page_bytes] for i in range(0, len(data), SPEC.page_bytes)]
+
+
+def test_save_lease_publishes_only_at_commit(store, arena):
+    lease, pages = lease_save(store, arena, A, 40, token_ids=tokens(40))
+    assert lease.first_page == 0 and lease.num_pages == 3 and lease.page_stride % 4096 == 0
+    with pytest.raises(NotFound):
+        store.stat(A)  # written, not committed: invisible
+    info = store.commit_save("default", lease.lease_id)
+    assert info.num_tokens == 40 and info.num_pages == 3
+    assert stored(store, A) == pages
+    with pytest.raises(NotFound, match="ended, expired or never was"):
+        store.commit_save("default", lease.lease_id)  # a lease commits once
+
+
+def test_abort_and_expiry_return_the_slots_and_publish_nothing(store, arena, harness):
+    host = store.tiers["host"]
+    lease, _ = lease_save(store, arena, A, 64)
+    assert host.used > 0
+    store.abort_save("default", lease.lease_id)
+    assert host.used == 0
+    with pytest.raises(NotFound):
+        store.stat(A)
+    lease, _ = lease_save(store, arena, A, 64, ttl=5)
+    harness.clock.advance(6)
+    store.tick()
+    assert host.used == 0
+    with pytest.raises(NotFound, match="expired"):
+        store.commit_save("default", lease.lease_id)
+    with pytest.raises(NotFound):
+        store.stat(A)
+
+
+def test_a_lease_belongs_to_its_tenant(store, arena):
+    lease, _ = lease_save(store, arena, A, 16)
+    with pytest.raises(NotFound):
+        store.commit_save("other", lease.lease_id)
+    with pytest.raises(NotFound):
+        store.abort_save("other", lease.lease_id)
+    store.commit_save("default", lease.lease_id)
+    with pytest.raises(NotFound):
+        store.begin_restore(OTHER)
+
+
+def test_append_through_a_lease_and_restore_a_prefix_from_disk(store, arena, harness):
+    ids = tokens(100)
+    first, pages = lease_save(store, arena, A, 40, token_ids=ids[:40])
+    store.commit_save("default", first.lease_id)
+    # the partial third page (tokens 32-39) is replaced by the append from token 32
+    more, new_pages = lease_save(store, arena, A, 100, start_token=32, token_ids=ids, seed=2)
+    assert (more.first_page, more.num_pages) == (2, 5)
+    store.commit_save("default", more.lease_id)
+    want = pages[:2] + new_pages
+    assert stored(store, A) == want
+    # demote to disk only, then a restore lease for the first 4 pages brings them back
+    store.release(A)
+    harness.clock.advance(10_000)
+    store.tick()
+    assert store.drain(30)
+    assert store.stat(A).tier_bytes.keys() == {"disk"}
+    lease = store.begin_restore(A, SPEC, num_pages=4, ttl=3600)
+    assert lease.num_pages == 4 and lease.num_tokens == 64
+    assert [p.tobytes() for p in arena.pages(lease)] == want[:4]
+    # held: policy cannot move it while the engine reads
+    store.release(A)
+    harness.clock.advance(1_000)
+    store.tick()
+    assert store.drain(30)
+    assert "host" in store.stat(A).tier_bytes
+    store.end_restore("default", lease.lease_id)
+    harness.clock.advance(10_000)
+    store.tick()
+    assert store.drain(30)
+    assert store.stat(A).tier_bytes.keys() == {"disk"}
+
+
+def test_an_expired_restore_lease_cannot_end(store, arena, harness):
+    lease, _ = lease_save(store, arena, A, 16)
+    store.commit_save("default", lease.lease_id)
+    held = store.begin_restore(A, ttl=2)
+    harness.clock.advance(3)
+    store.tick()
+    with pytest.raises(NotFound, match="expired"):
+        store.end_restore("default", held.lease_id)
+    store.drop(A)  # the session's lock was let go at expiry
+    with pytest.raises(NotFound):
+        store.stat(A)
+
+
+def test_bad_lease_requests_change_nothing(store, arena):
+    host = store.tiers["host"]
+    for kwargs, match in [
+        (dict(num_tokens=0), "num_tokens"),
+        (dict(num_tokens=40, start_token=8), "multiple of block_tokens"),
+        (dict(num_tokens=40, token_ids=[1, 2, 3]), "40 token ids"),
+        (dict(num_tokens=40, start_token=32, token_ids=list(range(8))), "40 token ids"),
+        (dict(num_tokens=40, token_ids=[-1] * 40), "non-negative"),
+        (dict(num_tokens=40, ttl=0), "lease lasts"),
+        (dict(num_tokens=40, ttl=1e9), "lease lasts"),
+        (dict(num_tokens=40, priority=10**6), "priority"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            store.begin_save(A, SPEC, **kwargs)
+    with pytest.raises(NotFound, match="nothing to append"):
+        store.begin_save(A, SPEC, 40, start_token=16)
+    assert host.used == 0 and store.keys() == []
+    lease, _ = lease_save(store, arena, A, 16)
+    store.commit_save("default", lease.lease_id)
+    with pytest.raises(InvalidArgument, match="ask for 1 to 1"):
+        store.begin_restore(A, num_pages=2)
+    with pytest.raises(IdentityMismatch):
+        store.begin_restore(A, dataclasses.replace(SPEC, revision="r2"))
+    with pytest.raises(IdentityMismatch):
+        store.begin_save(A, dataclasses.replace(SPEC, revision="r2"), 32, start_token=16)
+
+
+def test_commit_fails_cleanly_when_the_session_was_dropped_meanwhile(store, arena):
+    lease, _ = lease_save(store, arena, A, 16)
+    store.commit_save("default", lease.lease_id)
+    append, _ = lease_save(store, arena, A, 48, start_token=16)
+    store.drop(A)
+    with pytest.raises(NotFound, match="nothing to append"):
+        store.commit_save("default", append.lease_id)
+    assert store.tiers["host"].used == 0
+
+
+def test_a_damaged_session_is_not_leased(store, arena):
+    lease, _ = lease_save(store, arena, A, 16)
+    store.commit_save("default", lease.lease_id)
+    store._get(A).damaged = True
+    with pytest.raises(DataLoss):
+        store.begin_restore(A)
+
+
+def test_lookup_matches_whole_pages_of_the_same_tokens(store, arena, harness):
+    ids = tokens(100)
+    lease, _ = lease_save(store, arena, A, 100, token_ids=ids)
+    store.commit_save("default", lease.lease_id)
+    r = store.lookup(A, ids)
+    assert (r.num_tokens, r.num_pages, r.stored_tokens, r.tier) == (100, 7, 100, "host")
+    # a longer prompt with the same history: everything stored
+    assert store.lookup(A, np.concatenate([ids, tokens(30, seed=9)])).num_tokens == 100
+    # history edited at token 50: pages 0-2 (48 tokens) still match
+    edited = ids.copy()
+    edited[50] += 1
+    assert store.lookup(A, edited).num_tokens == 48
+    # a prompt shorter than the stored tokens: its whole pages only
+    assert store.lookup(A, ids[:40]).num_tokens == 32
+    assert store.lookup(A, tokens(100, seed=5)).num_tokens == 0
+    assert store.lookup(A, []).num_tokens == 0
+    with pytest.raises(IdentityMismatch):
+        store.lookup(A, ids, dataclasses.replace(SPEC, model_id="other"))
+    with pytest.raises(InvalidArgument):
+        store.lookup(A, [[1, 2]])
+    with pytest.raises(NotFound):
+        store.lookup(OTHER, ids)
+    # token hashes survive a restart through the disk index
+    store.release(A)
+    store = harness.reopen(flush=True)
+    assert store.lookup(A, edited).num_tokens == 48
+
+
+def test_pages_stored_without_token_ids_never_match(store, arena):
+    ids = tokens(64)
+    lease, _ = lease_save(store, arena, A, 32)
+    store.commit_save("default", lease.lease_id)
+    lease, _ = lease_save(store, arena, A, 64, start_token=32, token_ids=ids)
+    store.commit_save("default", lease.lease_id)
+    assert store.lookup(A, ids).num_tokens == 0
+
+
+def test_an_append_onto_other_tokens_is_refused(store, arena):
+    ids = tokens(64)
+    lease, _ = lease_save(store, arena, A, 40, token_ids=ids[:40])
+    store.commit_save("default", lease.lease_id)
+    other = ids.copy()
+    other[5] += 1  # another conversation got there first: its pages 0-1 differ
+    with pytest.raises(FailedPrecondition, match="other tokens before start_token 32"):
+        store.begin_save(A, SPEC, 64, start_token=32, token_ids=other)
+    # the same refusal at commit, if the snapshot changed after the lease began
+    lease, _ = lease_save(store, arena, A, 64, start_token=32, token_ids=ids)
+    rewrite, _ = lease_save(store, arena, A, 40, token_ids=other[:40])
+    store.commit_save("default", rewrite.lease_id)
+    with pytest.raises(FailedPrecondition, match="other tokens"):
+        store.commit_save("default", lease.lease_id)
+    assert store.stat(A).num_tokens == 40 and store.lookup(A, other).num_tokens == 40
+
+
+def test_a_restore_lease_checks_the_prompt(store, arena):
+    ids = tokens(64)
+    lease, _ = lease_save(store, arena, A, 64, token_ids=ids)
+    store.commit_save("default", lease.lease_id)
+    held = store.begin_restore(A, SPEC, num_pages=2, token_ids=ids)
+    store.end_restore("default", held.lease_id)
+    edited = ids.copy()
+    edited[20] += 1
+    with pytest.raises(FailedPrecondition, match="other tokens than the request"):
+        store.begin_restore(A, SPEC, num_pages=2, token_ids=edited)
+    held = store.begin_restore(A, SPEC, num_pages=1, token_ids=edited)  # page 0 still matches
+    store.end_restore("default", held.lease_id)

@@ -1,0 +1,78 @@
+"""Token-aware pages: a chained hash of each page's token ids.
+
+Page i of a snapshot holds tokens [i * block_tokens, ...); its hash covers
+the hash of page i-1 and its own token ids, so equal hashes mean equal whole
+prefixes. The last page may hold fewer tokens than block_tokens; its hash
+covers just those. An all-zero hash means "not known" (stored without token
+ids): no request matches it, nor anything after it (pages appended after an
+unknown page are unknown too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from tierd.errors import InvalidArgument
+
+HASH_BYTES = 16
+UNKNOWN = bytes(HASH_BYTES)
+MAX_TOKEN_ID = (1 << 63) - 1
+
+
+def empty(n_pages: int = 0) -> np.ndarray:
+    return np.zeros((n_pages, HASH_BYTES), dtype=np.uint8)
+
+
+def check_ids(token_ids: object, want: int | None = None) -> np.ndarray:
+    """Token ids as int64, each non-negative (and exactly `want` of them, if given)."""
+    try:
+        ids = np.asarray(token_ids if isinstance(token_ids, np.ndarray) else list(token_ids))  # type: ignore[call-overload]
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"token ids must be integers: {exc}", field="token_ids") from None
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise InvalidArgument("token ids must be a flat list of integers", field="token_ids")
+    if want is not None and ids.size != want:
+        raise InvalidArgument(f"{want} token ids were expected (one per stored token), got {ids.size}",
+                              field="token_ids", want=want, got=int(ids.size))
+    if ids.size and (ids.min() < 0 or (ids.dtype.kind == "u" and ids.max() > MAX_TOKEN_ID)):
+        raise InvalidArgument("token ids must be non-negative 63-bit integers", field="token_ids")
+    return ids.astype("<i8", copy=False)
+
+
+def _step(prev: bytes, ids: np.ndarray) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=HASH_BYTES, person=b"tierd-tokens")
+    h.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    return h.digest()
+
+
+def chain(token_ids: np.ndarray, block_tokens: int) -> np.ndarray:
+    """The hash of every page that token_ids (a snapshot's tokens from 0) fill."""
+    n = -(-len(token_ids) // block_tokens)
+    out = empty(n)
+    prev = UNKNOWN
+    for i in range(n):
+        prev = _step(prev, token_ids[i * block_tokens : (i + 1) * block_tokens])
+        out[i] = np.frombuffer(prev, dtype=np.uint8)
+    return out
+
+
+def known(hashes: np.ndarray) -> bool:
+    """Every page has a token hash."""
+    return bool(hashes.any(axis=1).all())
+
+
+def matched_pages(stored: np.ndarray, num_tokens: int, block_tokens: int, token_ids: np.ndarray) -> int:
+    """How many leading pages of a snapshot (hashes `stored`, `num_tokens`
+    tokens) the request's token ids reproduce exactly."""
+    prev = UNKNOWN
+    for i in range(len(stored)):
+        lo = i * block_tokens
+        hi = min(lo + block_tokens, num_tokens)
+        if hi > len(token_ids) or not stored[i].any():
+            return i
+        prev = _step(prev, token_ids[lo:hi])
+        if prev != stored[i].tobytes():
+            return i
+    return len(stored)
