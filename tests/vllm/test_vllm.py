@@ -1,0 +1,164 @@
+"""The TierdConnector on a real vLLM server (CPU), against a real tierd daemon.
+
+Each conversation runs first on a server without the connector; its greedy
+outputs are the reference. With the connector: turn 1 is saved, the daemon
+demotes it to disk, Prefetch brings it back, and turn 2 is served from it (vLLM
+reports the prompt tokens it did not compute) with outputs equal to the
+reference; the same across a kill -9 of the daemon; and a session the daemon
+cannot serve (a damaged page, or no daemon at all) is recomputed, still equal.
+
+Runs in its own environment (`make test-vllm`): vLLM pins its own torch and
+transformers.
+"""
+
+import sqlite3
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm.server import VllmServer, text, tiny_llama  # noqa: E402
+from tierd.client import NotFound  # noqa: E402
+from tierd.testing import Daemon  # noqa: E402
+
+BLOCK = 32
+OUT = 24  # tokens generated per turn
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def conversation(tok, seed, words=(400, 60)):
+    """The prompt of turn 1 and the user's next message, as token ids."""
+    return tok(text(words[0], seed))["input_ids"], tok(" " + text(words[1], seed + 1000))["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """Outputs of every conversation on a server without the connector."""
+    path, tok = model
+    server = VllmServer(path, tmp_path_factory.mktemp("ref") / "vllm.log").wait()
+    try:
+        out = {}
+        for seed in (1, 2, 3):
+            p1, more = conversation(tok, seed)
+            r1 = server.complete(p1, OUT)
+            p2 = p1 + r1["token_ids"] + more
+            out[seed] = (p1, r1["token_ids"], p2, server.complete(p2, OUT)["token_ids"])
+        return out
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def world(model, reference, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tierd")
+    daemon = Daemon(root, "--host-idle", "1", "--writeback-idle", "0.3").start()
+    server = VllmServer(model[0], root / "vllm.log", tierd_socket=daemon.socket)
+    try:
+        server.wait()
+        yield daemon, server
+    finally:
+        server.close()
+        daemon.close()
+
+
+def wait_for(predicate, timeout=30.0):
+    """Until predicate() holds; a session not found yet (its save runs just
+    after the response) counts as not yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except NotFound:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def served(r):
+    return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def expected_served(p1, out1, p2):
+    # turn 1 left KV for every token but its last; vLLM loads whole blocks and computes the prompt's last token
+    return min(len(p1) + len(out1) - 1, len(p2) - 1) // BLOCK * BLOCK
+
+
+def test_turn_two_resumes_from_disk_after_prefetch(world, reference):
+    daemon, server = world
+    p1, out1, p2, out2 = reference[1]
+    r1 = server.complete(p1, OUT, session="chat-1")
+    assert r1["token_ids"] == out1 and served(r1) == 0
+    with daemon.client() as c:
+        # the connector released the session: the daemon demotes it to disk by itself
+        wait_for(lambda: c.stat("chat-1").tier_bytes.keys() == {"disk"})
+        info = c.stat("chat-1")
+        assert info.num_tokens == len(p1) + len(out1) - 1 and info.durable
+        assert c.prefetch("chat-1") == "queued"
+        assert c.wait_ready("chat-1", timeout=30) == (True, "host")
+    r2 = server.complete(p2, OUT, session="chat-1")
+    assert served(r2) == expected_served(p1, out1, p2) > 0
+    assert r2["token_ids"] == out2
+    with daemon.client() as c:
+        # turn 2 appended its new blocks: the snapshot now covers the whole second turn
+        wait_for(lambda: c.stat("chat-1").num_tokens == len(p2) + OUT - 1)
+
+
+def test_turn_two_resumes_after_the_daemon_was_killed(world, reference):
+    daemon, server = world
+    p1, out1, p2, out2 = reference[2]
+    assert server.complete(p1, OUT, session="chat-2")["token_ids"] == out1
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("chat-2").durable)
+    daemon.kill()
+    daemon.start()
+    r2 = server.complete(p2, OUT, session="chat-2")
+    assert served(r2) == expected_served(p1, out1, p2) > 0
+    assert r2["token_ids"] == out2
+
+
+def test_a_session_tierd_cannot_serve_is_recomputed(world, reference):
+    daemon, server = world
+    p1, out1, p2, out2 = reference[3]
+    assert server.complete(p1, OUT, session="chat-3")["token_ids"] == out1
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("chat-3").tier_bytes.keys() == {"disk"})
+    # damage the session's first page on disk: Lookup still matches it (metadata), the load fails its checksum
+    db = sqlite3.connect(f"file:{daemon.data_dir}/index.db?mode=ro", uri=True)
+    (offset,) = db.execute("SELECT offset FROM pieces WHERE session_id='chat-3' ORDER BY first_page").fetchone()
+    db.close()
+    slab, at = divmod(offset, 64 << 20)
+    with open(f"{daemon.data_dir}/slabs/slab-{slab:06d}.bin", "r+b") as f:
+        f.seek(at + 100)
+        f.write(b"\xff" * 64)
+    r2 = server.complete(p2, OUT, session="chat-3")
+    assert r2["token_ids"] == out2
+    assert "loading session 'chat-3' failed" in server.log() and "chat-3 is damaged" in daemon.log()
+    with daemon.client() as c:
+        # the turn was stored whole again, from recomputed KV: the session is whole and serves again
+        wait_for(lambda: c.stat("chat-3").num_tokens == len(p2) + OUT - 1)
+        assert c.stat("chat-3").state != "damaged"
+    # with no daemon at all, a request with a session is computed as if the connector were absent
+    daemon.kill()
+    r2 = server.complete(p2, OUT, session="chat-3")
+    assert served(r2) == 0 and r2["token_ids"] == out2
+    daemon.start()
+
+
+def test_requests_without_a_session_pass_through(world, reference):
+    daemon, server = world
+    p1, out1, _, _ = reference[1]
+    with daemon.client() as c:
+        before = {s.session_id for s in c.list()}
+        r = server.complete(p1, OUT)
+        assert r["token_ids"] == out1 and served(r) == 0
+        time.sleep(0.5)
+        assert {s.session_id for s in c.list()} == before

@@ -1,0 +1,363 @@
+"""A vLLM KV connector: conversations saved to tierd when a turn ends and
+resumed from tierd at the next turn.
+
+Load it out of tree::
+
+    --kv-transfer-config '{"kv_connector": "TierdConnector",
+        "kv_connector_module_path": "tierd.adapters.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"address": "unix:/run/tierd/tierd.sock"}}'
+
+Requests that carry a session id (the X-Session-ID header, a `session_id`
+body field or `vllm_xargs`) are served from the session's snapshot as far as
+its pages hold the same tokens as the prompt (a `Lookup`), and append their
+new blocks to it when they finish, then `Release` it so idle demotion starts.
+Requests without one pass through untouched.
+
+Pages move through leases in the daemon's host arena: the worker copies
+blocks in and out itself (vLLM on a CPU keeps its KV cache in private
+memory; on a GPU the same copies run device <-> host). Loads run in a thread,
+layer by layer, while the forward pass computes: each attention layer waits
+for its own layer only. Whatever fails (the daemon unreachable, a page
+damaged, a lease expired) is reported to vLLM as blocks that failed to load,
+and vLLM recomputes them: a failure costs time, never correctness.
+
+extra config: address (default: TIERD_SOCKET or the daemon's default socket),
+token (default: TIERD_TOKEN), timeout_seconds (per call, default 30),
+lease_seconds (default 60).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tierd.adapters.paged import LayerBlocks
+from tierd.client import Arena, Client, KVSpec, NotFound, TierdError
+from tierd.errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.tierd")  # under vLLM's logger, so its handlers print it
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    session: str
+    token_ids: list[int]  # the prompt, up to the last page loaded
+    num_pages: int        # pages [0, num_pages) of the snapshot are the prompt's ...
+    first_page: int       # ... and pages from first_page on are copied (the rest vLLM has already)
+    block_ids: list[int]  # destinations of pages first_page..num_pages-1
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    session: str
+    token_ids: list[int]  # tokens [0, num_tokens), all with KV computed
+    start_token: int      # pages before this are the snapshot's own (loaded from it): not written again
+    block_ids: list[int]  # the request's blocks, one per page from page 0
+
+
+@dataclass
+class TierdConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+def session_of(request: Request) -> str | None:
+    sid = getattr(request, "session_id", None)
+    if not sid and request.kv_transfer_params:
+        sid = request.kv_transfer_params.get("session_id")
+    return sid or None
+
+
+def spec_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVSpec:
+    """The identity of this engine's KV pages: the same in the scheduler and the workers."""
+    from vllm.platforms import current_platform
+
+    group = kv_cache_config.kv_cache_groups[0]
+    s = group.kv_cache_spec
+    mc = vllm_config.model_config
+    return KVSpec(mc.model, mc.revision or "", num_layers=len(group.layer_names), num_kv_heads=s.num_kv_heads,
+                  head_dim=s.head_size, dtype=str(s.dtype).removeprefix("torch."), block_tokens=s.block_size,
+                  arrangement=f"vllm:{current_platform.device_name}:[blocks,kv_heads,block_size,C]")
+
+
+def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
+    """Why this engine cannot use the connector, or None."""
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+        return "models with more than one KV cache group (hybrid or sliding-window mixes)"
+    if vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "tensor or pipeline parallel engines"
+    if vllm_config.model_config.use_mla:
+        return "MLA models"
+    return None
+
+
+class TierdConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._lease_seconds = float(extra.get("lease_seconds", 60.0))
+        self._client = Client(extra.get("address") or None, token=extra.get("token") or None,
+                              timeout=float(extra.get("timeout_seconds", 30.0)))
+        why = unsupported(vllm_config, kv_cache_config)
+        self._spec = None if why else spec_for(vllm_config, kv_cache_config)  # type: ignore[arg-type]
+        if why:
+            log.warning("tierd connector: %s are not supported; every request passes through", why)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("tierd connector: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, "
+                        "so that a failed load is recomputed instead of failing its request")
+        # scheduler side
+        self._matched: dict[str, tuple[int, int]] = {}  # req id -> (tokens tierd supplies, tokens vLLM has)
+        self._to_load: dict[str, Request] = {}
+        self._loaded: dict[str, int] = {}  # req id -> tokens served from the snapshot
+        self._to_save: list[SaveJob] = []
+        # worker side
+        self._blocks: LayerBlocks | None = None
+        self._layer_of: dict[str, int] = {}
+        self._arena = Arena()
+        self._load: _Load | None = None
+        self._saved: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.stats = {"lookups": 0, "loaded_tokens": 0, "saved_tokens": 0, "load_failures": 0, "save_failures": 0}
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        session = session_of(request)
+        if session is None or self._spec is None:
+            return 0, False
+        if request.request_id not in self._matched:
+            prompt = list(request.prompt_token_ids or [])
+            try:
+                supplied = self._client.lookup(session, prompt, self._spec).num_tokens
+            except NotFound:
+                supplied = 0
+            except TierdError as exc:
+                log.warning("tierd connector: lookup of session %r failed (%s); computing it", session, exc)
+                supplied = 0
+            self.stats["lookups"] += 1
+            # whole blocks, and at least the last prompt token is computed (its logits are needed)
+            bs = self._spec.block_tokens
+            self._matched[request.request_id] = (min(supplied, len(prompt) - 1) // bs * bs, num_computed_tokens)
+        supplied, _ = self._matched[request.request_id]
+        return max(0, supplied - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._to_load[request.request_id] = request
+            self._matched[request.request_id] = (self._matched[request.request_id][0],
+                                                 request.num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TierdConnectorMetadata(saves=self._to_save)
+        self._to_save = []
+        scheduled = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [(rid, cached.new_block_ids[i]) for i, rid in enumerate(cached.req_ids)
+                      if rid in cached.resumed_req_ids]
+        bs = self._spec.block_tokens if self._spec is not None else 1
+        for req_id, block_ids in scheduled:
+            request = self._to_load.pop(req_id, None)
+            if request is None or block_ids is None:
+                continue
+            supplied, local = self._matched[req_id]
+            n, first = supplied // bs, -(-local // bs)
+            meta.loads.append(LoadJob(req_id, session_of(request) or "", list(request.prompt_token_ids)[:supplied],
+                                      n, first, list(block_ids[0][first:n])))
+            self._loaded[req_id] = supplied
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
+        self._to_load.pop(request.request_id, None)
+        loaded = self._loaded.pop(request.request_id, 0)
+        session = session_of(request)
+        # KV exists for the computed tokens; the last sampled token has none yet
+        num_tokens = min(request.num_computed_tokens, len(request.all_token_ids))
+        if session is None or self._spec is None or num_tokens <= 0:
+            return False, None
+        bs = self._spec.block_tokens
+        self._to_save.append(SaveJob(request.request_id, session, list(request.all_token_ids)[:num_tokens],
+                                     min(loaded, num_tokens) // bs * bs, list(block_ids[: -(-num_tokens // bs)])))
+        return True, None  # vLLM keeps the blocks until the worker reports the save done
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        if self._spec is None:
+            return
+        names = sorted(kv_caches, key=extract_layer_index)
+        blocks = LayerBlocks(kv_caches[n] for n in names)
+        if blocks.page_bytes != self._spec.page_bytes:
+            log.error("tierd connector: a block of all layers takes %d bytes here, the spec says %d; disabled",
+                      blocks.page_bytes, self._spec.page_bytes)
+            self._spec = None
+            return
+        self._blocks = blocks
+        self._layer_of = {n: i for i, n in enumerate(names)}
+        log.info("tierd connector: %d layers, %d blocks of %d tokens, %d bytes a page (%s)", len(names),
+                 blocks.num_blocks, self._spec.block_tokens, blocks.page_bytes, self._spec.arrangement)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, TierdConnectorMetadata) or not meta.loads or self._blocks is None:
+            return
+        self._finish_load()
+        self._load = _Load(self, meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._load is not None:
+            layer = self._layer_of.get(layer_name)
+            if layer is not None:
+                self._load.layer_done[layer].wait()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # a turn is saved whole when it ends (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._finish_load()
+        meta = self._connector_metadata
+        if not isinstance(meta, TierdConnectorMetadata):
+            return
+        for job in meta.saves:
+            if self._blocks is not None:
+                self._save(job)
+            self._saved.add(job.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._saved = self._saved, set()
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._finish_load()
+        self._arena.close()
+        self._client.close()
+
+    # -- copies ------------------------------------------------------------------------------
+
+    def _finish_load(self) -> None:
+        load, self._load = self._load, None
+        if load is not None:
+            load.thread.join()
+            self._load_errors |= load.failed
+
+    def _save(self, job: SaveJob) -> None:
+        assert self._blocks is not None and self._spec is not None
+        t0, lease = time.perf_counter(), None
+        try:
+            try:
+                lease = self._client.begin_save(job.session, self._spec, len(job.token_ids), job.start_token,
+                                                job.token_ids, ttl=self._lease_seconds)
+            except FailedPrecondition:
+                # the snapshot changed since this turn loaded it: store the turn whole
+                lease = self._client.begin_save(job.session, self._spec, len(job.token_ids), 0, job.token_ids,
+                                                ttl=self._lease_seconds)
+            for first, rows in self._arena.runs(lease):
+                self._blocks.gather(job.block_ids[first : first + len(rows)], rows)
+            self._client.commit_save(lease)
+            self._client.release(job.session)
+            self.stats["saved_tokens"] += len(job.token_ids) - lease.first_page * self._spec.block_tokens
+            log.info("tierd connector: saved session %r, tokens %d-%d, in %.1f ms", job.session,
+                     lease.first_page * self._spec.block_tokens, len(job.token_ids), 1e3 * (time.perf_counter() - t0))
+        except (TierdError, OSError, ValueError) as exc:
+            self.stats["save_failures"] += 1
+            log.warning("tierd connector: saving session %r failed: %s", job.session, exc)
+            if lease is not None:
+                try:
+                    self._client.abort_save(lease)
+                except TierdError:
+                    pass  # the lease expires by itself
+
+
+class _Load:
+    """Loads for one step, in a thread: leases first, then every job's pages
+    layer by layer, each layer announced as soon as it is in place."""
+
+    def __init__(self, connector: TierdConnector, jobs: list[LoadJob]) -> None:
+        assert connector._blocks is not None
+        self.connector = connector
+        self.jobs = jobs
+        self.layer_done = [threading.Event() for _ in connector._blocks.views]
+        self.failed: set[int] = set()
+        self.thread = threading.Thread(target=self._run, name="tierd-load", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        c = self.connector
+        blocks, client = c._blocks, c._client
+        assert blocks is not None
+        t0 = time.perf_counter()
+        leased: list[tuple[LoadJob, Any, list[tuple[list[int], np.ndarray]]]] = []
+        try:
+            for job in self.jobs:
+                try:
+                    lease = client.begin_restore(job.session, c._spec, job.num_pages, c._lease_seconds, job.token_ids)
+                    parts = []
+                    for first, rows in c._arena.runs(lease):
+                        lo, hi = max(first, job.first_page), min(first + len(rows), job.num_pages)
+                        if lo < hi:
+                            parts.append((job.block_ids[lo - job.first_page : hi - job.first_page],
+                                          rows[lo - first : hi - first]))
+                    leased.append((job, lease, parts))
+                except (TierdError, OSError, ValueError) as exc:
+                    self._fail(job, exc)
+            for layer, done in enumerate(self.layer_done):
+                for job, _, parts in leased:
+                    for block_ids, rows in parts:
+                        blocks.scatter(rows, block_ids, [layer])
+                done.set()
+            for job, lease, _ in leased:
+                try:
+                    client.end_restore(lease)  # NotFound: the lease expired while we read; recompute
+                    tokens = (job.num_pages - job.first_page) * c._spec.block_tokens  # type: ignore[union-attr]
+                    c.stats["loaded_tokens"] += tokens
+                    log.info("tierd connector: loaded %d tokens of session %r in %.1f ms", tokens, job.session,
+                             1e3 * (time.perf_counter() - t0))
+                except TierdError as exc:
+                    self._fail(job, exc)
+        except BaseException as exc:  # never leave a layer waiting
+            for job, _, _ in leased:
+                self._fail(job, exc)
+            raise
+        finally:
+            for done in self.layer_done:
+                done.set()
+
+    def _fail(self, job: LoadJob, exc: BaseException) -> None:
+        self.connector.stats["load_failures"] += 1
+        self.failed.update(job.block_ids)
+        log.warning("tierd connector: loading session %r failed (%s); vLLM recomputes it", job.session, exc)
+
+
+__all__ = ["TierdConnector", "TierdConnectorMetadata", "spec_for"]
