@@ -46,6 +46,8 @@ class Metrics:
         self.evictions = Counter("tierd_evictions_total", "Sessions leaving a tier, by reason", ["tier", "reason"],
                                  registry=registry)
         self.disk_errors = Counter("tierd_disk_errors_total", "Disk I/O errors", ["op"], registry=registry)
+        self.leases_expired = Counter("tierd_leases_expired_total", "Leases not ended in time (save, restore)",
+                                      ["kind"], registry=registry)
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
         self.info.info({"version": __version__})
@@ -83,6 +85,9 @@ class Metrics:
 
     def disk_error(self, op: str) -> None:
         self.disk_errors.labels(op).inc()
+
+    def lease_expired(self, kind: str) -> None:
+        self.leases_expired.labels(kind).inc()
 
     # RPCs -----------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 demotion to disk, prefetch, restore, put/get, and kill -9 recovery."""
 
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -161,4 +162,11 @@ def test_leases_save_and_restore_through_the_arena_across_kill_9(daemon):
         c.end_restore(held)
         with pytest.raises(NotFound):
             c.end_restore(held)
+        # a lease left open expires: its slots return, the commit is refused, operators see it
+        late = c.begin_save("late", SPEC, 16, ttl=0.2)
+        time.sleep(0.6)
+        with pytest.raises(NotFound, match="expired"):
+            c.commit_save(late)
+        with urllib.request.urlopen(daemon.metrics_url, timeout=10) as r:
+            assert 'tierd_leases_expired_total{kind="save"} 1.0' in r.read().decode()
     arena.close()

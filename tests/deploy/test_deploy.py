@@ -66,7 +66,7 @@ def test_every_metric_named_in_rules_and_dashboard_is_exported(daemon):
 def test_alerts_cover_what_operators_need():
     names = {r["alert"] for r in rules()}
     assert {"TierdDown", "TierdTierNearBudget", "TierdPrefetchLate", "TierdChecksumFailures",
-            "TierdDiskErrors"} <= names
+            "TierdDiskErrors", "TierdLeasesExpiring"} <= names
     assert all(r["annotations"]["summary"] for r in rules())
 
 

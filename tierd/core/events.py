@@ -24,6 +24,8 @@ class StoreEvents(Protocol):
 
     def disk_error(self, op: str) -> None: ...
 
+    def lease_expired(self, kind: str) -> None: ...
+
 
 class NullEvents:
     def moved(self, src: str, dst: str, reason: str, nbytes: int, seconds: float) -> None:
@@ -45,4 +47,7 @@ class NullEvents:
         pass
 
     def disk_error(self, op: str) -> None:
+        pass
+
+    def lease_expired(self, kind: str) -> None:
         pass

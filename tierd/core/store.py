@@ -716,7 +716,9 @@ class Store:
             for lease in gone:
                 del self._leases[lease.lease_id]
         for lease in gone:
-            log.warning("a %s lease on %s/%s expired", lease.what, *lease.key)
+            if not everything:
+                log.warning("a %s lease on %s/%s expired", lease.what, *lease.key)
+                self.events.lease_expired(lease.what)
             if isinstance(lease, _SaveLease):
                 self.placement.free("host", lease.pieces)
             else:
