@@ -11,7 +11,11 @@ Runs in its own environment (`make test-vllm`): vLLM pins its own torch and
 transformers.
 """
 
+import os
+import re
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,7 +24,7 @@ pytest.importorskip("vllm")
 
 from tests.vllm.server import VllmServer, text, tiny_llama  # noqa: E402
 from tierd.client import NotFound  # noqa: E402
-from tierd.testing import Daemon  # noqa: E402
+from tierd.testing import ROOT, Daemon  # noqa: E402
 
 BLOCK = 32
 OUT = 24  # tokens generated per turn
@@ -162,3 +166,13 @@ def test_requests_without_a_session_pass_through(world, reference):
         assert r["token_ids"] == out1 and served(r) == 0
         time.sleep(0.5)
         assert {s.session_id for s in c.list()} == before
+
+
+def test_the_router_example_resumes_each_turn(world):
+    daemon, server = world
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_session.py"), "--vllm", server.url,
+                          "--session", "example"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TIERD_SOCKET": daemon.socket})
+    assert out.returncode == 0, out.stderr
+    served = [int(n) for n in re.findall(r"turn \d: (\d+) of \d+ prompt tokens from tierd", out.stdout)]
+    assert len(served) == 3 and served[0] == 0 and all(n > 0 for n in served[1:]), out.stdout

@@ -141,7 +141,6 @@ class TierdConnector(KVConnectorBase_V1):
         self._load: _Load | None = None
         self._saved: set[str] = set()
         self._load_errors: set[int] = set()
-        self.stats = {"lookups": 0, "loaded_tokens": 0, "saved_tokens": 0, "load_failures": 0, "save_failures": 0}
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -149,27 +148,27 @@ class TierdConnector(KVConnectorBase_V1):
         session = session_of(request)
         if session is None or self._spec is None:
             return 0, False
-        if request.request_id not in self._matched:
+        if request.request_id in self._matched:  # asked again (the request waited): same answer
+            supplied = self._matched[request.request_id][0]
+        else:
             prompt = list(request.prompt_token_ids or [])
-            try:
-                supplied = self._client.lookup(session, prompt, self._spec).num_tokens
-            except NotFound:
-                supplied = 0
-            except TierdError as exc:
-                log.warning("tierd connector: lookup of session %r failed (%s); computing it", session, exc)
-                supplied = 0
-            self.stats["lookups"] += 1
+            supplied = 0
+            if prompt:
+                try:
+                    supplied = self._client.lookup(session, prompt, self._spec).num_tokens
+                except NotFound:
+                    pass
+                except TierdError as exc:
+                    log.warning("tierd connector: lookup of session %r failed (%s); computing it", session, exc)
             # whole blocks, and at least the last prompt token is computed (its logits are needed)
             bs = self._spec.block_tokens
-            self._matched[request.request_id] = (min(supplied, len(prompt) - 1) // bs * bs, num_computed_tokens)
-        supplied, _ = self._matched[request.request_id]
+            supplied = max(0, min(supplied, len(prompt) - 1)) // bs * bs
+        self._matched[request.request_id] = (supplied, num_computed_tokens)
         return max(0, supplied - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
             self._to_load[request.request_id] = request
-            self._matched[request.request_id] = (self._matched[request.request_id][0],
-                                                 request.num_computed_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TierdConnectorMetadata(saves=self._to_save)
@@ -287,11 +286,9 @@ class TierdConnector(KVConnectorBase_V1):
                 self._blocks.gather(job.block_ids[first : first + len(rows)], rows)
             self._client.commit_save(lease)
             self._client.release(job.session)
-            self.stats["saved_tokens"] += len(job.token_ids) - lease.first_page * self._spec.block_tokens
             log.info("tierd connector: saved session %r, tokens %d-%d, in %.1f ms", job.session,
                      lease.first_page * self._spec.block_tokens, len(job.token_ids), 1e3 * (time.perf_counter() - t0))
         except (TierdError, OSError, ValueError) as exc:
-            self.stats["save_failures"] += 1
             log.warning("tierd connector: saving session %r failed: %s", job.session, exc)
             if lease is not None:
                 try:
@@ -341,7 +338,6 @@ class _Load:
                 try:
                     client.end_restore(lease)  # NotFound: the lease expired while we read; recompute
                     tokens = (job.num_pages - job.first_page) * c._spec.block_tokens  # type: ignore[union-attr]
-                    c.stats["loaded_tokens"] += tokens
                     log.info("tierd connector: loaded %d tokens of session %r in %.1f ms", tokens, job.session,
                              1e3 * (time.perf_counter() - t0))
                 except TierdError as exc:
@@ -355,7 +351,6 @@ class _Load:
                 done.set()
 
     def _fail(self, job: LoadJob, exc: BaseException) -> None:
-        self.connector.stats["load_failures"] += 1
         self.failed.update(job.block_ids)
         log.warning("tierd connector: loading session %r failed (%s); vLLM recomputes it", job.session, exc)
 
