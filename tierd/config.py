@@ -150,6 +150,8 @@ class Config:
     host_slab: int | str = _opt(_size_or_auto, "host arena slab size (auto: the whole budget in one)", AUTO)
     disk_slab: int = _opt(parse_size, "disk slab file size", 1 << 30)
     device_slab: int = _opt(parse_size, "VRAM slab size", 1 << 30)
+    disk_io: str = _opt(_choice(AUTO, "posix", "kvikio"),
+                        "disk tier I/O: auto (kvikio where it passes a self-test), posix, or kvikio (required)", AUTO)
     io_workers: int = _opt(_positive_int, "disk I/O threads", 4)
     movers: int = _opt(_positive_int, "background move threads", 2)
     rpc_workers: int = _opt(_positive_int, "threads running data calls", 8)

@@ -183,6 +183,8 @@ def serve(cfg: Config) -> int:
             machine = factory.build(cfg)
         except IndexFormatError as exc:
             raise StartupError(f"{exc}; nothing was changed") from None
+        except factory.DiskIOUnavailable as exc:
+            raise StartupError(str(exc)) from None
         stack.callback(machine.close)
         registry = CollectorRegistry()
         metrics = Metrics(registry)

@@ -3,7 +3,8 @@
 POSIX backend: O_DIRECT pread/pwrite of aligned buffers, cut into chunks that
 run on a prioritised thread pool; where the file system refuses O_DIRECT
 (tmpfs, some overlays) buffered I/O with fdatasync. The kvikio backend
-(GPUDirect Storage) plugs in beside it when libcuda and kvikio are present.
+(GPUDirect Storage, or kvikio's compatibility mode) replaces the reads and
+writes when libcuda and kvikio are present and pass a self-test.
 Slab files are named by number only; what they hold lives in the index.
 """
 
@@ -28,10 +29,16 @@ IO_CHUNK = 4 << 20
 
 class FileOps:
     """The disk tier's system calls, in one place: a fault-injection harness
-    replaces them to make any call fail."""
+    replaces them to make any call fail, and the kvikio backend routes reads
+    and writes through kvikio (tiers/kvikio_io.py)."""
+
+    name: str | None = None  # the backend, if not plain POSIX
 
     def open(self, path: str, flags: int, mode: int) -> int:
         return os.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
 
     def fallocate(self, fd: int, offset: int, length: int) -> None:
         os.posix_fallocate(fd, offset, length)
@@ -83,8 +90,9 @@ class DiskTier(SlabTier):
         self._failed_syncs = 0
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        self.direct = probe_direct_io(directory) if direct is None else direct
-        self.backend = "posix-odirect" if self.direct else "posix-buffered"
+        # kvikio aligns (or bounces) what it needs itself: the tier's own descriptor then does no data I/O
+        self.direct = False if self.ops.name else probe_direct_io(directory) if direct is None else direct
+        self.backend = self.ops.name or ("posix-odirect" if self.direct else "posix-buffered")
         self.out_of_space = False  # the file system refused room: demotion pauses until it frees
         self._executor = executor
         self._fds: dict[int, int] = {}
@@ -113,7 +121,7 @@ class DiskTier(SlabTier):
             if os.fstat(fd).st_size < self.slab_bytes:
                 self.ops.fallocate(fd, 0, self.slab_bytes)
         except OSError as exc:
-            os.close(fd)
+            self.ops.close(fd)
             if exc.errno == errno.ENOSPC:
                 self._set_full(f"no room for slab file {index} ({self.slab_bytes} bytes)")
             raise
@@ -135,7 +143,7 @@ class DiskTier(SlabTier):
     def _close_slab(self, index: int) -> None:
         fd = self._fds.pop(index, None)
         if fd is not None:
-            os.close(fd)
+            self.ops.close(fd)
         if index >= self.allocator.num_slabs:
             # Removed from the address space: the file goes too.
             try:
@@ -146,7 +154,7 @@ class DiskTier(SlabTier):
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
-                os.close(fd)
+                self.ops.close(fd)
             self._fds.clear()
 
     # -- I/O ---------------------------------------------------------------

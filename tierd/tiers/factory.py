@@ -64,6 +64,23 @@ def probe_device(cfg: Config):
     return DeviceTier(budget, str(dev), cfg.device_slab), f"{torch.cuda.get_device_name(dev)} ({dev}) through torch"
 
 
+class DiskIOUnavailable(RuntimeError):
+    pass
+
+
+def probe_disk_io(cfg: Config, directory: str):
+    """(kvikio FileOps or None for POSIX, why kvikio is not used)."""
+    if cfg.disk_io == "posix":
+        return None, "posix chosen by configuration"
+    from tierd.tiers import kvikio_io
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    ops, what = kvikio_io.probe(directory)
+    if ops is None and cfg.disk_io == "kvikio":
+        raise DiskIOUnavailable(f"disk_io is kvikio, but {what}")
+    return ops, what
+
+
 def build(cfg: Config) -> Machine:
     """Tiers, copy engine and index for this machine; budgets must be resolved."""
     data_dir = os.path.abspath(cfg.data_dir)
@@ -77,8 +94,10 @@ def build(cfg: Config) -> Machine:
         log.info("host arena: removed %d shared-memory slabs left by an earlier run", stale)
     pin = device is not None and device.device.type == "cuda"
     host = HostTier(int(cfg.host_budget), prefix, int(cfg.host_slab), pin=pin)
-    disk = DiskTier(int(cfg.disk_budget), os.path.join(data_dir, "slabs"), executor, cfg.disk_slab)
-    log.info("disk tier: %s I/O under %s", disk.backend, disk.directory)
+    slabs = os.path.join(data_dir, "slabs")
+    ops, why = probe_disk_io(cfg, slabs)
+    disk = DiskTier(int(cfg.disk_budget), slabs, executor, cfg.disk_slab, ops=ops)
+    log.info("disk tier: %s I/O under %s%s", disk.backend, disk.directory, f" ({why})" if ops is None else "")
     tiers = {"host": host, "disk": disk}
     if device is not None:
         tiers["device"] = device
