@@ -18,7 +18,8 @@ Pages move through leases in the daemon's host arena: the worker copies
 blocks in and out itself (vLLM on a CPU keeps its KV cache in private
 memory; on a GPU the same copies run device <-> host). Loads run in a thread,
 layer by layer, while the forward pass computes: each attention layer waits
-for its own layer only. Whatever fails (the daemon unreachable, a page
+for its own layer only. Saves run in another thread, off the engine's steps;
+vLLM keeps a finished request's blocks until its save is done. Whatever fails (the daemon unreachable, a page
 damaged, a lease expired) is reported to vLLM as blocks that failed to load,
 and vLLM recomputes them: a failure costs time, never correctness.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -139,7 +141,9 @@ class TierdConnector(KVConnectorBase_V1):
         self._layer_of: dict[str, int] = {}
         self._arena = Arena()
         self._load: _Load | None = None
-        self._saved: set[str] = set()
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierd-save")  # turns are saved in order
+        self._saved: set[str] = set()  # requests whose save ended (added by the saver thread)
+        self._saved_lock = threading.Lock()
         self._load_errors: set[int] = set()
 
     # -- scheduler side ---------------------------------------------------------------------
@@ -237,7 +241,7 @@ class TierdConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return  # a turn is saved whole when it ends (wait_for_save)
+        return  # a turn is saved whole when it ends (wait_for_save hands it to the saver thread)
 
     def wait_for_save(self) -> None:
         self._finish_load()
@@ -245,12 +249,12 @@ class TierdConnector(KVConnectorBase_V1):
         if not isinstance(meta, TierdConnectorMetadata):
             return
         for job in meta.saves:
-            if self._blocks is not None:
-                self._save(job)
-            self._saved.add(job.req_id)
+            # vLLM keeps the request's blocks until get_finished reports it: the copy runs off the step
+            self._saver.submit(self._save, job)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done, self._saved = self._saved, set()
+        with self._saved_lock:
+            done, self._saved = self._saved, set()
         return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -260,6 +264,7 @@ class TierdConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._finish_load()
+        self._saver.shutdown(wait=True)
         self._arena.close()
         self._client.close()
 
@@ -272,6 +277,14 @@ class TierdConnector(KVConnectorBase_V1):
             self._load_errors |= load.failed
 
     def _save(self, job: SaveJob) -> None:
+        try:
+            if self._blocks is not None:
+                self._store_turn(job)
+        finally:
+            with self._saved_lock:
+                self._saved.add(job.req_id)
+
+    def _store_turn(self, job: SaveJob) -> None:
         assert self._blocks is not None and self._spec is not None
         t0, lease = time.perf_counter(), None
         try:
