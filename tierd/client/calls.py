@@ -144,7 +144,9 @@ class _Calls:
     def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Any = None, priority: int | None = None, ttl: float = 0.0) -> Lease:
         """Slots in the host arena for the pages of tokens [start_token,
-        num_tokens): write them (Arena.runs), then commit_save or abort_save."""
+        num_tokens): write them (Arena.runs), then commit_save or abort_save.
+        token_ids, the ids of tokens [0, num_tokens), make the pages findable
+        by lookup()."""
         req = pb.BeginSaveRequest(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                   start_token=start_token, token_ids=_ids(token_ids), priority=priority,
                                   ttl_seconds=ttl)

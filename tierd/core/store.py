@@ -399,8 +399,9 @@ class Store:
         """Gather engine blocks holding tokens [start_token, num_tokens) into the
         session's snapshot, replacing what it held from start_token on. The new
         pages land in `tier` (default: device for GPU engines, else host);
-        `priority` sets the session's eviction weight; `token_ids` (those
-        tokens' ids) lets lookup() match later prompts against the pages."""
+        `priority` sets the session's eviction weight; `token_ids` (the ids of
+        tokens [0, num_tokens)) lets lookup() match later prompts against the
+        pages, and refuses an append onto pages that hold other tokens."""
         _check_priority(priority)
         if tier is not None and (tier not in self.tiers or tier == "disk"):
             raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {tier!r}", field="tier")
