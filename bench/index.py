@@ -40,13 +40,14 @@ def build(data_dir: str, sessions: int, pages: int) -> int:
             f.truncate(slab)
     index = DiskIndex(os.path.join(data_dir, "index.db"))
     sums = np.arange(pages, dtype="<u8").tobytes()
+    token_hashes = np.random.default_rng(0).bytes(16 * pages)  # as an engine that gives token ids leaves them
     stmts = []
     per_slab = slab // per_session
     for s in range(sessions):
         key = SessionKey("default", f"session-{s:06d}")
         offset = (s // per_slab) * slab + (s % per_slab) * per_session
-        stmts.append(("INSERT INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (*key, 0, pages, offset, per_session, sums)))
+        stmts.append(("INSERT INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                      (*key, 0, pages, offset, per_session, sums, token_hashes)))
         stmts.append(DiskIndex._row_stmt(key, Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0)))
     index._tx(stmts)  # one transaction: building the fixture, not measuring writes
     index.close()
