@@ -46,6 +46,23 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the daemon log")
 
 
+class _Call:
+    """Times one call and counts its outcome once. A failure is counted before
+    the caller hears of it, so a scrape right after an error sees the error."""
+
+    def __init__(self, metrics: Metrics, method: str) -> None:
+        self.metrics, self.method, self.t0, self.counted = metrics, method, time.perf_counter(), False
+
+    def count(self, code: str | None) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.rpc(self.method, time.perf_counter() - self.t0, code)
+
+    async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        self.count(exc.code if isinstance(exc, TierdError) else "INTERNAL")
+        await _abort(context, exc)
+
+
 def _unary(blocking: bool = False) -> Callable:
     """Wrap fn(self, request, caller) -> response as a timed async handler;
     blocking ones run on the thread pool."""
@@ -53,17 +70,16 @@ def _unary(blocking: bool = False) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         async def handler(self: TierdServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            t0, code = time.perf_counter(), None
+            call = _Call(self.metrics, fn.__name__)
             try:
                 caller = self.auth.identify(context.invocation_metadata())
                 if blocking:
                     return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self, request, caller)
                 return fn(self, request, caller)
             except Exception as exc:
-                code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
-                await _abort(context, exc)
+                await call.fail(context, exc)
             finally:
-                self.metrics.rpc(fn.__name__, time.perf_counter() - t0, code)
+                call.count(None)
 
         return handler
 
@@ -174,7 +190,7 @@ class TierdServicer(pb_grpc.TierdServicer):
     # -- bytes ---------------------------------------------------------------------
 
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        t0, code = time.perf_counter(), None
+        call = _Call(self.metrics, "Put")
         chunks: queue.Queue = queue.Queue(maxsize=16)
         try:
             caller = self.auth.identify(context.invocation_metadata())
@@ -205,13 +221,12 @@ class TierdServicer(pb_grpc.TierdServicer):
                     await _feed(chunks, InvalidArgument("the Put stream was cut short"), job)
                     raise
         except Exception as exc:
-            code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
-            await _abort(context, exc)
+            await call.fail(context, exc)
         finally:
-            self.metrics.rpc("Put", time.perf_counter() - t0, code)
+            call.count(None)
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> Any:
-        t0, code = time.perf_counter(), None
+        call = _Call(self.metrics, "Get")
         loop = asyncio.get_running_loop()
         reader = None
         try:
@@ -231,12 +246,11 @@ class TierdServicer(pb_grpc.TierdServicer):
                         for message in batch:
                             yield message
         except Exception as exc:
-            code = exc.code if isinstance(exc, TierdError) else "INTERNAL"
-            await _abort(context, exc)
+            await call.fail(context, exc)
         finally:
             if reader is not None:
                 reader.close()
-            self.metrics.rpc("Get", time.perf_counter() - t0, code)
+            call.count(None)
 
     # -- lifecycle -------------------------------------------------------------------
 
