@@ -30,13 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tierd.config import Config  # noqa: E402
-from tierd.core.store import Store, make_key  # noqa: E402
-from tierd.layout import EngineLayout, KVSpec  # noqa: E402
-from tierd.tiers import factory  # noqa: E402
-from tierd.tiers.disk import aligned_buffer  # noqa: E402
-from tierd.transfer.copier import EngineMemory  # noqa: E402
-from tierd.transfer.ioqueue import Priority  # noqa: E402
+from tierd.config import Config
+from tierd.core.store import Store, make_key
+from tierd.layout import EngineLayout, KVSpec
+from tierd.tiers import factory
+from tierd.tiers.disk import aligned_buffer
+from tierd.transfer.copier import EngineMemory
+from tierd.transfer.ioqueue import Priority
 
 KEY = make_key("default", "gpu-check")
 

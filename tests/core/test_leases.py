@@ -43,7 +43,7 @@ def lease_save(store, arena, key, num_tokens, start_token=0, token_ids=None, see
 
 
 def stored(store, key):
-    info, reader = store.get(key)
+    _, reader = store.get(key)
     data = b"".join(bytes(c) for c in reader)
     return [data[i : i + SPEC.page_bytes] for i in range(0, len(data), SPEC.page_bytes)]
 

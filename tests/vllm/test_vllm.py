@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm.server import VllmServer, text, tiny_llama  # noqa: E402
-from tierd.client import NotFound  # noqa: E402
-from tierd.testing import ROOT, Daemon  # noqa: E402
+from tests.vllm.server import VllmServer, text, tiny_llama
+from tierd.client import NotFound
+from tierd.testing import ROOT, Daemon
 
 BLOCK = 32
 OUT = 24  # tokens generated per turn

@@ -351,6 +351,13 @@ class Store:
             raise InvalidArgument("opaque snapshots have no tokens: give no token ids", field="token_ids")
         return tokens.chain(tokens.check_ids(token_ids, num_tokens), spec.block_tokens)
 
+    @staticmethod
+    def _check_readable(key: SessionKey, session: Session | None, verb: str) -> None:
+        if session is None:
+            raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+        if session.damaged:
+            raise DataLoss(f"session {key.session_id!r} is damaged and cannot be {verb}", session_id=key.session_id)
+
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
         return SessionInfo(
@@ -440,8 +447,7 @@ class Store:
         Waits for a move of the session in flight rather than starting another."""
         ids = self._check_blocks(block_ids, engine.layout.num_blocks)
         with self._held(key) as session:
-            if session.damaged:
-                raise DataLoss(f"session {key.session_id!r} is damaged and cannot be restored", session_id=key.session_id)
+            self._check_readable(key, session, "restored")
             self._check_identity(session, spec)
             snap = session.snap
             if not 0 < ids.size <= snap.n_pages:
@@ -526,10 +532,7 @@ class Store:
             raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {chunk_bytes!r}", field="chunk_bytes")
         lock, session = self._acquire(key)
         try:
-            if session is None:
-                raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
-            if session.damaged:
-                raise DataLoss(f"session {key.session_id!r} is damaged and cannot be read", session_id=key.session_id)
+            self._check_readable(key, session, "read")
             info = self._info(session)
         except BaseException:
             lock.release()
@@ -664,11 +667,7 @@ class Store:
             raise InvalidArgument(f"num_pages must be a non-negative integer, got {num_pages!r}", field="num_pages")
         lock, session = self._acquire(key)
         try:
-            if session is None:
-                raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
-            if session.damaged:
-                raise DataLoss(f"session {key.session_id!r} is damaged and cannot be restored",
-                               session_id=key.session_id)
+            self._check_readable(key, session, "restored")
             if spec is not None:
                 self._check_identity(session, spec)
             snap = session.snap
