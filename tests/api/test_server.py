@@ -1,12 +1,15 @@
 """What stock gRPC tools see: health, reflection, limits."""
 
+import platform
+import subprocess
+import sys
 import threading
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tierd.testing import Daemon
+from tierd.testing import ROOT, Daemon
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
@@ -91,3 +94,11 @@ def test_an_emulated_device_tier_serves_through_the_daemon(tmp_path):
             assert c.get("s") == b"d" * 100_000
     finally:
         d.close()
+
+
+def test_large_buffers_come_from_mmap_on_glibc():
+    """The daemon fixes glibc's mmap threshold at start (see tune_malloc)."""
+    out = subprocess.run([sys.executable, "-c", "from tierd.daemon import tune_malloc; print(tune_malloc())"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("True" if platform.libc_ver()[0] == "glibc" else "False")
