@@ -81,13 +81,14 @@ class VllmServer:
 
     def __init__(self, model: str, log_path: str | Path, tierd_socket: str | None = None,
                  python: str = sys.executable, block_size: int = 32, max_len: int = 4096,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 prefix_caching: bool = False, extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
                "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_len),
-               "--block-size", str(block_size), "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--block-size", str(block_size), "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+               "--enable-prompt-tokens-details",
                "--max-num-seqs", "4", "--seed", "0", "--served-model-name", "tiny"]
         if tierd_socket is not None:
             cmd += ["--kv-transfer-config", json.dumps({

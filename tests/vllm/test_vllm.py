@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -176,3 +177,42 @@ def test_the_router_example_resumes_each_turn(world):
     assert out.returncode == 0, out.stderr
     served = [int(n) for n in re.findall(r"turn \d: (\d+) of \d+ prompt tokens from tierd", out.stdout)]
     assert len(served) == 3 and served[0] == 0 and all(n > 0 for n in served[1:]), out.stdout
+
+
+@pytest.fixture(scope="module")
+def cached_world(model, reference, world, tmp_path_factory):
+    """A second server, with vLLM's own prefix cache on (vLLM's default)."""
+    daemon, first = world
+    first.close()  # one server at a time on two cores
+    server = VllmServer(model[0], tmp_path_factory.mktemp("cached") / "vllm.log", tierd_socket=daemon.socket,
+                        prefix_caching=True, extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        yield daemon, server.wait()
+    finally:
+        server.close()
+
+
+def reset_vllm_cache(server):
+    req = urllib.request.Request(server.url + "/reset_prefix_cache", b"", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+
+
+def test_with_vllm_prefix_caching_on(cached_world, reference):
+    daemon, server = cached_world
+    # vLLM's cache and tierd together: outputs unchanged, at least as many tokens not computed
+    p1, out1, p2, out2 = reference[1]
+    assert server.complete(p1, OUT, session="cached-1")["token_ids"] == out1
+    r2 = server.complete(p2, OUT, session="cached-1")
+    assert r2["token_ids"] == out2 and served(r2) >= expected_served(p1, out1, p2)
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("cached-1").num_tokens == len(p2) + OUT - 1)
+    # vLLM's cache emptied between the turns: tierd supplies the whole history
+    p1, out1, p2, out2 = reference[2]
+    assert server.complete(p1, OUT, session="cached-2")["token_ids"] == out1
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("cached-2").num_tokens == len(p1) + OUT - 1)
+    reset_vllm_cache(server)
+    r2 = server.complete(p2, OUT, session="cached-2")
+    assert r2["token_ids"] == out2 and served(r2) == expected_served(p1, out1, p2)
+    assert "tierd connector: loaded" in server.log()

@@ -134,7 +134,6 @@ class TierdConnector(KVConnectorBase_V1):
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (tokens tierd supplies, tokens vLLM has)
         self._to_load: dict[str, Request] = {}
-        self._loaded: dict[str, int] = {}  # req id -> tokens served from the snapshot
         self._to_save: list[SaveJob] = []
         # worker side
         self._blocks: LayerBlocks | None = None
@@ -190,13 +189,12 @@ class TierdConnector(KVConnectorBase_V1):
             n, first = supplied // bs, -(-local // bs)
             meta.loads.append(LoadJob(req_id, session_of(request) or "", list(request.prompt_token_ids)[:supplied],
                                       n, first, list(block_ids[0][first:n])))
-            self._loaded[req_id] = supplied
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._matched.pop(request.request_id, None)
+        # the snapshot already holds the prompt's first `same` tokens (whoever supplied their KV this turn)
+        same = self._matched.pop(request.request_id, (0, 0))[0]
         self._to_load.pop(request.request_id, None)
-        loaded = self._loaded.pop(request.request_id, 0)
         session = session_of(request)
         # KV exists for the computed tokens; the last sampled token has none yet
         num_tokens = min(request.num_computed_tokens, len(request.all_token_ids))
@@ -204,7 +202,7 @@ class TierdConnector(KVConnectorBase_V1):
             return False, None
         bs = self._spec.block_tokens
         self._to_save.append(SaveJob(request.request_id, session, list(request.all_token_ids)[:num_tokens],
-                                     min(loaded, num_tokens) // bs * bs, list(block_ids[: -(-num_tokens // bs)])))
+                                     min(same, num_tokens) // bs * bs, list(block_ids[: -(-num_tokens // bs)])))
         return True, None  # vLLM keeps the blocks until the worker reports the save done
 
     # -- worker side -----------------------------------------------------------------------
