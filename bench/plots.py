@@ -26,11 +26,8 @@ def write(results: list[Result], directory: str) -> list[str]:
         for name, style in (("memcpy", "k--"), ("restore", "o-"), ("save", "s-")):
             ax.plot(mib, s[name], style, label=name if name == "memcpy" else f"tierd {name}")
         ax.set_xscale("log")
-        ax.set_xlabel("snapshot size (MiB)")
-        ax.set_ylabel("GB/s")
-        ax.set_title("Host tier through shared memory, beside memcpy")
-        ax.legend()
-        written.append(_save(fig, directory, "host_bandwidth_by_size.png"))
+        written.append(_save(fig, ax, "snapshot size (MiB)", "GB/s", "Host tier through shared memory, beside memcpy",
+                             directory, "host_bandwidth_by_size.png"))
 
     latency = by_name.get("control_rpc_p99_ms")
     if latency is not None and latency.series:
@@ -39,11 +36,8 @@ def write(results: list[Result], directory: str) -> list[str]:
             x = np.sort(latency.series[name])
             ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label)
         ax.set_xscale("log")
-        ax.set_xlabel("latency (ms)")
-        ax.set_ylabel("fraction of calls")
-        ax.set_title("Control calls under 8 concurrent clients")
-        ax.legend()
-        written.append(_save(fig, directory, "control_latency_cdf.png"))
+        written.append(_save(fig, ax, "latency (ms)", "fraction of calls", "Control calls under 8 concurrent clients",
+                             directory, "control_latency_cdf.png"))
 
     trace = by_name.get("trace_prefetch_on_time")
     if trace is not None and trace.series:
@@ -52,15 +46,17 @@ def write(results: list[Result], directory: str) -> list[str]:
         ax.plot(s["t"], np.array(s["host"]) / (1 << 20), label="host used")
         ax.plot(s["t"], np.array(s["disk"]) / (1 << 20), label="disk used")
         ax.axhline(s["host_budget"] / (1 << 20), color="k", linestyle="--", label="host budget")
-        ax.set_xlabel("seconds into the trace")
-        ax.set_ylabel("MiB")
-        ax.set_title("Tier occupancy during the trace replay")
-        ax.legend()
-        written.append(_save(fig, directory, "trace_occupancy.png"))
+        written.append(_save(fig, ax, "seconds into the trace", "MiB", "Tier occupancy during the trace replay",
+                             directory, "trace_occupancy.png"))
     return written
 
 
-def _save(fig, directory: str, name: str) -> str:
+def _save(fig, ax, xlabel: str, ylabel: str, title: str, directory: str, name: str) -> str:
+    """Label the axes, add the legend and write the PNG; returns its path."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
     path = os.path.join(directory, name)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

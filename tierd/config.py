@@ -58,24 +58,21 @@ def _size_or_auto(text: Any) -> int | str:
     return parse_size(text)
 
 
-def _positive_int(text: Any) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise InvalidArgument(f"expected a positive integer, got {text!r}")
-    return value
+def _integer(minimum: int, what: str) -> Callable[[Any], int]:
+    def parse(text: Any) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise InvalidArgument(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _count(text: Any) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise InvalidArgument(f"expected a whole number, got {text!r}")
-    return value
+_positive_int = _integer(1, "a positive integer")
+_count = _integer(0, "a whole number")
 
 
 def parse_bool(text: Any) -> bool:
