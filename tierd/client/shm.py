@@ -10,10 +10,14 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierd.layout import EngineLayout, KVSpec
+
+if TYPE_CHECKING:
+    from tierd.core.store import Lease
 
 SHM_DIR = "/dev/shm"
 
@@ -96,19 +100,19 @@ class Arena:
         self._maps[name] = (st.st_ino, m, np.frombuffer(m, dtype=np.uint8))
         return self._maps[name][2]
 
-    def runs(self, lease: object) -> list[tuple[int, np.ndarray]]:
+    def runs(self, lease: Lease) -> list[tuple[int, np.ndarray]]:
         """(first page, uint8 array [pages, page_bytes]) for each run of leased
         pages: views into the arena, written by a save lease's holder before
         commit, read by a restore lease's holder before it ends."""
         out = []
-        stride, nbytes = lease.page_stride, lease.page_bytes  # type: ignore[attr-defined]
-        for slot in lease.slots:  # type: ignore[attr-defined]
+        stride, nbytes = lease.page_stride, lease.page_bytes
+        for slot in lease.slots:
             slab = self._slab(slot.shm_name)
             rows = slab[slot.offset : slot.offset + slot.n_pages * stride].reshape(slot.n_pages, stride)
             out.append((slot.first_page, rows[:, :nbytes]))
         return out
 
-    def pages(self, lease: object) -> list[np.ndarray]:
+    def pages(self, lease: Lease) -> list[np.ndarray]:
         """One uint8 view per leased page, in page order."""
         return [row for _, rows in self.runs(lease) for row in rows]
 

@@ -581,15 +581,15 @@ class Store:
                                   field="ttl_seconds", value=ttl)
         return float(ttl)
 
-    def _slots(self, pieces: list, stride: int, lo: int = 0, hi: int | None = None) -> list[Slot]:
-        """Where pages [lo, hi) of these host pieces lie in the arena's slabs."""
+    def _slots(self, pieces: list, stride: int, end: int) -> list[Slot]:
+        """Where the pages below `end` of these host pieces lie in the arena's slabs."""
         host = self.tiers["host"]
         out = []
         for p in pieces:
-            first, last = max(p.first_page, lo), min(p.first_page + p.n_pages, hi if hi is not None else 1 << 62)
-            if first < last:
-                name, off = host.where(p.offset + (first - p.first_page) * stride, (last - first) * stride)
-                out.append(Slot(name, off, first, last - first))
+            count = min(p.n_pages, end - p.first_page)
+            if count > 0:
+                name, off = host.where(p.offset, count * stride)
+                out.append(Slot(name, off, p.first_page, count))
         return out
 
     def _take_lease(self, tenant: str, lease_id: str, kind: type) -> _Lease:
@@ -624,7 +624,7 @@ class Store:
                            num_tokens, tok, priority, time.perf_counter())
         with self._lock:
             self._leases[lease.lease_id] = lease
-        return Lease(lease.lease_id, self._slots(pieces, geom.stride), spec.page_bytes, geom.stride,
+        return Lease(lease.lease_id, self._slots(pieces, geom.stride, n_pages), spec.page_bytes, geom.stride,
                      first_page, n_pages - first_page, num_tokens, ttl)
 
     def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
@@ -691,7 +691,7 @@ class Store:
                 session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
                 self._leases[lease.lease_id] = lease
             lock = None  # the lease holds it now
-            return Lease(lease.lease_id, self._slots(snap.pieces("host"), snap.geometry.stride, 0, n),
+            return Lease(lease.lease_id, self._slots(snap.pieces("host"), snap.geometry.stride, n),
                          snap.spec.page_bytes, snap.geometry.stride, 0, n,
                          min(snap.num_tokens, n * snap.spec.block_tokens), ttl)
         except OSError as exc:
