@@ -33,6 +33,7 @@ class FileOps:
     and writes through kvikio (tiers/kvikio_io.py)."""
 
     name: str | None = None  # the backend, if not plain POSIX
+    aligns_itself = False  # reads and writes take any buffer (the tier's own descriptors carry no data)
 
     def open(self, path: str, flags: int, mode: int) -> int:
         return os.open(path, flags, mode)
@@ -90,8 +91,7 @@ class DiskTier(SlabTier):
         self._failed_syncs = 0
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        # kvikio aligns (or bounces) what it needs itself: the tier's own descriptor then does no data I/O
-        self.direct = False if self.ops.name else probe_direct_io(directory) if direct is None else direct
+        self.direct = False if self.ops.aligns_itself else probe_direct_io(directory) if direct is None else direct
         self.backend = self.ops.name or ("posix-odirect" if self.direct else "posix-buffered")
         self.out_of_space = False  # the file system refused room: demotion pauses until it frees
         self._executor = executor

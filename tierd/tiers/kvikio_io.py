@@ -26,6 +26,8 @@ PROBE_BYTES = 1 << 20
 
 
 class KvikioOps(FileOps):
+    aligns_itself = True  # kvikio aligns or bounces what O_DIRECT and GDS need
+
     def __init__(self, kvikio: Any, mode: str) -> None:
         self.kvikio = kvikio
         self.name = f"kvikio-{mode}"
