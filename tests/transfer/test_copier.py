@@ -41,6 +41,24 @@ def test_gather_then_scatter_is_byte_exact_with_one_copy_per_run_and_segment(hos
     assert dst.pages(target) == src.pages(blocks)
 
 
+@pytest.mark.parametrize("kind", ["layer_major", "cross_layer"])
+def test_gather_hashes_each_chunk_as_it_copies_it(host, kind):
+    # Chunks of two pages, over three runs (one of them 5 pages long) and the CPU workers:
+    # the checksums gather returns are those of the bytes it left in the tier.
+    src = HostEngine(SPEC, 64, kind, seed=11)
+    copier = CopyEngine({"host": host}, hash_chunk_bytes=2 * SPEC.page_bytes)
+    blocks = np.array([30, 31, 32, 33, 34, 3, 9, 10])
+    spans, geom = _spans(host, len(blocks), SPEC.page_bytes, first_page=2)
+    sums = copier.gather(src.memory, blocks, spans, geom, 2)
+    assert copier.copy_ops == (3 + 1 + 1) * len(src.layout.segments)  # chunks [30..31] [32..33] [34] [3] [9..10]
+    assert sums.tolist() == copier.checksums(spans, geom).tolist()
+    assert len(set(sums.tolist())) == len(blocks)
+    dst = HostEngine(SPEC, 64, kind, seed=12)
+    copier.scatter([Span(s.first_page - 2, s.n_pages, s.tier, s.offset) for s in spans], dst.memory,
+                   np.arange(len(blocks)), geom, sums)
+    assert dst.pages(range(len(blocks))) == src.pages(blocks)
+
+
 def test_layouts_that_split_a_page_differently_agree_on_its_bytes(host):
     # Saved through one K+V segment per layer, restored through separate K and V segments:
     # the page's byte order is the same, so the bytes land where they belong.

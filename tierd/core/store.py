@@ -429,8 +429,7 @@ class Store:
             pieces = self.placement.alloc(tier, [(first_page, ids.size)], geom.stride, key, Priority.DEMAND)
             spans = [Span(p.first_page, p.n_pages, tier, p.offset) for p in pieces]
             try:
-                self.copier.gather(engine, ids, spans, geom, first_page)
-                sums = self.copier.checksums(spans, geom)
+                sums = self.copier.gather(engine, ids, spans, geom, first_page)
             except BaseException:
                 self.placement.free(tier, pieces)
                 raise

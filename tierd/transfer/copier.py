@@ -9,10 +9,12 @@ operations and keeps a moving average of bandwidth per route.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ DEFAULT_WINDOW = 16 << 20
 EWMA_ALPHA = 0.3
 READ_AHEAD = 4  # disk windows in flight per reader
 BOUNCE_POOL = 8  # staging buffers kept for reuse (resident: no page faults)
+HASH_CHUNK = 8 << 20  # host saves copy, then hash, this much at a time: it stays in the CPU's cache
 
 
 @dataclass(eq=False)
@@ -47,9 +50,10 @@ class EngineMemory:
 
 class CopyEngine:
     def __init__(self, tiers: dict[str, Any], window_bytes: int = DEFAULT_WINDOW,
-                 verify_tiers: tuple[str, ...] = ("disk",)) -> None:
+                 verify_tiers: tuple[str, ...] = ("disk",), hash_chunk_bytes: int = HASH_CHUNK) -> None:
         self.tiers = tiers
         self.window_bytes = window_bytes
+        self.hash_chunk_bytes = hash_chunk_bytes
         self.verify_tiers = set(verify_tiers)
         self.copy_ops = 0
         self.bandwidth: dict[str, float] = {}
@@ -174,22 +178,55 @@ class CopyEngine:
     # -- engine <-> tier -----------------------------------------------------
 
     def gather(self, engine: EngineMemory, block_ids: np.ndarray, dst: list[Span], geom: Geometry,
-               first_page: int) -> None:
-        """Copy engine blocks into tier pages [first_page, first_page + len(block_ids))."""
+               first_page: int) -> np.ndarray:
+        """Copy engine blocks into tier pages [first_page, first_page + len(block_ids))
+        and return the pages' checksums, in page order.
+
+        Between host buffers, each run goes in chunks of about hash_chunk_bytes,
+        every chunk hashed right after its copy while its bytes are still in
+        cache, chunks shared among the CPU workers: a separate hashing pass
+        would read the whole snapshot from memory a second time."""
         layout = engine.layout
         t0 = time.perf_counter()
+        sums = np.empty(len(block_ids), dtype=np.uint64)
+        jobs: list[Callable[[], None]] = []
         touched = []
         for run in block_runs(dst, block_ids, geom.stride, first_page):
             buf = self._view(run.tier, run.offset, run.count * geom.stride)
-            touched.append(buf)
-            for seg, seg_off in zip(layout.segments, layout.page_offsets):
-                src = memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
-                                  seg.stride, seg.nbytes)
-                memory.copy(memory.rows(buf, seg_off, run.count, geom.stride, seg.nbytes), src)
-                self._count()
-        memory.synchronize(*touched, *engine.regions)
+            pairs = [(memory.rows(buf, seg_off, run.count, geom.stride, seg.nbytes),
+                      memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
+                                  seg.stride, seg.nbytes))
+                     for seg, seg_off in zip(layout.segments, layout.page_offsets)]
+            if not (isinstance(buf, np.ndarray) and all(isinstance(r, np.ndarray) for r in engine.regions)):
+                for d, s in pairs:
+                    memory.copy(d, s)
+                    self._count()
+                touched.append(buf)
+                continue
+            per_chunk = max(1, self.hash_chunk_bytes // geom.stride)
+            for c in range(0, run.count, per_chunk):
+                jobs.append(functools.partial(self._copy_and_hash, pairs, buf, c, min(c + per_chunk, run.count),
+                                              run.page, first_page, geom, sums))
+        _run_jobs(jobs)
+        if touched:
+            memory.synchronize(*touched, *engine.regions)
+            for span in dst:  # pages in tensors: hashed from host views or copies
+                got = self.checksums([span], geom)
+                sums[span.first_page - first_page : span.first_page - first_page + span.n_pages] = got
         self.record(f"engine->{dst[0].tier}" if dst else "engine", len(block_ids) * geom.page_bytes,
                     time.perf_counter() - t0)
+        return sums
+
+    def _copy_and_hash(self, pairs: list[tuple[np.ndarray, np.ndarray]], buf: np.ndarray, start: int, end: int,
+                       run_page: int, first_page: int, geom: Geometry, sums: np.ndarray) -> None:
+        """Pages [start, end) of one run: copy every segment, then hash the pages."""
+        for d, s in pairs:
+            np.copyto(d[start:end], s[start:end])  # numpy copies on this thread, without the GIL
+        self._count(len(pairs))
+        stride = geom.stride
+        for i in range(start, end):
+            page = run_page + i
+            sums[page - first_page] = page_checksum(buf[i * stride : i * stride + geom.size_of(page)])
 
     def scatter(self, src: list[Span], engine: EngineMemory, block_ids: np.ndarray, geom: Geometry,
                 checksums: np.ndarray, priority: int = Priority.DEMAND) -> None:
@@ -333,6 +370,34 @@ class CopyEngine:
                 page = span.first_page + i
                 out[page - base] = page_checksum(host[i * stride : i * stride + geom.size_of(page)])
         return out
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _run_jobs(jobs: list[Callable[[], None]]) -> None:
+    """Run the jobs on the CPU workers, each worker taking every n-th job, and
+    wait for all; the first error is raised once all are done."""
+    global _pool
+    workers = min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1:
+        for job in jobs:
+            job()
+        return
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tierd-copy")
+    futures = [_pool.submit(_run_each, jobs[w::workers]) for w in range(workers)]
+    errors = [f.exception() for f in futures]
+    for exc in errors:
+        if exc is not None:
+            raise exc
+
+
+def _run_each(jobs: list[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
 
 
 def _clip(spans: list[Span], n_pages: int) -> list[Span]:
