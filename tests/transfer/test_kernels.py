@@ -8,7 +8,6 @@ where installed, also compiles the file for the H100/H200 architecture.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -17,58 +16,13 @@ import numpy as np
 import pytest
 import xxhash
 
+from tests.transfer.emulated_gpu import compile_kernels, hash_pages
 from tierd.transfer import gpu
-
-HARNESS = r"""
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __constant__ static const
-struct dim { unsigned x; };
-static dim blockIdx, threadIdx, blockDim, gridDim;
-struct uint4 { unsigned x, y, z, w; };
-#include KERNELS
-
-typedef void (*kernel)(void);
-static void grid(unsigned blocks, unsigned threads, void (*body)(void*), void* arg) {
-    gridDim.x = blocks; blockDim.x = threads;
-    for (unsigned b = 0; b < blocks; b++)
-        for (unsigned t = 0; t < threads; t++) { blockIdx.x = b; threadIdx.x = t; body(arg); }
-}
-struct copy_args { const u64* plan; i64 n; };
-static void copy_body(void* a) { copy_args* c = (copy_args*)a; tierd_copy2d(c->plan, c->n); }
-struct hash_args { const u64* pages; i64 n; u64* accs; u64* out; };
-static void lanes_body(void* a) { hash_args* h = (hash_args*)a; tierd_xxh3_lanes(h->pages, h->n, h->accs); }
-static void merge_body(void* a) { hash_args* h = (hash_args*)a; tierd_xxh3_merge(h->pages, h->n, h->accs, h->out); }
-
-extern "C" void run_copy2d(const u64* plan, i64 n, unsigned blocks, unsigned threads) {
-    copy_args c = {plan, n};
-    grid(blocks, threads, copy_body, &c);
-}
-extern "C" void run_xxh3(const u64* pages, i64 n, u64* accs, u64* out, unsigned threads) {
-    hash_args h = {pages, n, accs, out};
-    grid((unsigned)((8 * n + threads - 1) / threads), threads, lanes_body, &h);
-    grid((unsigned)((n + threads - 1) / threads), threads, merge_body, &h);
-}
-"""
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a C++ compiler to run the kernels' source on the CPU")
-    d = tmp_path_factory.mktemp("kernels")
-    src = d / "harness.cpp"
-    src.write_text(HARNESS)
-    lib = d / "harness.so"
-    subprocess.run([cxx, "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", f'-DKERNELS="{gpu.KERNELS_PATH}"',
-                    str(src), "-o", str(lib)], check=True, capture_output=True)
-    so = ctypes.CDLL(str(lib))
-    so.run_copy2d.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_uint, ctypes.c_uint]
-    so.run_xxh3.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    return so
+    return compile_kernels(tmp_path_factory.mktemp("kernels"))
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -76,11 +30,7 @@ def _ptr(a: np.ndarray) -> int:
 
 
 def _hash_on_emulated_gpu(so, buf: np.ndarray, pages: list[tuple[int, int]]) -> list[int]:
-    table = np.array([(_ptr(buf) + off, n) for off, n in pages], dtype=np.uint64).reshape(-1)
-    accs = np.zeros(8 * len(pages), dtype=np.uint64)
-    out = np.zeros(len(pages), dtype=np.uint64)
-    so.run_xxh3(_ptr(table), len(pages), _ptr(accs), _ptr(out), 64)
-    return out.tolist()
+    return hash_pages(so, [(buf.ctypes.data + off, n) for off, n in pages]).tolist()
 
 
 def test_device_checksum_agrees_with_the_cpu_on_random_pages(emulated):

@@ -103,5 +103,15 @@ def build(cfg: Config) -> Machine:
         tiers["device"] = device
     verify = ("disk",) if cfg.verify == "disk" else tuple(tiers)
     backends = {"device": str(device.device) if device is not None else "absent"}
+    kernels = None
+    if pin:
+        from tierd.transfer import gpu
+
+        kernels = gpu.load(device.device.index or 0)
+        if kernels is not None:
+            log.info("GPU copies: one kernel launch per gather or scatter; checksums on the GPU%s",
+                     "" if kernels.host_pointers else " (the GPU cannot address pinned host memory: host copies go "
+                                                      "one per run)")
+    backends["gpu_copies"] = "kernels" if kernels is not None else "per-run"
     index = DiskIndex(os.path.join(data_dir, "index.db"))
-    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify), index, executor, backends)
+    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify, kernels=kernels), index, executor, backends)

@@ -24,7 +24,7 @@ from tierd.checksum import page_checksum
 from tierd.errors import DataLoss
 from tierd.layout import EngineLayout
 from tierd.tiers.disk import aligned_buffer
-from tierd.transfer import memory
+from tierd.transfer import gpu, memory
 from tierd.transfer.ioqueue import Priority, wait_all
 from tierd.transfer.runs import Geometry, MoveRun, Span, block_runs, overlap_runs
 
@@ -50,10 +50,12 @@ class EngineMemory:
 
 class CopyEngine:
     def __init__(self, tiers: dict[str, Any], window_bytes: int = DEFAULT_WINDOW,
-                 verify_tiers: tuple[str, ...] = ("disk",), hash_chunk_bytes: int = HASH_CHUNK) -> None:
+                 verify_tiers: tuple[str, ...] = ("disk",), hash_chunk_bytes: int = HASH_CHUNK,
+                 kernels: gpu.Kernels | None = None) -> None:
         self.tiers = tiers
         self.window_bytes = window_bytes
         self.hash_chunk_bytes = hash_chunk_bytes
+        self.kernels = kernels  # GPU copies and checksums in one launch, where CUDA is present
         self.verify_tiers = set(verify_tiers)
         self.copy_ops = 0
         self.bandwidth: dict[str, float] = {}
@@ -105,14 +107,36 @@ class CopyEngine:
 
     def _verify(self, buf: Any, first_page: int, count: int, geom: Geometry, checksums: np.ndarray,
                 tier: str = "disk") -> None:
-        host = memory.to_host(buf)
+        got = self._page_sums(buf, first_page, count, geom)
+        bad = np.flatnonzero(got != checksums[first_page : first_page + count])
+        if bad.size:
+            page = first_page + int(bad[0])
+            raise DataLoss(f"page {page} failed its checksum in the {tier} tier", page=page, tier=tier,
+                           want=int(checksums[page]), got=int(got[bad[0]]))
+
+    def _page_sums(self, buf: Any, first_page: int, count: int, geom: Geometry) -> np.ndarray:
+        """Checksums of count pages laid out stride apart in buf, a host array or
+        a tensor; on a GPU, hashed there (pages short enough for XXH3's short
+        forms are hashed on the CPU)."""
         stride = geom.stride
-        for i in range(count):
-            page = first_page + i
-            got = page_checksum(host[i * stride : i * stride + geom.size_of(page)])
-            if got != int(checksums[page]):
-                raise DataLoss(f"page {page} failed its checksum in the {tier} tier", page=page, tier=tier,
-                               want=int(checksums[page]), got=got)
+        sizes = [geom.size_of(first_page + i) for i in range(count)]
+        out = np.empty(count, dtype=np.uint64)
+        on_gpu = [i for i in range(count) if sizes[i] > gpu.SHORT_PAGE] \
+            if self.kernels is not None and not isinstance(buf, np.ndarray) and self.kernels.reaches(buf) else []
+        if on_gpu:
+            base = buf.data_ptr()
+            out[on_gpu] = self.kernels.checksums([(base + i * stride, sizes[i]) for i in on_gpu])
+        rest = sorted(set(range(count)) - set(on_gpu))
+        host = memory.to_host(buf) if len(rest) == count else None
+        for i in rest:
+            page = host[i * stride : i * stride + sizes[i]] if host is not None else \
+                memory.to_host(buf[i * stride : i * stride + sizes[i]])
+            out[i] = page_checksum(page)
+        return out
+
+    def _reachable(self, *views: Any) -> bool:
+        """Whether one kernel launch reaches every view."""
+        return self.kernels is not None and all(self.kernels.reaches(v) for v in views)
 
     # -- reading pages out of tiers -----------------------------------------
 
@@ -190,6 +214,7 @@ class CopyEngine:
         t0 = time.perf_counter()
         sums = np.empty(len(block_ids), dtype=np.uint64)
         jobs: list[Callable[[], None]] = []
+        launch: list[gpu.Copy] = []
         touched = []
         for run in block_runs(dst, block_ids, geom.stride, first_page):
             buf = self._view(run.tier, run.offset, run.count * geom.stride)
@@ -198,9 +223,12 @@ class CopyEngine:
                                   seg.stride, seg.nbytes))
                      for seg, seg_off in zip(layout.segments, layout.page_offsets)]
             if not (isinstance(buf, np.ndarray) and all(isinstance(r, np.ndarray) for r in engine.regions)):
-                for d, s in pairs:
-                    memory.copy(d, s)
-                    self._count()
+                if self._reachable(*(v for pair in pairs for v in pair)):
+                    launch.extend(gpu.copy_of(d, s) for d, s in pairs)
+                else:
+                    for d, s in pairs:
+                        memory.copy(d, s)
+                        self._count()
                 touched.append(buf)
                 continue
             per_chunk = max(1, self.hash_chunk_bytes // geom.stride)
@@ -208,9 +236,12 @@ class CopyEngine:
                 jobs.append(functools.partial(self._copy_and_hash, pairs, buf, c, min(c + per_chunk, run.count),
                                               run.page, first_page, geom, sums))
         _run_jobs(jobs)
+        if launch:
+            self.kernels.copy(launch, Priority.DEMAND)  # every run and segment in one launch
+            self._count()
         if touched:
             memory.synchronize(*touched, *engine.regions)
-            for span in dst:  # pages in tensors: hashed from host views or copies
+            for span in dst:  # pages in tensors: hashed on the GPU, or from host views or copies
                 got = self.checksums([span], geom)
                 sums[span.first_page - first_page : span.first_page - first_page + span.n_pages] = got
         self.record(f"engine->{dst[0].tier}" if dst else "engine", len(block_ids) * geom.page_bytes,
@@ -230,20 +261,47 @@ class CopyEngine:
 
     def scatter(self, src: list[Span], engine: EngineMemory, block_ids: np.ndarray, geom: Geometry,
                 checksums: np.ndarray, priority: int = Priority.DEMAND) -> None:
-        """Copy pages [0, len(block_ids)) into engine blocks block_ids."""
+        """Copy pages [0, len(block_ids)) into engine blocks block_ids. Where one
+        kernel reaches both sides, the copies of all windows go in one launch
+        (a disk window's in its own, before its staging buffer is reused)."""
         layout = engine.layout
         n = len(block_ids)
+        launch: list[gpu.Copy] = []
+        launched_bytes: dict[str, int] = {}
+        t_call = time.perf_counter()
         for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority):
             t0 = time.perf_counter()
             window = [Span(first, count, tier, 0)]
+            pairs = []
             for run in block_runs(window, block_ids[first : first + count], geom.stride, first):
                 for seg, seg_off in zip(layout.segments, layout.page_offsets):
                     dst = memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
                                       seg.stride, seg.nbytes)
-                    memory.copy(dst, memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes))
-                    self._count()
+                    pairs.append((dst, memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes)))
+            if self._reachable(*(v for pair in pairs for v in pair)):
+                launch.extend(gpu.copy_of(d, s) for d, s in pairs)
+                launched_bytes[tier] = launched_bytes.get(tier, 0) + count * geom.page_bytes
+                if tier == "disk":
+                    self._launch(launch, launched_bytes, priority, t_call)
+                continue
+            for d, s in pairs:
+                memory.copy(d, s)
+                self._count()
             memory.synchronize(buf, *engine.regions)
             self.record(f"{tier}->engine", count * geom.page_bytes, time.perf_counter() - t0)
+        self._launch(launch, launched_bytes, priority, t_call)
+
+    def _launch(self, launch: list[gpu.Copy], nbytes: dict[str, int], priority: int, t0: float) -> None:
+        """Run the collected copies in one launch and record them."""
+        if not launch:
+            return
+        self.kernels.copy(launch, priority)
+        self._count()
+        seconds = time.perf_counter() - t0
+        for tier, b in nbytes.items():
+            self.record(f"{tier}->engine", b, seconds)
+        launch.clear()
+        nbytes.clear()
 
     # -- tier <-> tier -------------------------------------------------------
 
@@ -265,8 +323,11 @@ class CopyEngine:
         if run.src_tier in self.verify_tiers:
             self._verify(src, run.page, run.count, geom, checksums, run.src_tier)
         dst = self._view(run.dst_tier, run.dst_offset, nbytes)
-        memory.copy(dst, src)
-        memory.synchronize(dst, src)
+        if self.kernels is not None:
+            self.kernels.dma(dst, src, priority)  # on the stream of the move's priority
+        else:
+            memory.copy(dst, src)
+            memory.synchronize(dst, src)
         self._count()
 
     def _host_to_disk(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
@@ -363,12 +424,10 @@ class CopyEngine:
         """Checksums of freshly stored pages (host or device spans), page order."""
         out = np.empty(sum(s.n_pages for s in spans), dtype=np.uint64)
         base = min(s.first_page for s in spans) if spans else 0
-        stride = geom.stride
         for span in spans:
-            host = memory.to_host(self._view(span.tier, span.offset, span.n_pages * stride))
-            for i in range(span.n_pages):
-                page = span.first_page + i
-                out[page - base] = page_checksum(host[i * stride : i * stride + geom.size_of(page)])
+            buf = self._view(span.tier, span.offset, span.n_pages * geom.stride)
+            out[span.first_page - base : span.first_page - base + span.n_pages] = \
+                self._page_sums(buf, span.first_page, span.n_pages, geom)
         return out
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tierd.tiers import cuda_host
 from tierd.transfer.ioqueue import Priority
 
 log = logging.getLogger("tierd.transfer.gpu")
@@ -64,10 +65,18 @@ def _repeat(a: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def rows_of(view: Any) -> tuple[int, int, int, int]:
-    """(address, pitch, width, rows) of a 2-D byte view, numpy or torch."""
+    """(address, pitch, width, rows) of a 1-D or 2-D byte view, numpy or torch."""
     if isinstance(view, np.ndarray):
-        return view.ctypes.data, view.strides[0], view.shape[1], view.shape[0]
-    return view.data_ptr(), view.stride(0), view.shape[1], view.shape[0]
+        address, shape, pitch = view.ctypes.data, view.shape, view.strides[0]
+    else:
+        address, shape, pitch = view.data_ptr(), tuple(view.shape), view.stride(0)
+    return (address, shape[0], shape[0], 1) if len(shape) == 1 else (address, pitch, shape[1], shape[0])
+
+
+def extent(view: Any) -> tuple[int, int]:
+    """(first address, bytes up to the last one) a byte view touches."""
+    address, pitch, width, rows = rows_of(view)
+    return address, (rows - 1) * pitch + width
 
 
 def copy_of(dst: Any, src: Any) -> Copy:
@@ -101,6 +110,13 @@ class Kernels:
         self.background = torch.cuda.Stream(device=device, priority=low)
         self.launches = 0
 
+    def reaches(self, view: Any) -> bool:
+        """Whether a kernel on this device can read and write the view: memory
+        on this GPU, or host memory pinned and mapped for it."""
+        if isinstance(view, np.ndarray):
+            return self.host_pointers and cuda_host.is_pinned(*extent(view))
+        return view.device.type == "cuda" and view.device.index in (None, self.device)
+
     def stream(self, priority: int) -> Any:
         return self.demand if priority <= Priority.PREFETCH else self.background
 
@@ -115,6 +131,17 @@ class Kernels:
             table = cp.asarray(plan.reshape(-1))
             self._copy((min(len(plan), MAX_BLOCKS),), (THREADS,), (table, np.int64(len(plan))))
             self.launches += 1
+        stream.synchronize()
+
+    def dma(self, dst: Any, src: Any, priority: int = Priority.DEMOTION) -> None:
+        """dst[...] = src through the GPU's copy engines (no SM time taken from
+        the inference engine) on the priority's stream; returns when done."""
+        torch = self._torch
+        d = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
+        s = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+        stream = self.stream(priority)
+        with torch.cuda.stream(stream):
+            d.copy_(s, non_blocking=True)
         stream.synchronize()
 
     def checksums(self, pages: Sequence[tuple[int, int]], priority: int = Priority.DEMAND) -> np.ndarray:
