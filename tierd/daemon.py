@@ -29,6 +29,7 @@ from tierd import __version__
 from tierd.api.auth import Authenticator
 from tierd.api.servicer import TierdServicer, add_to_server
 from tierd.config import Config, default_runtime_dir, resolve_budgets
+from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError
 from tierd.core.store import Store
@@ -154,11 +155,24 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
         except asyncio.TimeoutError:
             try:
                 await loop.run_in_executor(servicer.executor, store.tick)
+                await loop.run_in_executor(servicer.executor, servicer.engines.reap)
             except Exception:
                 log.exception("policy tick failed")
     log.info("stopping: in-flight calls get %.0f s", cfg.grace_seconds)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(cfg.grace_seconds)
+
+
+def _ipc_cache(machine) -> IpcCache | None:
+    """Where the device tier is a GPU: the cache of engine memory opened through CUDA IPC."""
+    device = machine.tiers.get("device")
+    if device is None or device.device.type != "cuda":
+        return None
+    try:
+        return IpcCache(CupyDriver())
+    except Exception as exc:
+        log.warning("engines cannot register GPU memory (CUDA IPC needs cupy: %s); shared memory only", exc)
+        return None
 
 
 def tune_malloc() -> bool:
@@ -225,7 +239,7 @@ def serve(cfg: Config) -> int:
             httpd, thread = start_http_server(port, host, registry=registry)
             stack.callback(httpd.shutdown)
             log.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
-        engines = EngineRegistry()
+        engines = EngineRegistry(ipc=_ipc_cache(machine))
         stack.callback(engines.close)
         executor = ThreadPoolExecutor(cfg.rpc_workers, thread_name_prefix="tierd-rpc")
         stack.callback(executor.shutdown)

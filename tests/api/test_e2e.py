@@ -1,13 +1,16 @@
 """End to end against a real daemon process: engine memory in shared memory,
 demotion to disk, prefetch, restore, put/get, and kill -9 recovery."""
 
+import subprocess
+import sys
 import time
 import urllib.request
 
 import numpy as np
 import pytest
 
-from tierd.client import Arena, KVSpec, NotFound, SharedKVCache
+from tierd.api.convert import spec_to_pb
+from tierd.client import Arena, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 
@@ -170,3 +173,42 @@ def test_leases_save_and_restore_through_the_arena_across_kill_9(daemon):
         with urllib.request.urlopen(daemon.metrics_url, timeout=10) as r:
             assert 'tierd_leases_expired_total{kind="save"} 1.0' in r.read().decode()
     arena.close()
+
+
+def test_engine_of_an_exited_process_is_unregistered_by_the_daemon(daemon):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with daemon.client() as c, SharedKVCache(SPEC, 16) as kv:
+            _fill(kv, 7)
+            engine = c.register_engine(SPEC, kv, pid=child.pid)
+            engine.save("kept", [1], 16)
+            child.kill()
+            child.wait()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    engine.save("after", [2], 16)
+                except NotFound as exc:
+                    assert "is not registered" in str(exc)
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("the engine of the exited process is still registered")
+            assert c.stat("kept").num_tokens == 16  # sessions outlive the engine that saved them
+    finally:
+        child.kill()
+
+
+def test_gpu_memory_and_invisible_processes_get_clear_errors(daemon):
+    from tierd.v1 import tierd_pb2 as pb
+
+    with daemon.client() as c, SharedKVCache(SPEC, 16) as kv:
+        with pytest.raises(InvalidArgument, match="process 2147483647 is not visible to the daemon"):
+            c.register_engine(SPEC, kv, pid=2**31 - 1)
+        regions = [pb.Region(cuda_ipc=pb.CudaIpcMemory(handle=b"h" * 64, offset=0, device_uuid="GPU-x"), size=size)
+                   for size in kv.sizes]
+        req = pb.RegisterEngineRequest(spec=spec_to_pb(SPEC), regions=regions, num_blocks=16)
+        req.segments.extend(pb.Segment(region=s.region, offset=s.offset, stride=s.stride, nbytes=s.nbytes)
+                            for s in kv.layout.segments)
+        with pytest.raises(FailedPrecondition, match="CUDA IPC regions need a daemon running on a GPU machine"):
+            c._call("RegisterEngine", req, lambda r: r)

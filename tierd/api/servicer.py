@@ -25,9 +25,10 @@ from tierd.api.auth import Authenticator, Caller
 from tierd.api.convert import info_to_pb, lease_to_pb, spec_from_pb
 from tierd.api.inflight import InflightBytes
 from tierd.api.status import ERROR_KEY, status_of
+from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
 from tierd.core.store import DEFAULT_LEASE_SECONDS, Store, make_key
-from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, TierdError
+from tierd.errors import DataLoss, InvalidArgument, TierdError
 from tierd.layout import EngineLayout, Segment
 from tierd.metrics import Metrics
 from tierd.v1 import tierd_pb2 as pb
@@ -117,12 +118,16 @@ class TierdServicer(pb_grpc.TierdServicer):
     @_unary(blocking=True)
     def RegisterEngine(self, req: pb.RegisterEngineRequest, caller: Caller) -> pb.RegisterEngineResponse:
         spec = spec_from_pb(req.spec)
-        regions = []
+        regions: list[tuple[str, int] | IpcRegion] = []
         for i, r in enumerate(req.regions):
-            if r.WhichOneof("memory") != "shm_name":
-                raise FailedPrecondition(f"regions[{i}]: only shared-memory regions are served here", field="regions")
-            regions.append((r.shm_name, r.size))
-        engine = self.engines.register(caller.tenant, spec, regions, _layout(req, spec))
+            kind = r.WhichOneof("memory")
+            if kind == "shm_name":
+                regions.append((r.shm_name, r.size))
+            elif kind == "cuda_ipc":
+                regions.append(IpcRegion(r.cuda_ipc.handle, r.cuda_ipc.offset, r.size, r.cuda_ipc.device_uuid))
+            else:
+                raise InvalidArgument(f"regions[{i}] names no memory (shm_name or cuda_ipc)", field="regions")
+        engine = self.engines.register(caller.tenant, spec, regions, _layout(req, spec), req.pid)
         return pb.RegisterEngineResponse(engine_id=engine.engine_id)
 
     @_unary(blocking=True)
@@ -133,8 +138,8 @@ class TierdServicer(pb_grpc.TierdServicer):
     @_unary(blocking=True)
     def Save(self, req: pb.SaveRequest, caller: Caller) -> pb.SessionInfo:
         key = make_key(caller.tenant, req.session_id)
-        engine = self.engines.get(caller.tenant, req.engine_id)
-        with self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
+        with self.engines.use(caller.tenant, req.engine_id) as engine, \
+                self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
             info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
                                    req.num_tokens, req.start_token, req.tier or None,
                                    req.priority if req.HasField("priority") else None, _token_ids(req.token_ids))
@@ -143,8 +148,8 @@ class TierdServicer(pb_grpc.TierdServicer):
     @_unary(blocking=True)
     def Restore(self, req: pb.RestoreRequest, caller: Caller) -> pb.RestoreResponse:
         key = make_key(caller.tenant, req.session_id)
-        engine = self.engines.get(caller.tenant, req.engine_id)
-        with self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
+        with self.engines.use(caller.tenant, req.engine_id) as engine, \
+                self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
             r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)

@@ -58,10 +58,32 @@ def as_bytes(data: Any) -> memoryview:
     raise InvalidArgument(f"data must be bytes, memoryview, a numpy array or a torch tensor, not {type(data).__name__}")
 
 
-def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None]:
+def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None, bool]:
+    """Region messages, the layout they carry if any, and whether they are GPU memory."""
     if hasattr(regions, "names") and hasattr(regions, "layout"):  # a SharedKVCache
-        return [pb.Region(shm_name=n, size=s) for n, s in zip(regions.names, regions.sizes)], regions.layout
-    return [pb.Region(shm_name=name, size=size) for name, size in regions], None
+        return [pb.Region(shm_name=n, size=s) for n, s in zip(regions.names, regions.sizes)], regions.layout, False
+    regions = list(regions)
+    if regions and all(getattr(r, "is_cuda", False) for r in regions):
+        return [cuda_region(t) for t in regions], None, True
+    return [pb.Region(shm_name=name, size=size) for name, size in regions], None, False
+
+
+def cuda_region(tensor: Any) -> pb.Region:
+    """A contiguous CUDA tensor's bytes as a region the daemon opens through
+    CUDA IPC: the handle of the allocation holding it, and where it starts."""
+    import torch
+
+    from tierd import cuda_driver
+
+    if not tensor.is_contiguous():
+        raise InvalidArgument("a GPU region must be a contiguous tensor", field="regions")
+    with torch.cuda.device(tensor.device):
+        torch.cuda.synchronize()  # the device's context is current on this thread, and earlier writes are done
+        base, _ = cuda_driver.allocation(tensor.data_ptr())
+        handle = cuda_driver.ipc_handle(base)
+        uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return pb.Region(cuda_ipc=pb.CudaIpcMemory(handle=handle, offset=tensor.data_ptr() - base, device_uuid=uuid),
+                     size=tensor.numel() * tensor.element_size())
 
 
 def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
@@ -206,13 +228,18 @@ class _Calls:
         return self._call("Advise", req, lambda r: Advice(r.restore_seconds, r.recompute_seconds, r.source_tier,
                                                           r.bandwidth_bytes_per_s))
 
-    def register_engine(self, spec: KVSpec, regions: Any, layout: EngineLayout | None = None) -> Any:
-        """Register engine KV memory: a SharedKVCache, or (shm_name, size) pairs
-        with a layout (default: one region cross-layer, 2 x layers regions
-        layer-major). Returns an Engine with save and restore."""
-        msgs, cache_layout = _regions(regions)
+    def register_engine(self, spec: KVSpec, regions: Any, layout: EngineLayout | None = None,
+                        pid: int | None = None) -> Any:
+        """Register engine KV memory: a SharedKVCache; (shm_name, size) pairs;
+        or contiguous CUDA tensors (the daemon opens them through CUDA IPC),
+        the last two with a layout. The daemon unregisters the engine when
+        process pid exits: by default this process for GPU memory, no process
+        for shared memory (pass os.getpid() to have it watched; 0 for none).
+        Returns an Engine with save and restore."""
+        msgs, cache_layout, gpu = _regions(regions)
         layout = layout or cache_layout
-        req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs)
+        req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs,
+                                       pid=(os.getpid() if gpu else 0) if pid is None else pid)
         if layout is not None:
             req.num_blocks = layout.num_blocks
             req.segments.extend(pb.Segment(region=s.region, offset=s.offset, stride=s.stride, nbytes=s.nbytes)

@@ -1,27 +1,36 @@
-"""Registered engine memory: shared-memory regions mapped into the daemon.
+"""Registered engine memory: shared-memory regions and GPU memory mapped
+into the daemon.
 
 Runs in the daemon. An engine names files in /dev/shm that hold its paged KV
-cache; the daemon maps them once at registration and copies blocks straight
-between them and its tiers. Names are checked (no path separators, no
-symlinks followed) and engines are visible only to their own tenant.
+cache, or exports its GPU allocations as CUDA IPC handles; the daemon maps
+or opens them once at registration and copies blocks straight between them
+and its tiers. Names are checked (no path separators, no symlinks followed)
+and engines are visible only to their own tenant. An engine registered with
+its process id is unregistered when that process exits, and its memory is
+released once the calls using it have finished.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import mmap
 import os
 import re
 import stat
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierd.errors import InvalidArgument, NotFound, ResourceExhausted
+from tierd.core.cuda_ipc import IpcCache, IpcRegion
+from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from tierd.layout import EngineLayout, KVSpec
 from tierd.transfer.copier import EngineMemory
 
+log = logging.getLogger("tierd.core.engines")
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 MAX_ENGINES_PER_TENANT = 64
@@ -34,8 +43,31 @@ class Engine:
     spec: KVSpec
     memory: EngineMemory
     _maps: list[mmap.mmap] = field(default_factory=list)
+    _ipc: list[IpcRegion] = field(default_factory=list)
+    _ipc_cache: IpcCache | None = None
+    process: tuple[int, int] | None = None  # (pid, start time): whose exit unregisters the engine
+    _users: int = 0
+    _closing: bool = False
+    _idle: threading.Condition = field(default_factory=threading.Condition)
+
+    def enter(self) -> bool:
+        with self._idle:
+            if self._closing:
+                return False
+            self._users += 1
+            return True
+
+    def leave(self) -> None:
+        with self._idle:
+            self._users -= 1
+            self._idle.notify_all()
 
     def close(self) -> None:
+        """Release the memory once no call uses it (new calls are refused from now)."""
+        with self._idle:
+            self._closing = True
+            while self._users:
+                self._idle.wait()
         self.memory.regions.clear()
         for m in self._maps:
             try:
@@ -43,6 +75,29 @@ class Engine:
             except BufferError:
                 pass  # a copy still holds a view; the mapping goes with it
         self._maps.clear()
+        for region in self._ipc:
+            self._ipc_cache.release(region)
+        self._ipc.clear()
+
+
+def process_identity(pid: int) -> tuple[int, int]:
+    """(pid, start time in clock ticks since boot): a pid reused by a later
+    process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        raise InvalidArgument(f"process {pid} is not visible to the daemon (is it running, in the daemon's pid "
+                              "namespace?); register with pid 0 to skip watching it", field="pid") from None
+    # Field 22 (starttime), counted after the command name, which may hold spaces.
+    return pid, int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+
+
+def process_alive(identity: tuple[int, int]) -> bool:
+    try:
+        return process_identity(identity[0]) == identity
+    except InvalidArgument:
+        return False
 
 
 def map_shm(name: str, size: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
@@ -70,18 +125,48 @@ def map_shm(name: str, size: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
 
 
 class EngineRegistry:
-    def __init__(self, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, shm_dir: str = SHM_DIR, ipc: IpcCache | None = None) -> None:
         self.shm_dir = shm_dir
+        self.ipc = ipc  # None where the daemon has no GPU
         self._engines: dict[str, Engine] = {}
         self._lock = threading.Lock()
 
-    def register(self, tenant: str, spec: KVSpec, regions: list[tuple[str, int]], layout: EngineLayout) -> Engine:
+    def register(self, tenant: str, spec: KVSpec, regions: list[tuple[str, int] | IpcRegion], layout: EngineLayout,
+                 pid: int = 0) -> Engine:
+        """Map or open the regions: (shm name, size) pairs or IpcRegions, not both."""
         if not regions:
             raise InvalidArgument("an engine needs at least one memory region", field="regions")
-        layout.check(spec, [size for _, size in regions])
+        ipc = [r for r in regions if isinstance(r, IpcRegion)]
+        if ipc and len(ipc) != len(regions):
+            raise InvalidArgument("an engine's regions are all shared memory or all CUDA IPC", field="regions")
+        if ipc and self.ipc is None:
+            raise FailedPrecondition("CUDA IPC regions need a daemon running on a GPU machine; this one has no "
+                                     "device tier", field="regions")
+        layout.check(spec, [r.size if isinstance(r, IpcRegion) else r[1] for r in regions])
+        process = process_identity(pid) if pid else None
         with self._lock:
             if sum(e.tenant == tenant for e in self._engines.values()) >= MAX_ENGINES_PER_TENANT:
                 raise ResourceExhausted(f"at most {MAX_ENGINES_PER_TENANT} engines per tenant; unregister some")
+        engine = self._open(tenant, spec, regions, ipc, layout)
+        engine.process = process
+        with self._lock:
+            self._engines[engine.engine_id] = engine
+        return engine
+
+    def _open(self, tenant: str, spec: KVSpec, regions: list, ipc: list[IpcRegion], layout: EngineLayout) -> Engine:
+        if ipc:
+            opened: list[IpcRegion] = []
+            tensors = []
+            try:
+                for r in ipc:
+                    tensors.append(self.ipc.acquire(r))
+                    opened.append(r)
+            except BaseException:
+                for r in opened:
+                    self.ipc.release(r)
+                raise
+            return Engine(uuid.uuid4().hex, tenant, spec, EngineMemory(layout, tensors), _ipc=opened,
+                          _ipc_cache=self.ipc)
         maps: list[mmap.mmap] = []
         try:
             for name, size in regions:
@@ -91,10 +176,7 @@ class EngineRegistry:
                 m.close()
             raise
         memory = EngineMemory(layout, [np.frombuffer(m, dtype=np.uint8) for m in maps])
-        engine = Engine(uuid.uuid4().hex, tenant, spec, memory, maps)
-        with self._lock:
-            self._engines[engine.engine_id] = engine
-        return engine
+        return Engine(uuid.uuid4().hex, tenant, spec, memory, maps)
 
     def get(self, tenant: str, engine_id: str) -> Engine:
         with self._lock:
@@ -103,11 +185,33 @@ class EngineRegistry:
             raise NotFound(f"engine {engine_id!r} is not registered", field="engine_id")
         return engine
 
+    @contextlib.contextmanager
+    def use(self, tenant: str, engine_id: str) -> Iterator[Engine]:
+        """The engine, kept open until the block ends."""
+        engine = self.get(tenant, engine_id)
+        if not engine.enter():
+            raise NotFound(f"engine {engine_id!r} is being unregistered", field="engine_id")
+        try:
+            yield engine
+        finally:
+            engine.leave()
+
     def unregister(self, tenant: str, engine_id: str) -> None:
         engine = self.get(tenant, engine_id)
         with self._lock:
             self._engines.pop(engine_id, None)
         engine.close()
+
+    def reap(self) -> list[Engine]:
+        """Unregister the engines whose process has exited; returns them."""
+        with self._lock:
+            gone = [e for e in self._engines.values() if e.process is not None and not process_alive(e.process)]
+            for e in gone:
+                self._engines.pop(e.engine_id, None)
+        for e in gone:
+            log.info("engine %s: process %d exited; its memory is released", e.engine_id, e.process[0])
+            e.close()
+        return gone
 
     def close(self) -> None:
         with self._lock:
