@@ -9,8 +9,9 @@ layout (28 layers, 4 KV heads, head dim 128, bf16: about 57 KB a token) from
 engine tensors on the GPU and restores it from each tier, into a contiguous
 block table and into one of 4 runs, checking the bytes every time. The last
 thing it prints is one table: times, bandwidths, and ratios to the raw
-figures. `--device cpu --tokens 4096` runs the same steps on the CPU (the test
-suite does, so the script cannot rot unseen).
+figures. On a GPU it also times the page checksum kernels and checks them
+against the CPU's. `--device cpu --tokens 4096` runs the same steps on the
+CPU (the test suite does, so the script cannot rot unseen).
 """
 
 from __future__ import annotations
@@ -103,6 +104,26 @@ def pages_equal(a: EngineMemory, a_blocks: np.ndarray, b: EngineMemory, b_blocks
     return True
 
 
+def device_checksums(kernels, spec: KVSpec, pages: int, repeat: int) -> tuple[str, str, str, str]:
+    """The checksum kernels over every page of a snapshot-sized buffer on the
+    GPU, 64 of the pages compared with the CPU's xxhash."""
+    import xxhash
+
+    stride = -(-spec.page_bytes // 4096) * 4096
+    buf = torch.randint(0, 256, (pages * stride,), dtype=torch.uint8, device="cuda")
+    table = [(buf.data_ptr() + i * stride, spec.page_bytes) for i in range(pages)]
+    sums = kernels.checksums(table)
+    seconds = best(lambda: kernels.checksums(table), "cuda", repeat)
+    sample = np.random.default_rng(0).choice(pages, min(64, pages), replace=False)
+    agree = all(int(sums[i]) == xxhash.xxh3_64_intdigest(buf[i * stride : i * stride + spec.page_bytes].cpu().numpy())
+                for i in sample)
+    if not agree:
+        raise AssertionError("GPU and CPU checksums differ")
+    nbytes = pages * spec.page_bytes
+    return ("checksums on the GPU", f"{seconds * 1e3:.1f} ms", f"{nbytes / seconds / 1e9:.1f} GB/s",
+            f"{len(sample)} sampled pages agree with the CPU")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -166,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{copies // (args.repeat + 1)} copies; bytes {'ok' if ok else 'WRONG'}"))
                     if not ok:
                         raise AssertionError(f"restore from {tier} into {name} gave other bytes")
+            if machine.copier.kernels is not None:
+                rows.append(device_checksums(machine.copier.kernels, spec, pages, args.repeat))
         finally:
             store.close(flush=False)
             machine.close()

@@ -106,3 +106,38 @@ def test_kernels_compile_for_hopper(tmp_path):
     ptx = out.read_text()
     for name in ("tierd_copy2d", "tierd_xxh3_lanes", "tierd_xxh3_merge"):
         assert f".entry {name}" in ptx
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_kernels_on_the_gpu_agree_with_the_cpu():
+    import torch
+
+    from tierd.transfer.ioqueue import Priority
+
+    kernels = gpu.Kernels(0)
+    src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device="cuda")
+    pages = [(i * 1_000_000, n) for i, n in enumerate([241, 1024, 1025, 65536 + 7, 917_504, 917_504 + 64])]
+    got = kernels.checksums([(src.data_ptr() + off, n) for off, n in pages])
+    host = src.cpu().numpy()
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(host[off : off + n]) for off, n in pages]
+
+    dst = torch.zeros_like(src)
+    entries = [(0, 65536, 4096, 1024, 512, 9), (200_000, 300_000, 0, 0, 3_000_000, 1),
+               (1, 8_000_001, 1000, 3000, 53, 7)]
+    want = np.zeros_like(host)
+    for so, do, sp, dp, w, r in entries:
+        for i in range(r):
+            want[do + i * dp : do + i * dp + w] = host[so + i * sp : so + i * sp + w]
+    kernels.copy([(src.data_ptr() + so, dst.data_ptr() + do, sp, dp, w, r) for so, do, sp, dp, w, r in entries],
+                 Priority.DEMAND)
+    assert np.array_equal(dst.cpu().numpy(), want) and kernels.launches == 3
