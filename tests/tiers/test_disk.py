@@ -45,6 +45,17 @@ def test_unaligned_buffers_are_refused_on_direct_io(tmp_path, executor):
     disk.close()
 
 
+def test_tensors_are_refused_where_the_backend_takes_host_memory_only(tmp_path, executor):
+    import torch
+
+    disk = DiskTier(8 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
+    (piece,) = disk.alloc_pages(1, 8192)
+    assert not disk.device_io
+    with pytest.raises(ValueError, match="reads and writes host memory only"):
+        disk.read(piece.offset, torch.zeros(8192, dtype=torch.uint8))
+    disk.close()
+
+
 def test_existing_slabs_are_reopened(tmp_path, executor):
     disk = DiskTier(32 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
     disk.alloc_pages(2, 8 * MiB // 2)

@@ -20,7 +20,8 @@ from tierd.core.store import make_key
 from tierd.testing import ROOT
 from tierd.tiers import kvikio_io
 from tierd.tiers.disk import DiskTier
-from tierd.transfer.ioqueue import PriorityExecutor
+from tierd.errors import DataLoss
+from tierd.transfer.ioqueue import Priority, PriorityExecutor
 
 
 class _Future:
@@ -32,8 +33,15 @@ class _Future:
 
 
 def stand_in(corrupt_reads=False):
-    """A module with kvikio's CuFile interface, doing POSIX I/O."""
+    """A module with kvikio's CuFile interface, doing POSIX I/O. Like kvikio it
+    also takes tensors (here CPU tensors, standing in for GPU memory);
+    `buffers` records the kinds it was given."""
     opened = []
+    buffers = set()
+
+    def host(buf):
+        buffers.add(type(buf).__name__)
+        return buf if isinstance(buf, np.ndarray) else buf.numpy()
 
     class CuFile:
         def __init__(self, path, flags="r"):
@@ -43,20 +51,21 @@ def stand_in(corrupt_reads=False):
             opened.append(self)
 
         def pread(self, buf, size, file_offset=0):
+            buf = host(buf)
             n = os.preadv(self.fd, [buf[:size]], file_offset)
             if corrupt_reads:
                 buf[:1] ^= 0xFF
             return _Future(n)
 
         def pwrite(self, buf, size, file_offset=0):
-            return _Future(os.pwritev(self.fd, [buf[:size]], file_offset))
+            return _Future(os.pwritev(self.fd, [host(buf)[:size]], file_offset))
 
         def close(self):
             os.close(self.fd)
             self.closed = True
 
     defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True)
-    return types.SimpleNamespace(CuFile=CuFile, defaults=defaults, opened=opened)
+    return types.SimpleNamespace(CuFile=CuFile, defaults=defaults, opened=opened, buffers=buffers)
 
 
 def test_without_kvikio_or_a_driver_the_probe_keeps_posix(tmp_path):
@@ -110,6 +119,50 @@ def test_a_store_on_the_kvikio_backend_survives_a_restart(tmp_path):
         out = HostEngine(seed=4)
         store.restore(key, out.memory, SPEC, [7, 8, 9])
         assert out.pages([7, 8, 9]) == eng.pages([1, 2, 3])
+    finally:
+        h.close()
+
+
+def _demote_to_disk(store, key):
+    session = store._sessions[key]
+    with session.op:
+        store.placement.demote(session, "disk", Priority.DEMOTION, "test")
+    assert store.stat(key).tier == "disk"
+
+
+def test_device_tier_pages_go_to_and_from_disk_without_a_host_copy(tmp_path):
+    kv = stand_in()
+    ops, _ = kvikio_io.probe(str(tmp_path), kvikio=kv, need_driver=False)
+    h = Harness(str(tmp_path / "h"), disk_ops=ops, device_budget=16 << 20)
+    key = make_key("default", "d")
+    try:
+        store = h.open()
+        eng = HostEngine(seed=5, device="cpu")
+        store.save(key, eng.memory, SPEC, [4, 5, 6], 48, tier="device")
+        kv.buffers.clear()
+        _demote_to_disk(store, key)  # device -> disk
+        assert kv.buffers == {"Tensor"}  # written from the device tier's memory, no host bounce
+        store.prefetch(key, "device")
+        assert store.wait_ready(key, "device", timeout=10) == (True, "device")
+        assert kv.buffers == {"Tensor"}  # and read straight back into it
+        out = HostEngine(seed=6, device="cpu")
+        store.restore(key, out.memory, SPEC, [0, 1, 2])
+        assert out.pages([0, 1, 2]) == eng.pages([4, 5, 6])
+
+        # A page damaged on disk is caught as it lands in the device tier, and never served.
+        _demote_to_disk(store, key)
+        disk = store.tiers["disk"]
+        slab, off = disk.locate(store._sessions[key].snap.pieces("disk")[0].offset)
+        fd = os.open(disk.slab_path(slab), os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, off + 100)[0] ^ 1]), off + 100)
+        finally:
+            os.close(fd)
+        store.prefetch(key, "device")
+        with pytest.raises(DataLoss, match="is damaged"):
+            store.wait_ready(key, "device", timeout=10)
+        with pytest.raises(DataLoss):
+            store.restore(key, HostEngine(seed=7, device="cpu").memory, SPEC, [0, 1, 2])
     finally:
         h.close()
 

@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class FileOps:
 
     name: str | None = None  # the backend, if not plain POSIX
     aligns_itself = False  # reads and writes take any buffer (the tier's own descriptors carry no data)
+    device_io = False  # reads and writes also take GPU memory (straight to and from VRAM)
 
     def open(self, path: str, flags: int, mode: int) -> int:
         return os.open(path, flags, mode)
@@ -167,21 +169,30 @@ class DiskTier(SlabTier):
         fd = self._fds[slab]
         return [(fd, off + pos, pos, min(IO_CHUNK, nbytes - pos)) for pos in range(0, nbytes, IO_CHUNK)]
 
-    def _check_buffer(self, buf: np.ndarray, offset: int) -> None:
+    @property
+    def device_io(self) -> bool:
+        """Whether reads and writes take GPU memory (tensors) as well as host arrays."""
+        return self.ops.device_io
+
+    def _check_buffer(self, buf: Any, offset: int) -> None:
+        if not isinstance(buf, np.ndarray):
+            if not self.ops.device_io:
+                raise ValueError(f"the {self.backend} disk backend reads and writes host memory only")
+            return
         if self.direct and (buf.ctypes.data % ALIGN or buf.nbytes % ALIGN or offset % ALIGN):
             raise ValueError("O_DIRECT I/O needs a 4096-aligned buffer, length and offset")
 
-    def read(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMAND) -> None:
-        """Fill buf (uint8, contiguous) from the tier's bytes at offset."""
+    def read(self, offset: int, buf: Any, priority: int = Priority.DEMAND) -> None:
+        """Fill buf (uint8, contiguous; GPU memory too where device_io) from the tier's bytes at offset."""
         wait_all(self.read_async(offset, buf, priority))
 
-    def read_async(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMAND) -> list[Future]:
+    def read_async(self, offset: int, buf: Any, priority: int = Priority.DEMAND) -> list[Future]:
         """Queue the reads that fill buf; wait_all(result) waits for them."""
         self._check_buffer(buf, offset)
         return [self._executor.submit(priority, self._pread_exact, fd, buf[pos : pos + n], foff)
                 for fd, foff, pos, n in self._spans(offset, buf.nbytes)]
 
-    def write(self, offset: int, buf: np.ndarray, priority: int = Priority.DEMOTION) -> None:
+    def write(self, offset: int, buf: Any, priority: int = Priority.DEMOTION) -> None:
         """Write buf at offset; durable only after sync()."""
         self._check_buffer(buf, offset)
         slab, _ = self.locate(offset)

@@ -27,6 +27,7 @@ PROBE_BYTES = 1 << 20
 
 class KvikioOps(FileOps):
     aligns_itself = True  # kvikio aligns or bounces what O_DIRECT and GDS need
+    device_io = True  # CuFile reads into and writes from GPU memory (directly where GDS works)
 
     def __init__(self, kvikio: Any, mode: str) -> None:
         self.kvikio = kvikio
@@ -50,10 +51,10 @@ class KvikioOps(FileOps):
         finally:
             os.close(fd)
 
-    def pread(self, fd: int, view: np.ndarray, offset: int) -> int:
+    def pread(self, fd: int, view: Any, offset: int) -> int:
         return int(self._files[fd].pread(view, view.nbytes, offset).get())
 
-    def pwrite(self, fd: int, view: np.ndarray, offset: int) -> int:
+    def pwrite(self, fd: int, view: Any, offset: int) -> int:
         return int(self._files[fd].pwrite(view, view.nbytes, offset).get())
 
 

@@ -344,6 +344,13 @@ class CopyEngine:
         self._verify(dst, run.page, run.count, geom, checksums)
 
     def _disk_to_device(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        disk = self.tiers["disk"]
+        if disk.device_io:  # straight into VRAM (GPUDirect Storage where the machine has it)
+            dst = self._view("device", run.dst_offset, run.count * geom.stride)
+            disk.read(run.src_offset, dst, priority)
+            self._count()
+            self._verify(dst, run.page, run.count, geom, checksums)
+            return
         span = Span(run.page, run.count, "disk", run.src_offset)
         for first, count, _, buf in self.windows([span], geom, checksums, priority):
             dst = self._view("device", run.dst_offset + (first - run.page) * geom.stride, count * geom.stride)
@@ -352,7 +359,15 @@ class CopyEngine:
             self._count()
 
     def _device_to_disk(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+        disk = self.tiers["disk"]
         stride = geom.stride
+        if disk.device_io:  # straight from VRAM
+            src = self._view("device", run.src_offset, run.count * stride)
+            if "device" in self.verify_tiers:
+                self._verify(src, run.page, run.count, geom, checksums, "device")
+            disk.write(run.dst_offset, src, priority)
+            self._count()
+            return
         per_window = max(1, self.window_bytes // stride)
         bounce = aligned_buffer(min(run.count, per_window) * stride)
         for k in range(0, run.count, per_window):
@@ -362,7 +377,7 @@ class CopyEngine:
             memory.synchronize(src)
             if "device" in self.verify_tiers:
                 self._verify(bounce, run.page + k, count, geom, checksums, "device")
-            self.tiers["disk"].write(run.dst_offset + k * stride, bounce[: count * stride], priority)
+            disk.write(run.dst_offset + k * stride, bounce[: count * stride], priority)
             self._count()
 
     # -- byte streams (Put / Get) ------------------------------------------------
