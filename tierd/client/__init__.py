@@ -18,7 +18,7 @@ from tierd.errors import (
     Unauthenticated,
     Unavailable,
 )
-from tierd.layout import KVSpec
+from tierd.layout import EngineLayout, KVSpec
 
 __all__ = [
     "Arena",
@@ -27,6 +27,7 @@ __all__ = [
     "Client",
     "DataLoss",
     "Engine",
+    "EngineLayout",
     "FailedPrecondition",
     "IdentityMismatch",
     "InvalidArgument",

@@ -93,7 +93,6 @@ class IpcCache:
         self.driver = driver
         self._open: dict[tuple[str, bytes], _Opened] = {}
         self._lock = threading.Lock()
-        self.opens = 0  # driver opens so far (one per allocation, however many regions)
 
     def acquire(self, region: IpcRegion) -> Any:
         """A byte tensor over the region; release() it when done."""
@@ -115,7 +114,6 @@ class IpcCache:
                     raise FailedPrecondition(f"cannot open the CUDA IPC handle of a region: {exc}",
                                              field="regions") from exc
                 opened = self._open[key] = _Opened(address, size, device)
-                self.opens += 1
             if opened.size and region.offset + region.size > opened.size:
                 self._drop_if_unused(key, opened)
                 raise InvalidArgument(f"region [{region.offset}, {region.offset + region.size}) runs past its "
