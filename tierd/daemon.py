@@ -155,16 +155,21 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     # creeps up. Handing free pages back every few seconds keeps it flat,
     # off the hot path (serving them from mmap instead halved Get throughput).
     trim, trimmed = _malloc_trim(), time.monotonic()
+
+    def tick() -> None:
+        nonlocal trimmed
+        store.tick()
+        servicer.engines.reap()
+        if trim is not None and time.monotonic() - trimmed >= TRIM_SECONDS:
+            trim()
+            trimmed = time.monotonic()
+
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), cfg.tick_seconds)
         except asyncio.TimeoutError:
             try:
-                await loop.run_in_executor(servicer.executor, store.tick)
-                await loop.run_in_executor(servicer.executor, servicer.engines.reap)
-                if trim is not None and time.monotonic() - trimmed >= TRIM_SECONDS:
-                    await loop.run_in_executor(servicer.executor, trim)
-                    trimmed = time.monotonic()
+                await loop.run_in_executor(servicer.executor, tick)
             except Exception:
                 log.exception("policy tick failed")
     log.info("stopping: in-flight calls get %.0f s", cfg.grace_seconds)
