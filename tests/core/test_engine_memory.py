@@ -171,8 +171,12 @@ def test_engines_of_an_exited_process_are_unregistered(driver):
         mine = registry.register("t", SPEC, _regions(handle, layout), layout)  # not watched
         assert registry.reap() == [] and len(registry) == 2
         child.kill()
-        child.wait()
+        deadline = time.monotonic() + 10
+        while process_alive(engine.process):  # killed: a zombie until waited for, and that counts as exited
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         assert registry.reap() == [engine]
+        child.wait()
         with pytest.raises(NotFound):
             registry.get("t", engine.engine_id)
         assert registry.get("t", mine.engine_id) is mine and driver.closes == []

@@ -235,7 +235,9 @@ class _Calls:
         the last two with a layout. The daemon unregisters the engine when
         process pid exits: by default this process for GPU memory, no process
         for shared memory (pass os.getpid() to have it watched; 0 for none).
-        Returns an Engine with save and restore."""
+        With GPU memory, save blocks once the kernels writing them are done
+        (torch.cuda.current_stream().synchronize()); restore returns with the
+        blocks written. Returns an Engine with save and restore."""
         msgs, cache_layout, gpu = _regions(regions)
         layout = layout or cache_layout
         req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs,

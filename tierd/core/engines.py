@@ -80,24 +80,31 @@ class Engine:
         self._ipc.clear()
 
 
-def process_identity(pid: int) -> tuple[int, int]:
-    """(pid, start time in clock ticks since boot): a pid reused by a later
-    process has another start time."""
+def _proc_stat(pid: int) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold
+    spaces): state first, start time (field 22) at index 19."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat_line = f.read()
+            line = f.read()
     except OSError:
         raise InvalidArgument(f"process {pid} is not visible to the daemon (is it running, in the daemon's pid "
                               "namespace?); register with pid 0 to skip watching it", field="pid") from None
-    # Field 22 (starttime), counted after the command name, which may hold spaces.
-    return pid, int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+    return line[line.rindex(b")") + 2 :].split()
+
+
+def process_identity(pid: int) -> tuple[int, int]:
+    """(pid, start time in clock ticks since boot): a pid reused by a later
+    process has another start time."""
+    return pid, int(_proc_stat(pid)[19])
 
 
 def process_alive(identity: tuple[int, int]) -> bool:
+    """Whether that process still runs (a zombie has exited: its GPU memory is gone)."""
     try:
-        return process_identity(identity[0]) == identity
+        fields = _proc_stat(identity[0])
     except InvalidArgument:
         return False
+    return int(fields[19]) == identity[1] and fields[0] not in (b"Z", b"X")
 
 
 def map_shm(name: str, size: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
