@@ -98,13 +98,13 @@ def test_an_emulated_device_tier_serves_through_the_daemon(tmp_path):
 
 TRIM_CHILD = """
 import threading
-from tierd.daemon import _malloc_trim
+from tierd.daemon import tune_malloc
 
 def anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) << 10
 
-trim = _malloc_trim()
+trim = tune_malloc()
 if trim is None:
     print("none")
     raise SystemExit
@@ -127,7 +127,7 @@ print(before - anon())
 
 
 def test_freed_heap_memory_goes_back_to_the_system_on_glibc():
-    """The daemon's tick hands free heap pages back (see _malloc_trim)."""
+    """The daemon's tick hands free heap pages back (see tune_malloc)."""
     out = subprocess.run([sys.executable, "-c", TRIM_CHILD], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     if platform.libc_ver()[0] != "glibc":
