@@ -212,3 +212,9 @@ def test_gpu_memory_and_invisible_processes_get_clear_errors(daemon):
                             for s in kv.layout.segments)
         with pytest.raises(FailedPrecondition, match="CUDA IPC regions need a daemon running on a GPU machine"):
             c._call("RegisterEngine", req, lambda r: r)
+
+        class OnTheGpu:
+            is_cuda = True
+
+        with pytest.raises(InvalidArgument, match="all CUDA tensors or all"):
+            c.register_engine(SPEC, [OnTheGpu(), *zip(kv.names[1:], kv.sizes[1:])], kv.layout)

@@ -63,7 +63,10 @@ def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None, bool]:
     if hasattr(regions, "names") and hasattr(regions, "layout"):  # a SharedKVCache
         return [pb.Region(shm_name=n, size=s) for n, s in zip(regions.names, regions.sizes)], regions.layout, False
     regions = list(regions)
-    if regions and all(getattr(r, "is_cuda", False) for r in regions):
+    cuda = [bool(getattr(r, "is_cuda", False)) for r in regions]
+    if any(cuda):
+        if not all(cuda):
+            raise InvalidArgument("regions are all CUDA tensors or all (shm_name, size) pairs", field="regions")
         return [cuda_region(t) for t in regions], None, True
     return [pb.Region(shm_name=name, size=size) for name, size in regions], None, False
 
