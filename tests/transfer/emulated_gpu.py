@@ -97,6 +97,11 @@ class EmulatedKernels:
         self.launches += 1
         self.priorities.append(priority)
 
+    def empty(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def dma(self, dst: Any, src: Any, priority: int) -> None:
         memory.copy(dst, src)
         self.dmas.append(priority)

@@ -120,3 +120,36 @@ def test_store_round_trip_through_the_kernels(so, tmp_path):
         assert out.pages([0, 1, 2, 3]) == eng.pages([3, 4, 5, 20])
     finally:
         h.close()
+
+
+def test_disk_windows_for_a_gpu_engine_are_read_checked_and_scattered_on_the_gpu(so, tmp_path):
+    # kvikio reads GPU memory: the windows of a disk restore land in GPU staging
+    # buffers, are checked by the checksum kernels, and scattered in one launch each.
+    from tests.tiers.test_kvikio import stand_in
+    from tierd.tiers import kvikio_io
+
+    kv = stand_in()
+    ops, _ = kvikio_io.probe(str(tmp_path), kvikio=kv, need_driver=False)
+    h = Harness(str(tmp_path / "h"), disk_ops=ops, device_budget=16 * MiB)
+    store = h.open()
+    kernels = EmulatedKernels(so)
+    store.copier.kernels = kernels
+    store.copier.window_bytes = 2 * Geometry(SPEC.page_bytes, 1, SPEC.page_bytes).stride  # 2 pages a window
+    key = make_key("default", "g")
+    try:
+        eng = HostEngine(SPEC, 64, seed=9, device="cpu")
+        store.save(key, eng.memory, SPEC, [3, 4, 5, 20, 21], 80, tier="device")
+        session = store._sessions[key]
+        with session.op:
+            store.placement.demote(session, "disk", Priority.DEMOTION, "test")
+        assert store.stat(key).tier == "disk"
+        kv.buffers.clear()
+        launches = kernels.launches
+        out = HostEngine(SPEC, 64, seed=10, device="cpu")
+        store.restore(key, out.memory, SPEC, [40, 41, 42, 43, 44])
+        assert out.pages([40, 41, 42, 43, 44]) == eng.pages([3, 4, 5, 20, 21])
+        assert kv.buffers == {"Tensor"}  # read into GPU staging buffers, not host memory
+        assert kernels.launches - launches == 3 * (2 + 1)  # 3 windows: checksum lanes and merge, then the scatter
+        assert store.copier.bandwidth["disk->device"] > 0
+    finally:
+        h.close()

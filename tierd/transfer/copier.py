@@ -63,6 +63,7 @@ class CopyEngine:
         self.moved_bytes: dict[str, int] = {}
         self._lock = threading.Lock()
         self._bounce_pool: list[np.ndarray] = []
+        self._device_pool: list[Any] = []  # GPU staging buffers, where disk reads go straight to the GPU
         self._routes: dict[tuple[str, str], Callable[[MoveRun, Geometry, np.ndarray, int], None]] = {
             ("host", "disk"): self._host_to_disk,
             ("disk", "host"): self._disk_to_host,
@@ -88,20 +89,30 @@ class CopyEngine:
             self.bandwidth[route] = rate if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * rate
             self.moved_bytes[route] = self.moved_bytes.get(route, 0) + nbytes
 
-    def _bounce(self, nbytes: int) -> np.ndarray:
-        """An aligned staging buffer: a pooled one (resident, no page faults)
-        when it is large enough, else a new one."""
+    def _bounce(self, nbytes: int, on_device: bool = False) -> Any:
+        """A staging buffer: a pooled one (resident, no page faults) when it is
+        large enough, else a new one; aligned host memory, or GPU memory."""
+        pool = self._device_pool if on_device else self._bounce_pool
         with self._lock:
-            for i, buf in enumerate(self._bounce_pool):
+            for i, buf in enumerate(pool):
                 if buf.nbytes >= nbytes:
-                    return self._bounce_pool.pop(i)
-        return aligned_buffer(max(nbytes, self.window_bytes))
+                    return pool.pop(i)
+        size = max(nbytes, self.window_bytes)
+        return self.kernels.empty(size) if on_device else aligned_buffer(size)
 
-    def _return_bounce(self, buffers: list[np.ndarray]) -> None:
+    def _return_bounce(self, buffers: list[Any], on_device: bool = False) -> None:
+        pool = self._device_pool if on_device else self._bounce_pool
         with self._lock:
             for buf in buffers:
-                if buf.nbytes == self.window_bytes and len(self._bounce_pool) < BOUNCE_POOL:
-                    self._bounce_pool.append(buf)
+                if buf.nbytes == self.window_bytes and len(pool) < BOUNCE_POOL:
+                    pool.append(buf)
+
+    def _stages_on_device(self, engine: EngineMemory) -> bool:
+        """Whether disk windows bound for this engine are read straight into
+        GPU staging buffers (kvikio), checked and scattered there."""
+        disk = self.tiers.get("disk")
+        return (self.kernels is not None and disk is not None and disk.device_io
+                and all(not isinstance(r, np.ndarray) and self.kernels.reaches(r) for r in engine.regions))
 
     def _view(self, tier: str, offset: int, nbytes: int) -> Any:
         return self.tiers[tier].view(offset, nbytes)
@@ -142,16 +153,17 @@ class CopyEngine:
     # -- reading pages out of tiers -----------------------------------------
 
     def windows(self, spans: list[Span], geom: Geometry, checksums: np.ndarray,
-                priority: int = Priority.DEMAND) -> Iterator[tuple[int, int, str, Any]]:
+                priority: int = Priority.DEMAND, on_device: bool = False) -> Iterator[tuple[int, int, str, Any]]:
         """(first page, count, tier, buffer) over the spans' pages, checked where
         the tier is verified. Host and device spans come out as views (no copy);
-        disk spans through aligned staging buffers, read ahead of the caller."""
+        disk spans through staging buffers (aligned host memory, or GPU memory
+        with on_device), read ahead of the caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
         disk_jobs: list[tuple[int, int, int]] = []
         for span in spans:
             if span.tier != "disk":
-                yield from self._flush_disk(disk_jobs, geom, checksums, priority)
+                yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device)
                 disk_jobs = []
                 buf = self._view(span.tier, span.offset, span.n_pages * stride)
                 if span.tier in self.verify_tiers:
@@ -161,10 +173,10 @@ class CopyEngine:
             for k in range(0, span.n_pages, per_window):
                 count = min(per_window, span.n_pages - k)
                 disk_jobs.append((span.first_page + k, count, span.offset + k * stride))
-        yield from self._flush_disk(disk_jobs, geom, checksums, priority)
+        yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device)
 
     def _flush_disk(self, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
-                    priority: int) -> Iterator[tuple[int, int, str, Any]]:
+                    priority: int, on_device: bool = False) -> Iterator[tuple[int, int, str, Any]]:
         """Read disk windows READ_AHEAD deep: while the caller uses one window,
         the next ones are already being read."""
         if not jobs:
@@ -172,7 +184,7 @@ class CopyEngine:
         disk = self.tiers["disk"]
         stride = geom.stride
         size = max(min(self.window_bytes, max(c for _, c, _ in jobs) * stride), stride)
-        buffers = [self._bounce(size) for _ in range(min(READ_AHEAD, len(jobs)))]
+        buffers = [self._bounce(size, on_device) for _ in range(min(READ_AHEAD, len(jobs)))]
         pending: dict[int, tuple[list[Future], float]] = {}
 
         def start(i: int) -> None:
@@ -187,7 +199,7 @@ class CopyEngine:
             for i, (page, count, _) in enumerate(jobs):
                 futures, t0 = pending.pop(i)
                 wait_all(futures)
-                self.record("disk->host", count * stride, time.perf_counter() - t0)
+                self.record("disk->device" if on_device else "disk->host", count * stride, time.perf_counter() - t0)
                 buf = buffers[i % len(buffers)][: count * stride]
                 self._verify(buf, page, count, geom, checksums)
                 yield page, count, "disk", buf
@@ -198,7 +210,7 @@ class CopyEngine:
                     wait_all(futures)
                 except BaseException:
                     pass
-            self._return_bounce(buffers)
+            self._return_bounce(buffers, on_device)
 
     # -- engine <-> tier -----------------------------------------------------
 
@@ -270,7 +282,8 @@ class CopyEngine:
         launch: list[gpu.Copy] = []
         launched_bytes: dict[str, int] = {}
         t_call = time.perf_counter()
-        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority):
+        on_device = self._stages_on_device(engine)
+        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority, on_device):
             t0 = time.perf_counter()
             window = [Span(first, count, tier, 0)]
             pairs = []

@@ -117,6 +117,10 @@ class Kernels:
             return self.host_pointers and cuda_host.is_pinned(*extent(view))
         return view.device.type == "cuda" and view.device.index in (None, self.device)
 
+    def empty(self, nbytes: int) -> Any:
+        """nbytes of GPU memory (a uint8 tensor), for staging."""
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=f"cuda:{self.device}")
+
     def stream(self, priority: int) -> Any:
         return self.demand if priority <= Priority.PREFETCH else self.background
 
