@@ -31,7 +31,6 @@ from tierd import __version__
 from tierd.api.auth import Authenticator
 from tierd.api.servicer import TierdServicer, add_to_server
 from tierd.config import Config, default_runtime_dir, resolve_budgets
-from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError
 from tierd.core.store import Store
@@ -176,18 +175,6 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     await server.stop(cfg.grace_seconds)
 
 
-def _ipc_cache(machine) -> IpcCache | None:
-    """Where the device tier is a GPU: the cache of engine memory opened through CUDA IPC."""
-    device = machine.tiers.get("device")
-    if device is None or device.device.type != "cuda":
-        return None
-    try:
-        return IpcCache(CupyDriver())
-    except Exception as exc:
-        log.warning("engines cannot register GPU memory (CUDA IPC needs cupy: %s); shared memory only", exc)
-        return None
-
-
 def tune_malloc() -> Callable[[], object] | None:
     """Keep the daemon's memory flat under a steady stream of MiB-sized
     messages, which glibc keeps in its heaps once freed, where they fragment:
@@ -256,7 +243,7 @@ def serve(cfg: Config) -> int:
             httpd, thread = start_http_server(port, host, registry=registry)
             stack.callback(httpd.shutdown)
             log.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
-        engines = EngineRegistry(ipc=_ipc_cache(machine))
+        engines = EngineRegistry(ipc=machine.ipc)
         stack.callback(engines.close)
         executor = ThreadPoolExecutor(cfg.rpc_workers, thread_name_prefix="tierd-rpc")
         stack.callback(executor.shutdown)

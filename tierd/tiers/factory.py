@@ -2,7 +2,8 @@
 
 Each choice is logged in one line and kept in `backends`, which the metrics
 expose: whether there is a device tier (and on what), whether the host arena
-is pinned for DMA, and which disk I/O path runs.
+is pinned for DMA, which disk I/O path runs, whether GPU copies run as
+kernels, and whether engines may register GPU memory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from tierd.config import AUTO, Config
+from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.index import DiskIndex
 from tierd.tiers.disk import DiskTier
 from tierd.tiers.host import HostTier
@@ -29,6 +31,7 @@ class Machine:
     index: DiskIndex
     executor: PriorityExecutor
     backends: dict[str, str] = field(default_factory=dict)  # what was chosen, beside each tier's .backend
+    ipc: IpcCache | None = None  # where engines may register GPU memory (CUDA IPC)
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -113,5 +116,16 @@ def build(cfg: Config) -> Machine:
                      "" if kernels.host_pointers else " (the GPU cannot address pinned host memory: host copies go "
                                                       "one per run)")
     backends["gpu_copies"] = "kernels" if kernels is not None else "per-run"
+    ipc = open_ipc() if pin else None
+    backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
     index = DiskIndex(os.path.join(data_dir, "index.db"))
-    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify, kernels=kernels), index, executor, backends)
+    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify, kernels=kernels), index, executor, backends, ipc)
+
+
+def open_ipc() -> IpcCache | None:
+    """The cache of engine GPU memory opened through CUDA IPC, or None (logged)."""
+    try:
+        return IpcCache(CupyDriver())
+    except Exception as exc:  # no cupy, or no driver: engines register shared memory only
+        log.warning("engines cannot register GPU memory (CUDA IPC needs cupy: %s); shared memory only", exc)
+        return None
