@@ -92,3 +92,12 @@ def test_failed_pinning_falls_back_to_pageable_and_says_so(caplog):
         assert "cudaHostRegister failed" in caplog.text
     finally:
         tier.close()
+
+
+def test_views_and_slots_never_cross_a_slab(host):
+    host.alloc_pages(2, 4 * MiB)  # both slabs
+    assert host.view(4 * MiB - 4096, 4096).nbytes == 4096
+    with pytest.raises(ValueError, match="cross a slab boundary"):
+        host.view(4 * MiB - 4096, 8192)  # would have been cut short at the slab's end
+    with pytest.raises(ValueError, match="cross a slab boundary"):
+        host.where(4 * MiB - 4096, 8192)

@@ -43,5 +43,5 @@ class DeviceTier(SlabTier):
 
     def view(self, offset: int, nbytes: int) -> Any:
         """The tier's bytes [offset, offset + nbytes) as a uint8 tensor (no copy)."""
-        slab, off = self.locate(offset)
+        slab, off = self.locate(offset, nbytes)
         return self._slabs[slab][off : off + nbytes]

@@ -163,9 +163,7 @@ class DiskTier(SlabTier):
 
     def _spans(self, offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
         """(fd, file offset, buffer offset, length) chunks of at most IO_CHUNK."""
-        slab, off = self.locate(offset)
-        if off + nbytes > self.slab_bytes:
-            raise ValueError(f"I/O [{offset}, {offset + nbytes}) crosses a slab boundary")
+        slab, off = self.locate(offset, nbytes)
         fd = self._fds[slab]
         return [(fd, off + pos, pos, min(IO_CHUNK, nbytes - pos)) for pos in range(0, nbytes, IO_CHUNK)]
 

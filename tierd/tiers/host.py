@@ -66,9 +66,7 @@ class HostTier(SlabTier):
 
     def where(self, offset: int, nbytes: int) -> tuple[str, int]:
         """The slab name and the offset in it of arena bytes [offset, offset + nbytes)."""
-        slab, off = self.locate(offset)
-        if off + nbytes > self.slab_bytes:
-            raise ValueError(f"bytes [{offset}, +{nbytes}) cross a slab boundary")
+        slab, off = self.locate(offset, nbytes)
         return self.slab_name(slab), off
 
     def slab_path(self, index: int) -> str:
@@ -156,5 +154,5 @@ class HostTier(SlabTier):
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The arena's bytes [offset, offset + nbytes) as a writable uint8 array (no copy)."""
-        slab, off = self.locate(offset)
+        slab, off = self.locate(offset, nbytes)
         return self._arrays[slab][off : off + nbytes]

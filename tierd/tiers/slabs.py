@@ -136,6 +136,10 @@ class SlabTier:
             for index in range(self.allocator.num_slabs):
                 self._close_slab(index)
 
-    def locate(self, offset: int) -> tuple[int, int]:
-        """(slab index, offset inside the slab)."""
-        return divmod(offset, self.slab_bytes)
+    def locate(self, offset: int, nbytes: int = 0) -> tuple[int, int]:
+        """(slab index, offset inside the slab) of bytes [offset, offset + nbytes),
+        which must lie in one slab."""
+        slab, off = divmod(offset, self.slab_bytes)
+        if off + nbytes > self.slab_bytes:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) cross a slab boundary")
+        return slab, off
