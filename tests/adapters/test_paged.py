@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from tierd.adapters.paged import LayerBlocks, block_runs
+from tierd.adapters.paged import LayerBlocks
+from tierd.transfer.runs import id_runs
 
 LAYERS, BLOCKS, HEADS, TOKENS, C = 3, 12, 2, 4, 16
 
@@ -45,8 +46,8 @@ def test_scatter_of_one_layer_leaves_the_others():
 
 
 def test_runs_of_consecutive_blocks():
-    assert list(block_runs([3, 4, 5, 9, 10, 2])) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
-    assert list(block_runs([])) == []
+    assert list(id_runs([3, 4, 5, 9, 10, 2])) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert list(id_runs([])) == []
 
 
 def test_bad_shapes_are_refused():

@@ -8,21 +8,12 @@ consecutive blocks per layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-
-def block_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """(index into block_ids, first block, count) for each run of consecutive blocks."""
-    i, n = 0, len(block_ids)
-    while i < n:
-        j = i + 1
-        while j < n and block_ids[j] == block_ids[j - 1] + 1:
-            j += 1
-        yield i, int(block_ids[i]), j - i
-        i = j
+from tierd.transfer.runs import id_runs
 
 
 class LayerBlocks:
@@ -54,17 +45,19 @@ class LayerBlocks:
     def gather(self, block_ids: Sequence[int], rows: np.ndarray) -> None:
         """Engine -> arena: the pages of these blocks into rows (one per block)."""
         dst = self._check(block_ids, rows)
+        runs = id_runs(block_ids)
         for layer, view in enumerate(self.views):
             lo, hi = self.offsets[layer], self.offsets[layer + 1]
-            for i, first, count in block_runs(block_ids):
+            for i, first, count in runs:
                 dst[i : i + count, lo:hi].copy_(view[first : first + count])
 
     def scatter(self, rows: np.ndarray, block_ids: Sequence[int], layers: Iterable[int] | None = None) -> None:
         """Arena -> engine: rows (one page per block) into these blocks, for
         the given layers (default all)."""
         src = self._check(block_ids, rows)
+        runs = id_runs(block_ids)
         for layer in range(len(self.views)) if layers is None else layers:
             view = self.views[layer]
             lo, hi = self.offsets[layer], self.offsets[layer + 1]
-            for i, first, count in block_runs(block_ids):
+            for i, first, count in runs:
                 view[first : first + count].copy_(src[i : i + count, lo:hi])

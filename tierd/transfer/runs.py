@@ -74,6 +74,20 @@ class MoveRun:
     dst_offset: int
 
 
+def _cuts(ids: np.ndarray) -> np.ndarray:
+    """The indices where a run of consecutive ids ends and another starts (sorted)."""
+    return np.flatnonzero(np.diff(ids) != 1) + 1
+
+
+def id_runs(block_ids: object) -> list[tuple[int, int, int]]:
+    """(index into block_ids, first block, count) for each run of consecutive blocks."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    bounds = [0, *_cuts(ids).tolist(), ids.size]
+    return [(a, int(ids[a]), b - a) for a, b in zip(bounds, bounds[1:])]
+
+
 def block_runs(spans: list[Span], block_ids: np.ndarray, stride: int, first_page: int = 0) -> list[BlockRun]:
     """Runs for pages [first_page, first_page + len(block_ids)) going to or from
     engine blocks block_ids; the spans must cover those pages."""
@@ -81,7 +95,7 @@ def block_runs(spans: list[Span], block_ids: np.ndarray, stride: int, first_page
     if n == 0:
         return []
     ids = np.asarray(block_ids, dtype=np.int64)
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1  # sorted, relative to first_page
+    cuts = _cuts(ids)  # relative to first_page
     runs: list[BlockRun] = []
     for span in spans:
         lo = max(span.first_page, first_page) - first_page
