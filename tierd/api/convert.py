@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tierd.core.model import SessionInfo
 from tierd.core.store import Lease, LookupResult, Slot
 from tierd.errors import InvalidArgument
@@ -60,6 +62,20 @@ def lease_to_pb(lease: Lease) -> pb.Lease:
 def lease_from_pb(msg: pb.Lease) -> Lease:
     return Lease(msg.lease_id, [Slot(s.shm_name, s.offset, s.first_page, s.num_pages) for s in msg.slots],
                  msg.page_bytes, msg.page_stride, msg.first_page, msg.num_pages, msg.num_tokens, msg.ttl_seconds)
+
+
+def optional_spec_to_pb(spec: KVSpec | None) -> pb.KVSpec | None:
+    return spec_to_pb(spec) if spec is not None else None
+
+
+def optional_spec_from_pb(msg: Any) -> KVSpec | None:
+    """A request's spec, or None where it names none (no identity check)."""
+    return spec_from_pb(msg.spec) if msg.HasField("spec") else None
+
+
+def lookup_to_pb(r: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, stored_tokens=r.stored_tokens,
+                             tier=r.tier or "")
 
 
 def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:

@@ -22,7 +22,7 @@ import xxhash
 
 from tierd import __version__
 from tierd.api.auth import Authenticator, Caller
-from tierd.api.convert import info_to_pb, lease_to_pb, spec_from_pb
+from tierd.api.convert import info_to_pb, lease_to_pb, lookup_to_pb, optional_spec_from_pb, spec_from_pb
 from tierd.api.inflight import InflightBytes
 from tierd.api.status import ERROR_KEY, status_of
 from tierd.core.cuda_ipc import IpcRegion
@@ -176,7 +176,7 @@ class TierdServicer(pb_grpc.TierdServicer):
     @_unary(blocking=True)
     def BeginRestore(self, req: pb.BeginRestoreRequest, caller: Caller) -> pb.Lease:
         lease = self.store.begin_restore(make_key(caller.tenant, req.session_id),
-                                         _optional_spec(req), req.num_pages,
+                                         optional_spec_from_pb(req), req.num_pages,
                                          req.ttl_seconds or DEFAULT_LEASE_SECONDS, _token_ids(req.token_ids))
         return lease_to_pb(lease)
 
@@ -187,10 +187,8 @@ class TierdServicer(pb_grpc.TierdServicer):
 
     @_unary(blocking=True)
     def Lookup(self, req: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
-        r = self.store.lookup(make_key(caller.tenant, req.session_id), np.asarray(req.token_ids, dtype=np.int64),
-                              _optional_spec(req))
-        return pb.LookupResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, stored_tokens=r.stored_tokens,
-                                 tier=r.tier or "")
+        return lookup_to_pb(self.store.lookup(make_key(caller.tenant, req.session_id),
+                                              np.asarray(req.token_ids, dtype=np.int64), optional_spec_from_pb(req)))
 
     # -- bytes ---------------------------------------------------------------------
 
@@ -330,11 +328,6 @@ class TierdServicer(pb_grpc.TierdServicer):
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
                                  recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)
-
-
-def _optional_spec(req: Any) -> Any:
-    """The request's spec, or None where it names none (no identity check)."""
-    return spec_from_pb(req.spec) if req.HasField("spec") else None
 
 
 def _token_ids(field: Any) -> np.ndarray | None:

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, spec_to_pb
+from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, optional_spec_to_pb, spec_to_pb
 from tierd.api.status import from_rpc_error
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
@@ -163,7 +163,7 @@ class _Calls:
         """How many leading tokens of a prompt (its token ids) the session's
         snapshot supplies; with spec, another identity is FAILED_PRECONDITION."""
         req = pb.LookupRequest(session_id=session_id, token_ids=_ids(token_ids),
-                               spec=spec_to_pb(spec) if spec is not None else None)
+                               spec=optional_spec_to_pb(spec))
         return self._call("Lookup", req, lookup_from_pb)
 
     def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
@@ -189,7 +189,7 @@ class _Calls:
         """The first num_pages pages (0: all), brought to the host arena and
         held there: read them (Arena.runs), then end_restore. With token_ids
         (the prompt), pages holding other tokens are FAILED_PRECONDITION."""
-        req = pb.BeginRestoreRequest(session_id=session_id, spec=spec_to_pb(spec) if spec is not None else None,
+        req = pb.BeginRestoreRequest(session_id=session_id, spec=optional_spec_to_pb(spec),
                                      num_pages=num_pages, ttl_seconds=ttl, token_ids=_ids(token_ids))
         return self._call("BeginRestore", req, lease_from_pb)
 
