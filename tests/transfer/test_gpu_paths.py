@@ -125,7 +125,7 @@ def test_store_round_trip_through_the_kernels(so, tmp_path):
 def test_disk_windows_for_a_gpu_engine_are_read_checked_and_scattered_on_the_gpu(so, tmp_path):
     # kvikio reads GPU memory: the windows of a disk restore land in GPU staging
     # buffers, are checked by the checksum kernels, and scattered in one launch each.
-    from tests.tiers.test_kvikio import stand_in
+    from tests.tiers.test_kvikio import _demote_to_disk, stand_in
     from tierd.tiers import kvikio_io
 
     kv = stand_in()
@@ -139,10 +139,7 @@ def test_disk_windows_for_a_gpu_engine_are_read_checked_and_scattered_on_the_gpu
     try:
         eng = HostEngine(SPEC, 64, seed=9, device="cpu")
         store.save(key, eng.memory, SPEC, [3, 4, 5, 20, 21], 80, tier="device")
-        session = store._sessions[key]
-        with session.op:
-            store.placement.demote(session, "disk", Priority.DEMOTION, "test")
-        assert store.stat(key).tier == "disk"
+        _demote_to_disk(store, key)
         kv.buffers.clear()
         launches = kernels.launches
         out = HostEngine(SPEC, 64, seed=10, device="cpu")

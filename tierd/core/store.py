@@ -574,7 +574,8 @@ class Store:
 
     # -- leases: the engine copies pages in and out of the host arena itself ----------
 
-    def _check_ttl(self, ttl: float) -> float:
+    @staticmethod
+    def _check_ttl(ttl: float) -> float:
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl <= MAX_LEASE_SECONDS:
             raise InvalidArgument(f"a lease lasts more than 0 and at most {MAX_LEASE_SECONDS:g} seconds, got {ttl!r}",
                                   field="ttl_seconds", value=ttl)
