@@ -119,31 +119,38 @@ class CopyEngine:
 
     def _verify(self, buf: Any, first_page: int, count: int, geom: Geometry, checksums: np.ndarray,
                 tier: str = "disk") -> None:
-        got = self._page_sums(buf, first_page, count, geom)
+        got = self._page_sums([(buf, first_page, count)], geom)
         bad = np.flatnonzero(got != checksums[first_page : first_page + count])
         if bad.size:
             page = first_page + int(bad[0])
             raise DataLoss(f"page {page} failed its checksum in the {tier} tier", page=page, tier=tier,
                            want=int(checksums[page]), got=int(got[bad[0]]))
 
-    def _page_sums(self, buf: Any, first_page: int, count: int, geom: Geometry) -> np.ndarray:
-        """Checksums of count pages laid out stride apart in buf, a host array or
-        a tensor; on a GPU, hashed there (pages short enough for XXH3's short
-        forms are hashed on the CPU)."""
+    def _page_sums(self, parts: list[tuple[Any, int, int]], geom: Geometry) -> np.ndarray:
+        """Checksums of the pages of each (buffer, first page, count), pages
+        stride apart in a host array or a tensor, in order. Pages the GPU
+        kernels reach are hashed there, all in one launch (but pages short
+        enough for XXH3's short forms, hashed on the CPU)."""
         stride = geom.stride
-        sizes = [geom.size_of(first_page + i) for i in range(count)]
-        out = np.empty(count, dtype=np.uint64)
-        on_gpu = [i for i in range(count) if sizes[i] > gpu.SHORT_PAGE] \
-            if self.kernels is not None and not isinstance(buf, np.ndarray) and self.kernels.reaches(buf) else []
+        out = np.empty(sum(count for _, _, count in parts), dtype=np.uint64)
+        on_gpu: list[tuple[int, int]] = []  # (address, length)
+        slots: list[int] = []  # where each of those goes in out
+        k = 0
+        for buf, first_page, count in parts:
+            gpu_buf = self.kernels is not None and not isinstance(buf, np.ndarray) and self.kernels.reaches(buf)
+            host = None if gpu_buf else memory.to_host(buf)
+            for i in range(count):
+                size = geom.size_of(first_page + i)
+                if gpu_buf and size > gpu.SHORT_PAGE:
+                    on_gpu.append((buf.data_ptr() + i * stride, size))
+                    slots.append(k)
+                else:
+                    page = host[i * stride : i * stride + size] if host is not None else \
+                        memory.to_host(buf[i * stride : i * stride + size])
+                    out[k] = page_checksum(page)
+                k += 1
         if on_gpu:
-            base = buf.data_ptr()
-            out[on_gpu] = self.kernels.checksums([(base + i * stride, sizes[i]) for i in on_gpu])
-            for i in sorted(set(range(count)) - set(on_gpu)):  # the short last page of an opaque snapshot
-                out[i] = page_checksum(memory.to_host(buf[i * stride : i * stride + sizes[i]]))
-            return out
-        host = memory.to_host(buf)
-        for i in range(count):
-            out[i] = page_checksum(host[i * stride : i * stride + sizes[i]])
+            out[slots] = self.kernels.checksums(on_gpu)
         return out
 
     def _reachable(self, *views: Any) -> bool:
@@ -252,11 +259,9 @@ class CopyEngine:
         if launch:
             self.kernels.copy(launch, Priority.DEMAND)  # every run and segment in one launch
             self._count()
-        if touched:
+        if touched:  # pages in tensors (a save lands in one tier): hashed on the GPU, or from host copies
             memory.synchronize(*touched, *engine.regions)
-            for span in dst:  # pages in tensors: hashed on the GPU, or from host views or copies
-                got = self.checksums([span], geom)
-                sums[span.first_page - first_page : span.first_page - first_page + span.n_pages] = got
+            sums = self.checksums(dst, geom)
         self.record(f"engine->{dst[0].tier}" if dst else "engine", len(block_ids) * geom.page_bytes,
                     time.perf_counter() - t0)
         return sums
@@ -451,13 +456,9 @@ class CopyEngine:
 
     def checksums(self, spans: list[Span], geom: Geometry) -> np.ndarray:
         """Checksums of freshly stored pages (host or device spans), page order."""
-        out = np.empty(sum(s.n_pages for s in spans), dtype=np.uint64)
-        base = min(s.first_page for s in spans) if spans else 0
-        for span in spans:
-            buf = self._view(span.tier, span.offset, span.n_pages * geom.stride)
-            out[span.first_page - base : span.first_page - base + span.n_pages] = \
-                self._page_sums(buf, span.first_page, span.n_pages, geom)
-        return out
+        spans = sorted(spans, key=lambda s: s.first_page)
+        return self._page_sums([(self._view(s.tier, s.offset, s.n_pages * geom.stride), s.first_page, s.n_pages)
+                                for s in spans], geom)
 
 
 _pool: ThreadPoolExecutor | None = None
