@@ -37,7 +37,6 @@ from tierd.errors import (
     NotFound,
     ResourceExhausted,
     TierdError,
-    Unavailable,
 )
 from tierd.layout import KVSpec
 from tierd.policy import (
