@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tierd.core.model import SessionInfo
@@ -14,6 +15,10 @@ _SPEC_FIELDS = [f.name for f in pb.KVSpec.DESCRIPTOR.fields]
 _DEFAULTED = {"layout_version", "arrangement", "kind"}  # may be left unset; the rest must be given
 
 
+# Every Stat, List and Save answer carries its session's spec, and a daemon
+# sees few distinct ones: both directions are cached. A cached message is only
+# ever copied into another (the constructors copy), never changed.
+@functools.lru_cache(maxsize=256)
 def spec_to_pb(spec: KVSpec) -> pb.KVSpec:
     return pb.KVSpec(**{name: getattr(spec, name) for name in _SPEC_FIELDS})
 
@@ -31,7 +36,12 @@ def spec_from_pb(msg: pb.KVSpec) -> KVSpec:
         values[name] = value
     if values["kind"] == "opaque":
         values.update(num_layers=0, num_kv_heads=0, head_dim=0, dtype="uint8", block_tokens=1)
-    return KVSpec(**values)
+    return _spec(tuple(values.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(items: tuple[tuple[str, Any], ...]) -> KVSpec:
+    return KVSpec(**dict(items))  # checks and fingerprints it; a spec that fails is not cached
 
 
 def info_to_pb(info: SessionInfo) -> pb.SessionInfo:
