@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -148,6 +149,11 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tierd %s serving on %s", __version__, " and ".join(endpoints))
+    # What start-up built (modules, gRPC, the index) lives as long as the
+    # daemon: leave it out of every later collection. A full collection over
+    # it stalled the loop for ~10 ms, in which every call in flight waited.
+    gc.collect()
+    gc.freeze()
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
