@@ -30,18 +30,3 @@ def test_generated_code_matches_the_proto(tmp_path):
     for m in methods:
         assert f"/tierd.v1.Tierd/{m}" in fresh_grpc and f"/tierd.v1.Tierd/{m}" in committed_grpc
     assert importlib.util.find_spec("tierd.v1.tierd_pb2") is not None
-
-
-def test_hand_built_chunk_messages_are_what_protobuf_would_build():
-    import os
-
-    import xxhash
-
-    from tierd.api.servicer import chunk_message
-
-    for n in (1, 127, 128, 16_383, 16_384, 1 << 20, (1 << 20) + 5):
-        data = os.urandom(n)
-        want = tierd_pb2.GetResponse(chunk=tierd_pb2.Chunk(data=data, xxh3=xxhash.xxh3_64_intdigest(data)))
-        assert chunk_message(data) == want.SerializeToString()
-        assert chunk_message(memoryview(data)) == want.SerializeToString()
-        assert tierd_pb2.GetResponse.FromString(chunk_message(data)) == want

@@ -25,6 +25,7 @@ from tierd.api.auth import Authenticator, Caller
 from tierd.api.convert import info_to_pb, lease_to_pb, lookup_to_pb, optional_spec_from_pb, spec_from_pb
 from tierd.api.inflight import InflightBytes
 from tierd.api.status import ERROR_KEY, status_of
+from tierd.api.wire import chunk_message
 from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
 from tierd.core.store import DEFAULT_LEASE_SECONDS, Store, make_key
@@ -344,24 +345,6 @@ async def _feed(chunks: queue.Queue, item: Any, job: asyncio.Future) -> None:
             return
         except queue.Full:
             await asyncio.sleep(0.001)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def chunk_message(data: bytes | memoryview) -> bytes:
-    """GetResponse{chunk: Chunk{data, xxh3}} in wire format, built with one copy
-    of data (protobuf would copy it twice more, holding the GIL)."""
-    digest = xxhash.xxh3_64_intdigest(data)
-    n = len(data)
-    inner = 1 + len(_varint(n)) + n + 1 + 8  # field 1 (bytes) and field 2 (fixed64)
-    return b"".join((b"\x12", _varint(inner), b"\x0a", _varint(n), data, b"\x11", digest.to_bytes(8, "little")))
 
 
 def _next_chunks(reader: Iterator[bytes], budget: int = 8 << 20) -> list[bytes]:

@@ -14,6 +14,7 @@ import xxhash
 
 from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, optional_spec_to_pb, spec_to_pb
 from tierd.api.status import from_rpc_error
+from tierd.api.wire import GET_METHOD, read_chunk, read_header
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
 from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
@@ -98,13 +99,6 @@ def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chu
     for i in range(0, len(view), chunk):
         part = view[i : i + chunk]
         yield pb.PutRequest(chunk=pb.Chunk(data=bytes(part), xxh3=xxhash.xxh3_64_intdigest(part)))
-
-
-def _chunk(msg: pb.GetResponse, n: int) -> bytes:
-    data = msg.chunk.data
-    if msg.chunk.xxh3 and xxhash.xxh3_64_intdigest(data) != msg.chunk.xxh3:
-        raise DataLoss(f"chunk {n} of the Get stream arrived damaged (checksum mismatch)")
-    return data
 
 
 def _ids(token_ids: Any) -> list[int] | None:
@@ -334,6 +328,8 @@ class Client(_Calls):
         self._channel = (grpc.secure_channel(self.address, creds, options=_OPTIONS) if creds else
                          grpc.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=None)  # read by tierd.api.wire
 
     def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
@@ -381,23 +377,24 @@ class Client(_Calls):
         """The session's snapshot as bytes."""
         return b"".join(self.get_stream(session_id, chunk_bytes)[1])
 
-    def get_stream(self, session_id: str, chunk_bytes: int = 0) -> tuple[SessionInfo, Iterator[bytes]]:
-        """The session's info and an iterator over its bytes, chunk by chunk."""
-        stream = self._stub.Get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
-                                metadata=self._metadata)
+    def get_stream(self, session_id: str, chunk_bytes: int = 0) -> tuple[SessionInfo, Iterator[memoryview]]:
+        """The session's info and an iterator over its bytes, chunk by chunk:
+        each a read-only memoryview of the message it came in (no copy)."""
+        stream = self._get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
+                           metadata=self._metadata)
         try:
-            head = next(stream)
+            head = read_header(next(stream))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-        def chunks() -> Iterator[bytes]:
+        def chunks() -> Iterator[memoryview]:
             try:
-                for n, msg in enumerate(stream):
-                    yield _chunk(msg, n)
+                for n, raw in enumerate(stream):
+                    yield read_chunk(raw, n)
             except grpc.RpcError as err:
                 raise from_rpc_error(err) from None
 
-        return info_from_pb(head.header), chunks()
+        return info_from_pb(head), chunks()
 
     def close(self) -> None:
         self._channel.close()
@@ -420,6 +417,8 @@ class AsyncClient(_Calls):
         self._channel = (grpc.aio.secure_channel(self.address, creds, options=_OPTIONS) if creds else
                          grpc.aio.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+                                               response_deserializer=None)  # read by tierd.api.wire
 
     async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
@@ -453,26 +452,28 @@ class AsyncClient(_Calls):
         info, chunks = await self.get_stream(session_id, chunk_bytes)
         return b"".join([c async for c in chunks])
 
-    async def get_stream(self, session_id: str, chunk_bytes: int = 0) -> tuple[SessionInfo, AsyncIterator[bytes]]:
-        stream = self._stub.Get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
-                                metadata=self._metadata)
+    async def get_stream(self, session_id: str,
+                         chunk_bytes: int = 0) -> tuple[SessionInfo, AsyncIterator[memoryview]]:
+        stream = self._get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
+                           metadata=self._metadata)
         try:
             head = await stream.read()
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         if head is grpc.aio.EOF:
             raise DataLoss("the Get stream ended before its header")
+        header = read_header(head)
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncIterator[memoryview]:
             n = 0
             try:
-                while (msg := await stream.read()) is not grpc.aio.EOF:
-                    yield _chunk(msg, n)
+                while (raw := await stream.read()) is not grpc.aio.EOF:
+                    yield read_chunk(raw, n)
                     n += 1
             except grpc.RpcError as err:
                 raise from_rpc_error(err) from None
 
-        return info_from_pb(head.header), chunks()
+        return info_from_pb(header), chunks()
 
     async def close(self) -> None:
         await self._channel.close()
