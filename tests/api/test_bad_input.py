@@ -9,6 +9,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+import xxhash
 
 from tierd.testing import ROOT, Daemon
 from tierd.client import (
@@ -22,6 +23,7 @@ from tierd.client import (
 )
 from tierd.errors import TierdError
 from tierd.layout import EngineLayout
+from tierd.api.wire import PUT_METHOD, _varint, chunk_message
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
@@ -59,12 +61,30 @@ def snapshot(c):
     return sessions, contents, used
 
 
-def _raw_put(stub, messages):
+def _raw_put(put, messages):
     try:
-        stub.Put(iter(messages), timeout=30)
+        put(iter(messages), timeout=30)
     except grpc.RpcError as err:
         return err.code()
     return grpc.StatusCode.OK
+
+
+def _wire_put(c, messages):
+    """A Put stream of messages as raw bytes, each as given."""
+    with grpc.insecure_channel(c.address) as channel:
+        return _raw_put(channel.stream_unary(PUT_METHOD, request_serializer=None, response_deserializer=None),
+                        messages)
+
+
+def _damaged(data):
+    raw = bytearray(chunk_message(data))
+    raw[len(raw) // 2] ^= 0x10
+    return bytes(raw)
+
+
+def _opaque_header(session_id, size):
+    return pb.PutRequest(header=pb.PutHeader(session_id=session_id, size=size, spec=pb.KVSpec(
+        model_id="x", kind="opaque", opaque_page_bytes=4096))).SerializeToString()
 
 
 def _interrupted():
@@ -98,28 +118,34 @@ CASES = {
     "id with dot-dot": (lambda c, e, o, s: e.save("..", [0], 16), InvalidArgument),
     "id with NUL": (lambda c, e, o, s: c.stat("a\x00b"), InvalidArgument),
     "id too long": (lambda c, e, o, s: c.stat("x" * 300), InvalidArgument),
-    "huge put size": (lambda c, e, o, s: _raw_put(s, [pb.PutRequest(header=pb.PutHeader(
+    "huge put size": (lambda c, e, o, s: _raw_put(s.Put, [pb.PutRequest(header=pb.PutHeader(
         session_id="huge", spec=pb.KVSpec(model_id="x", kind="opaque", opaque_page_bytes=1 << 20), size=1 << 62))]),
         grpc.StatusCode.RESOURCE_EXHAUSTED),
     "zero put size": (lambda c, e, o, s: c.put("new", b"", OPAQUE, 1), InvalidArgument),
     "oversize message": (lambda c, e, o, s: c.put("new", b"x" * (5 << 20), OPAQUE, 1, chunk_bytes=5 << 20),
                          ResourceExhausted),
-    "put without a header": (lambda c, e, o, s: _raw_put(s, [pb.PutRequest(chunk=pb.Chunk(data=b"x"))]),
+    "put without a header": (lambda c, e, o, s: _raw_put(s.Put, [pb.PutRequest(chunk=pb.Chunk(data=b"x"))]),
                              grpc.StatusCode.INVALID_ARGUMENT),
-    "put with two headers": (lambda c, e, o, s: _raw_put(s, [pb.PutRequest(header=pb.PutHeader(
+    "put with two headers": (lambda c, e, o, s: _raw_put(s.Put, [pb.PutRequest(header=pb.PutHeader(
         session_id="two", spec=pb.KVSpec(model_id="x", kind="opaque", opaque_page_bytes=4096), size=1))] * 2),
         grpc.StatusCode.INVALID_ARGUMENT),
-    "put chunk damaged in transit": (lambda c, e, o, s: _raw_put(s, [
+    "put chunk damaged in transit": (lambda c, e, o, s: _raw_put(s.Put, [
         pb.PutRequest(header=pb.PutHeader(session_id="bad", spec=pb.KVSpec(model_id="x", kind="opaque",
                                                                            opaque_page_bytes=4096), size=3)),
         pb.PutRequest(chunk=pb.Chunk(data=b"abc", xxh3=12345))]), grpc.StatusCode.DATA_LOSS),
     # grpc reports a client-side iterator failure as UNKNOWN; the daemon sees the stream cancelled
-    "put cut short": (lambda c, e, o, s: _raw_put(s, _interrupted()), grpc.StatusCode.UNKNOWN),
-    "put with too few bytes": (lambda c, e, o, s: _raw_put(s, [
+    "put message that is not a PutRequest": (lambda c, e, o, s: _wire_put(c, [
+        _opaque_header("junk", 3), b"\xff\xff\xff\xff"]), grpc.StatusCode.INVALID_ARGUMENT),
+    "put chunk damaged after it was built": (lambda c, e, o, s: _wire_put(c, [
+        _opaque_header("bad", 5000), _damaged(b"q" * 5000)]), grpc.StatusCode.DATA_LOSS),
+    "put header after a chunk": (lambda c, e, o, s: _wire_put(c, [
+        _opaque_header("late", 6), chunk_message(b"abc"), _opaque_header("late", 6)]), grpc.StatusCode.INVALID_ARGUMENT),
+    "put cut short": (lambda c, e, o, s: _raw_put(s.Put, _interrupted()), grpc.StatusCode.UNKNOWN),
+    "put with too few bytes": (lambda c, e, o, s: _raw_put(s.Put, [
         pb.PutRequest(header=pb.PutHeader(session_id="short", spec=pb.KVSpec(model_id="x", kind="opaque",
                                                                              opaque_page_bytes=4096), size=10)),
         pb.PutRequest(chunk=pb.Chunk(data=b"abc"))]), grpc.StatusCode.INVALID_ARGUMENT),
-    "spec without a model": (lambda c, e, o, s: _raw_put(s, [
+    "spec without a model": (lambda c, e, o, s: _raw_put(s.Put, [
         pb.PutRequest(header=pb.PutHeader(session_id="n", spec=pb.KVSpec(kind="opaque"), size=1))]),
         grpc.StatusCode.INVALID_ARGUMENT),
     "spec with a bad dtype": (lambda c, e, o, s: s.RegisterEngine(pb.RegisterEngineRequest(
@@ -181,6 +207,20 @@ def test_bad_input_changes_nothing(world, name):
         time.sleep(0.05)
     assert snapshot(c) == before
     assert "Traceback" not in d.log(), d.log()
+
+
+def test_put_chunks_in_any_valid_layout_are_stored(world):
+    """Other clients' protobuf may lay a chunk out otherwise: checksum first,
+    unknown fields, no checksum. Each is read as protobuf reads it."""
+    d, c, engine, other, stub = world
+    parts = [b"first-", b"second-", b"third"]
+    digest = [xxhash.xxh3_64_intdigest(p).to_bytes(8, "little") for p in parts]
+    data_field = [b"\x0a" + _varint(len(p)) + p for p in parts]
+    chunks = [b"\x11" + digest[0] + data_field[0], data_field[1] + b"\x11" + digest[1] + b"\x78\x01", data_field[2]]
+    messages = [_opaque_header("layouts", sum(map(len, parts)))] + [b"\x12" + _varint(len(x)) + x for x in chunks]
+    assert _wire_put(c, messages) == grpc.StatusCode.OK
+    assert c.get("layouts") == b"".join(parts)
+    c.drop("layouts")
 
 
 def test_second_daemon_on_the_same_socket_is_refused(world, tmp_path):

@@ -18,14 +18,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-import xxhash
+from google.protobuf.message import DecodeError
 
 from tierd import __version__
 from tierd.api.auth import Authenticator, Caller
 from tierd.api.convert import info_to_pb, lease_to_pb, lookup_to_pb, optional_spec_from_pb, spec_from_pb
 from tierd.api.inflight import InflightBytes
 from tierd.api.status import ERROR_KEY, status_of
-from tierd.api.wire import chunk_message
+from tierd.api.wire import checked, chunk_message, split_chunk
 from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
 from tierd.core.store import DEFAULT_LEASE_SECONDS, Store, make_key
@@ -199,9 +199,7 @@ class TierdServicer(pb_grpc.TierdServicer):
         try:
             caller = self.auth.identify(context.invocation_metadata())
             first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("part") != "header":
-                raise InvalidArgument("a Put stream starts with its header", field="header")
-            head = first.header
+            head = _put_header(first)
             key = make_key(caller.tenant, head.session_id)
             spec = spec_from_pb(head.spec)
             loop = asyncio.get_running_loop()
@@ -211,13 +209,15 @@ class TierdServicer(pb_grpc.TierdServicer):
                                            head.start_token, _token_ids(head.token_ids))
                 job.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if the client left
                 try:
-                    async for msg in request_iterator:
+                    n = 1
+                    async for raw in request_iterator:  # wire bytes: see add_to_server
                         if job.done():
                             break
-                        if msg.WhichOneof("part") != "chunk":
-                            await _feed(chunks, InvalidArgument("a Put stream has one header", field="header"), job)
+                        item = _put_chunk(raw, n)
+                        await _feed(chunks, item, job)
+                        if isinstance(item, InvalidArgument):
                             break
-                        await _feed(chunks, msg.chunk, job)
+                        n += 1
                     else:
                         await _feed(chunks, _END, job)
                     return info_to_pb(await job)
@@ -361,7 +361,8 @@ def _next_chunks(reader: Iterator[bytes], budget: int = 8 << 20) -> list[bytes]:
 
 def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
     """Register the servicer like the generated add_TierdServicer_to_server,
-    except that Get's responses are sent as the bytes the handler serialized."""
+    except that Get's responses are sent as the bytes the handler built, and
+    Put's requests reach the handler as the bytes received (tierd.api.wire)."""
 
     class _Capture:
         handlers: dict = {}
@@ -376,12 +377,33 @@ def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
     pb_grpc.add_TierdServicer_to_server(servicer, capture)
     handlers = dict(capture.handlers)
     handlers["Get"] = handlers["Get"]._replace(response_serializer=None)
+    handlers["Put"] = handlers["Put"]._replace(request_deserializer=None)
     name = pb.DESCRIPTOR.services_by_name["Tierd"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
 
 
-def _verified(chunks: queue.Queue) -> Iterator[bytes]:
+def _put_header(raw: bytes | None) -> pb.PutHeader:
+    try:
+        msg = pb.PutRequest.FromString(raw) if raw is not None else None
+    except DecodeError:
+        msg = None
+    if msg is None or msg.WhichOneof("part") != "header":
+        raise InvalidArgument("a Put stream starts with its header", field="header")
+    return msg.header
+
+
+def _put_chunk(raw: bytes, n: int) -> tuple[memoryview, int] | InvalidArgument:
+    """Message n (the header is 0) of a Put stream as (data, xxh3), data a view of raw;
+    for what is not a chunk, the error that ends the stream."""
+    try:
+        parts = split_chunk(raw, pb.PutRequest)
+    except DecodeError:
+        return InvalidArgument(f"message {n + 1} of the Put stream is not a PutRequest")
+    return parts if parts is not None else InvalidArgument("a Put stream has one header", field="header")
+
+
+def _verified(chunks: queue.Queue) -> Iterator[memoryview]:
     """The Put stream's chunks, each checked against its XXH3 (0: unchecked)."""
     n = 0
     while True:
@@ -390,7 +412,8 @@ def _verified(chunks: queue.Queue) -> Iterator[bytes]:
             return
         if isinstance(item, BaseException):
             raise item
-        if item.xxh3 and xxhash.xxh3_64_intdigest(item.data) != item.xxh3:
+        data, digest = item
+        if not checked(data, digest):
             raise DataLoss(f"chunk {n} of the Put stream arrived damaged (checksum mismatch)", chunk=n)
         n += 1
-        yield item.data
+        yield data

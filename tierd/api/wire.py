@@ -1,10 +1,13 @@
-"""Get's chunk messages in wire format, built and read by hand.
+"""Put's and Get's chunk messages in wire format, built and read by hand.
 
-A chunk is GetResponse{chunk: Chunk{data, xxh3}}. Protobuf would copy the
-data twice on each side, into and out of its arena; each fresh MiB buffer
-also costs its page faults, which on a virtual machine cost more than the
-copy. So the daemon builds each message with one copy of the data, and the
-client reads the data as a view of the message gRPC handed it, with no copy.
+A chunk is PutRequest{chunk: Chunk{data, xxh3}} or GetResponse{chunk: ...}:
+field 2 in both, so both are laid out alike. Protobuf would copy the data
+twice on each side, into and out of its arena; each fresh MiB buffer also
+costs its page faults, which on a virtual machine cost more than the copy.
+So the sender builds each message with one copy of the data, and the
+receiver reads the data as a view of the message gRPC handed it, no copy.
+Messages laid out otherwise (valid protobuf all the same, from another
+client) are read by protobuf.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from google.protobuf.message import DecodeError
 from tierd.errors import DataLoss
 from tierd.v1 import tierd_pb2 as pb
 
-GET_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Tierd'].full_name}/Get"
-_CHUNK = 0x12  # GetResponse.chunk: field 2, length-delimited
+_SERVICE = pb.DESCRIPTOR.services_by_name["Tierd"].full_name
+GET_METHOD, PUT_METHOD = f"/{_SERVICE}/Get", f"/{_SERVICE}/Put"
+_CHUNK = 0x12  # GetResponse.chunk and PutRequest.chunk: field 2, length-delimited
 _DATA = 0x0A  # Chunk.data: field 1, length-delimited
 _XXH3 = 0x11  # Chunk.xxh3: field 2, fixed64
 
@@ -44,7 +48,8 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def chunk_message(data: bytes | memoryview) -> bytes:
-    """GetResponse{chunk: Chunk{data, xxh3}} in wire format, one copy of data."""
+    """{chunk: Chunk{data, xxh3}} in wire format, one copy of data: a
+    GetResponse, or a PutRequest."""
     digest = xxhash.xxh3_64_intdigest(data)
     n = len(data)
     inner = 1 + len(_varint(n)) + n + 1 + 8  # field 1 (bytes) and field 2 (fixed64)
@@ -67,23 +72,37 @@ def _fields(raw: bytes) -> tuple[memoryview, int]:
     return buf[pos : pos + n], int.from_bytes(buf[pos + n + 1 :], "little")
 
 
+def split_chunk(raw: bytes, message: type) -> tuple[memoryview, int] | None:
+    """(data, xxh3) of a chunk message of type `message` (GetResponse or
+    PutRequest), data as a read-only view of raw; None where raw is that
+    message's other part, its header. Raises DecodeError where raw is not
+    such a message."""
+    try:
+        return _fields(raw)
+    except (ValueError, IndexError):
+        msg = message.FromString(raw)
+        if msg.WhichOneof("part") != "chunk":
+            return None
+        return memoryview(msg.chunk.data), msg.chunk.xxh3
+
+
+def checked(data: memoryview, digest: int) -> bool:
+    """Whether data matches its XXH3 (0: sent unchecked)."""
+    return not digest or xxhash.xxh3_64_intdigest(data) == digest
+
+
 def read_chunk(raw: bytes, n: int) -> memoryview:
     """The data of chunk n of a Get stream, checked against its XXH3: a
-    read-only view of raw. Messages laid out otherwise (valid protobuf all the
-    same) are parsed by protobuf. Raises DataLoss."""
+    read-only view of raw. Raises DataLoss."""
     try:
-        data, digest = _fields(raw)
-    except (ValueError, IndexError):
-        try:
-            msg = pb.GetResponse.FromString(raw)
-        except DecodeError:
-            raise DataLoss(f"message {n + 1} of the Get stream is not a GetResponse") from None
-        if msg.WhichOneof("part") != "chunk":
-            raise DataLoss(f"message {n + 1} of the Get stream is not a chunk") from None
-        data, digest = memoryview(msg.chunk.data), msg.chunk.xxh3
-    if digest and xxhash.xxh3_64_intdigest(data) != digest:
+        parts = split_chunk(raw, pb.GetResponse)
+    except DecodeError:
+        raise DataLoss(f"message {n + 1} of the Get stream is not a GetResponse") from None
+    if parts is None:
+        raise DataLoss(f"message {n + 1} of the Get stream is not a chunk")
+    if not checked(*parts):
         raise DataLoss(f"chunk {n} of the Get stream arrived damaged (checksum mismatch)")
-    return data
+    return parts[0]
 
 
 def read_header(raw: bytes) -> pb.SessionInfo:

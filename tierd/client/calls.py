@@ -10,11 +10,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-import xxhash
 
 from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, optional_spec_to_pb, spec_to_pb
 from tierd.api.status import from_rpc_error
-from tierd.api.wire import GET_METHOD, read_chunk, read_header
+from tierd.api.wire import GET_METHOD, PUT_METHOD, chunk_message, read_chunk, read_header
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
 from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
@@ -91,14 +90,18 @@ def cuda_region(tensor: Any) -> pb.Region:
 
 
 def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
-                  priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest]:
+                  priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest | bytes]:
+    """The header message, then the chunks in wire format (see tierd.api.wire)."""
     view = as_bytes(data)
     yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                             size=len(view), priority=priority, start_token=start_token,
                                             token_ids=_ids(token_ids)))
     for i in range(0, len(view), chunk):
-        part = view[i : i + chunk]
-        yield pb.PutRequest(chunk=pb.Chunk(data=bytes(part), xxh3=xxhash.xxh3_64_intdigest(part)))
+        yield chunk_message(view[i : i + chunk])
+
+
+def _serialize(msg: pb.PutRequest | bytes) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 def _ids(token_ids: Any) -> list[int] | None:
@@ -329,7 +332,9 @@ class Client(_Calls):
                          grpc.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
         self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-                                               response_deserializer=None)  # read by tierd.api.wire
+                                               response_deserializer=None)  # Put and Get: see tierd.api.wire
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_serialize,
+                                               response_deserializer=pb.SessionInfo.FromString)
 
     def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
@@ -366,9 +371,9 @@ class Client(_Calls):
         """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
         with start_token (KV specs), the bytes are the pages from there on, appended."""
         try:
-            reply = self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
-                                                 start_token, token_ids),
-                                   timeout=self.timeout, metadata=self._metadata)
+            reply = self._put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
+                                            start_token, token_ids),
+                              timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return info_from_pb(reply)
@@ -418,7 +423,9 @@ class AsyncClient(_Calls):
                          grpc.aio.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
         self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-                                               response_deserializer=None)  # read by tierd.api.wire
+                                               response_deserializer=None)  # Put and Get: see tierd.api.wire
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_serialize,
+                                               response_deserializer=pb.SessionInfo.FromString)
 
     async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
@@ -441,9 +448,9 @@ class AsyncClient(_Calls):
     async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
                   priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
         try:
-            reply = await self._stub.Put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
-                                                       start_token, token_ids),
-                                         timeout=self.timeout, metadata=self._metadata)
+            reply = await self._put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
+                                                  start_token, token_ids),
+                                    timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return info_from_pb(reply)
