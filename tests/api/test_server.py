@@ -111,8 +111,7 @@ if trim is None:
 kept = []
 
 def serve_messages():  # as an RPC worker thread does: MiB-sized buffers beside small long-lived ones
-    del bytearray(4 << 20)[:]  # a freed large buffer raises glibc's mmap threshold: MiB buffers come from the heap
-    big = []
+    big = []  # from the thread's heap (tune_malloc's mmap threshold), kept there once freed (its trim threshold)
     for _ in range(60):
         big.append(bytearray(1 << 20))
         kept.append(bytearray(2048))
