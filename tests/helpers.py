@@ -49,6 +49,7 @@ class Harness:
     verify: tuple[str, ...] = ("disk",)
     disk: bool = True
     disk_ops: object = None  # a FileOps for the disk tier (fault injection)
+    movers: int = 2  # background move threads; 0 leaves every queued move queued
     store: Store | None = None
     executor: PriorityExecutor | None = None
 
@@ -66,7 +67,7 @@ class Harness:
         if self.device_budget is not None:
             tiers["device"] = DeviceTier(self.device_budget, "cpu", 8 * MiB)
         self.store = Store(tiers, CopyEngine(tiers, window_bytes=4 * MiB, verify_tiers=self.verify), index,
-                           clock=self.clock, policy=self.policy)
+                           clock=self.clock, policy=self.policy, movers=self.movers)
         return self.store
 
     def close(self, flush: bool = False) -> None:

@@ -127,6 +127,29 @@ def test_full_host_evicts_the_least_recently_used_to_disk(tmp_path):
     h.close()
 
 
+def test_room_is_made_now_from_sessions_whose_write_back_is_still_queued(tmp_path):
+    # Many sessions released at once queue their write-backs faster than they run;
+    # a save that needs their room must not wait for the queue, nor be refused.
+    h = Harness(str(tmp_path), host_budget=4 * MiB, host_slab=4 * MiB, movers=0,
+                policy=PolicyConfig(writeback_idle=1, host_idle=60))
+    store, clock = h.open(), h.clock
+    eng = HostEngine(num_blocks=200, seed=11)
+    for i, name in enumerate("abc"):
+        clock.advance(1)
+        store.save(make_key("default", name), eng.memory, SPEC, list(range(i * 40, i * 40 + 40)), 640)
+        store.release(make_key("default", name))
+    clock.advance(2)
+    assert {m.reason for m in store.tick()} == {"writeback"}
+    assert {k.session_id for k in store.mover.busy_keys()} == {"a", "b", "c"}  # queued, none running
+    clock.advance(1)
+    store.save(make_key("default", "d"), eng.memory, SPEC, list(range(120, 160)), 640)
+    assert [store.stat(make_key("default", n)).tier for n in "abcd"] == ["disk", "host", "host", "host"]
+    out = HostEngine(num_blocks=200, seed=12)
+    store.restore(make_key("default", "a"), out.memory, SPEC, list(range(40)))
+    assert out.pages(range(40)) == eng.pages(range(40))
+    h.close()
+
+
 def test_without_a_disk_tier_the_least_recent_session_is_dropped(tmp_path):
     h = Harness(str(tmp_path), host_budget=2 * MiB, host_slab=2 * MiB, disk=False)
     store = h.open()

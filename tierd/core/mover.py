@@ -78,10 +78,10 @@ class Mover:
                 self._cond.notify_all()
             return job
 
-    def busy_keys(self) -> set[SessionKey]:
-        """Sessions with a move queued or running."""
+    def busy_keys(self, queued: bool = True) -> set[SessionKey]:
+        """Sessions with a move running, or (queued) queued or running."""
         with self._cond:
-            return set(self._queued) | set(self._running)
+            return set(self._queued) | set(self._running) if queued else set(self._running)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running."""

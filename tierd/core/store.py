@@ -63,6 +63,7 @@ DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
 MAX_PRIORITY = 1000
 DEFAULT_LEASE_SECONDS = 60.0
 MAX_LEASE_SECONDS = 3600.0
+REPLANS = 8  # eviction plans tried when their sessions got busy before they could be moved
 
 
 def check_id(name: str, value: object) -> str:
@@ -870,15 +871,18 @@ class Store:
 
     # -- policy ------------------------------------------------------------------------
 
-    def _views(self, exclude: SessionKey | None = None,
-               keep: Callable[[Session], bool] | None = None) -> list[SessionView]:
-        """What policy may know of the sessions (those `keep` accepts)."""
+    def _views(self, exclude: SessionKey | None = None, keep: Callable[[Session], bool] | None = None,
+               queued_busy: bool = True) -> list[SessionView]:
+        """What policy may know of the sessions (those `keep` accepts). A
+        session is busy while a move of it runs, or (queued_busy) is queued:
+        the tick queues no second move, but room is made now, before queued
+        write-backs run; the queued move then finds its work done."""
         with self._lock:
             sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
-        busy = self.mover.busy_keys()
+        busy = self.mover.busy_keys(queued=queued_busy)
         return [
-            SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0, s.op.locked() or s.key in busy, s.durable,
-                        s.awaited)
+            SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0,
+                        s.op.locked() or s.key in busy, s.durable, s.awaited)
             for s in sessions
         ]
 
@@ -901,10 +905,17 @@ class Store:
         return done
 
     def _make_room(self, tier: str, need: int, protect: SessionKey, klass: Priority, tenant: str | None) -> bool:
-        """Demote sessions out of `tier` (only `tenant`'s, if given) until `need` bytes are free."""
-        views = [v for v in self._views(exclude=protect) if tenant is None or v.key.tenant == tenant]
-        plan = plan_eviction(views, tier, need, self.tiers, self.policy)
-        return plan is not None and self._execute(plan, klass) > 0
+        """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
+        bytes are free. False when no set of movable sessions holds that much."""
+        for _ in range(REPLANS):
+            views = [v for v in self._views(exclude=protect, queued_busy=False) if tenant is None or v.key.tenant == tenant]
+            plan = plan_eviction(views, tier, need, self.tiers, self.policy)
+            if plan is None:
+                return False
+            if self._execute(plan, klass):
+                return True
+            # Each planned session got busy in between (a queued move of it started): plan again.
+        return False
 
     def tick(self) -> list[Move]:
         """Apply policy once: queue due demotions, write-backs and drops; let
@@ -977,7 +988,7 @@ class Store:
             raise InvalidArgument(f"budget must be a non-negative number of bytes, got {nbytes!r}", field="budget")
         t = self.tiers[tier]
         t0, used0, old = time.perf_counter(), t.used, t.budget
-        plan = budget_moves(self._views(), tier, t.used, nbytes, self.policy, self.tiers)
+        plan = budget_moves(self._views(queued_busy=False), tier, t.used, nbytes, self.policy, self.tiers)
         if plan is None:
             raise FailedPrecondition(
                 f"pinned or busy sessions hold more of the {tier} tier than {nbytes} bytes; unpin some first",
