@@ -56,7 +56,7 @@ def bare_server(socket: str, total: int, chunk: int) -> None:
 def inline_get(root: str, quick: bool) -> Result:
     import grpc
 
-    total, chunk, repeat = (64 if quick else 256) * MiB, MiB, 3 if quick else 5
+    total, chunk, repeat = (64 if quick else 256) * MiB, MiB, 3 if quick else 11
     bare_sock = os.path.join(root, "bare.sock")
     bare = subprocess.Popen([sys.executable, "-c", f"from bench.api import bare_server; "
                              f"bare_server({bare_sock!r}, {total}, {chunk})"], cwd=ROOT, stdout=subprocess.PIPE,
