@@ -20,6 +20,14 @@ def tick(store):
     return [(m.key.session_id, m.target, m.reason) for m in moves]
 
 
+def fill_released(store, clock, eng):
+    """Sessions a, b, c of 40 pages each (1.25 MiB), saved a second apart and released."""
+    for i, name in enumerate("abc"):
+        clock.advance(1)
+        store.save(make_key("default", name), eng.memory, SPEC, list(range(i * 40, i * 40 + 40)), 640)
+        store.release(make_key("default", name))
+
+
 @pytest.fixture
 def three_tiers(tmp_path):
     h = Harness(str(tmp_path), device_budget=16 * MiB)
@@ -134,10 +142,7 @@ def test_room_is_made_now_from_sessions_whose_write_back_is_still_queued(tmp_pat
                 policy=PolicyConfig(writeback_idle=1, host_idle=60))
     store, clock = h.open(), h.clock
     eng = HostEngine(num_blocks=200, seed=11)
-    for i, name in enumerate("abc"):
-        clock.advance(1)
-        store.save(make_key("default", name), eng.memory, SPEC, list(range(i * 40, i * 40 + 40)), 640)
-        store.release(make_key("default", name))
+    fill_released(store, clock, eng)
     clock.advance(2)
     assert {m.reason for m in store.tick()} == {"writeback"}
     assert {k.session_id for k in store.mover.busy_keys()} == {"a", "b", "c"}  # queued, none running
@@ -376,10 +381,7 @@ def test_a_prefetched_session_waits_in_host_while_others_make_room(tmp_path):
     h = Harness(str(tmp_path), host_budget=4 * MiB, host_slab=4 * MiB)
     store, clock = h.open(), h.clock
     eng = HostEngine(num_blocks=200, seed=23)
-    for i, name in enumerate("abc"):
-        clock.advance(1)
-        store.save(make_key("default", name), eng.memory, SPEC, list(range(i * 40, i * 40 + 40)), 640)
-        store.release(make_key("default", name))
+    fill_released(store, clock, eng)
     # a is the least recently used, but the engine just asked for it: it is "ready" in host and awaited
     assert store.prefetch(make_key("default", "a")) == "ready"
     clock.advance(1)
