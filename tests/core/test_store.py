@@ -1,5 +1,7 @@
 """Scenario tests for the store, each step commented, on a fake clock."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -217,6 +219,12 @@ def test_restore_mid_prefetch_waits_for_that_move(store):
     store.placement.demote(store._sessions[A], "disk", 2, "test")
     moved = store.copier.moved_bytes.get("disk->host", 0)
     store.prefetch(A)
+    # Until a mover starts it, the prefetch is only queued and a restore reads from disk
+    # itself (through a staging window, counted disk->host too): wait until it runs.
+    deadline = time.monotonic() + 10
+    while A in store.mover.busy_keys() and A not in store.mover.busy_keys(queued=False):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     out = HostEngine(seed=14)
     store.restore(A, out.memory, SPEC, list(range(8)))
     assert out.pages(range(8)) == eng.pages(range(8))
