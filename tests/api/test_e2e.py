@@ -1,6 +1,9 @@
 """End to end against a real daemon process: engine memory in shared memory,
 demotion to disk, prefetch, restore, put/get, and kill -9 recovery."""
 
+import glob
+import mmap
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +13,9 @@ import numpy as np
 import pytest
 
 from tierd.api.convert import spec_to_pb
-from tierd.client import Arena, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
+from tierd.client import Arena, DataLoss, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
+from tierd.testing import Daemon
+from tierd.tiers.factory import arena_prefix
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 
@@ -218,3 +223,29 @@ def test_gpu_memory_and_invisible_processes_get_clear_errors(daemon):
 
         with pytest.raises(InvalidArgument, match="all CUDA tensors or all"):
             c.register_engine(SPEC, [OnTheGpu(), *zip(kv.names[1:], kv.sizes[1:])], kv.layout)
+
+
+def test_a_page_damaged_in_host_memory_is_not_served(tmp_path):
+    """A Get chunk that is one whole page (the defaults: 1 MiB pages, 1 MiB
+    chunks) carries the checksum the page was saved with, so bytes damaged in
+    the host tier after the save reach no client."""
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--host-idle", "600").start()
+    try:
+        data = os.urandom(3 << 20)
+        with d.client() as c:
+            c.put("hurt", data, KVSpec.opaque("test/blob"), 1)
+            assert c.get("hurt") == data
+            needle = data[(1 << 20) + 4096 : (1 << 20) + 4160]  # inside page 1
+            hits = 0
+            for path in glob.glob(f"/dev/shm/{arena_prefix(d.data_dir)}*"):
+                with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+                    at = mm.find(needle)
+                    if at >= 0:
+                        mm[at] ^= 0x01
+                        hits += 1
+            assert hits == 1
+            with pytest.raises(DataLoss, match="chunk 1 of the Get stream arrived damaged"):
+                c.get("hurt")
+            assert c.stat("hurt").tier == "host"
+    finally:
+        d.close()

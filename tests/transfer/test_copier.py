@@ -83,11 +83,15 @@ def test_streams_use_a_byte_cursor_whatever_the_chunking(host):
     got = copier.write_stream(spans, geom, iter([data[i : i + 777] for i in range(0, len(data), 777)]))
     assert got == len(data)
     sums = copier.checksums(spans, geom)
-    chunks = list(copier.read_stream(spans, geom, sums, 4096))
+    chunks = [c for c, _ in copier.read_stream(spans, geom, sums, 4096)]
     assert b"".join(chunks) == data
     assert all(len(c) == 4096 for c in chunks[:-1])
     # More bytes than the pages hold are reported, not written past the end.
     assert copier.write_stream(spans, geom, iter([data, b"xx"])) == len(data) + 2
+    # A chunk that is one whole page comes with the checksum the page was stored with.
+    whole = list(copier.read_stream(spans, geom, sums, spec.page_bytes))
+    assert [d for _, d in whole] == [int(x) for x in sums[:-1]] + [0]  # the last page is short
+    assert all(d == 0 for _, d in copier.read_stream(spans, geom, sums, spec.page_bytes - 1))
 
 
 def test_corrupted_host_page_is_caught_when_host_is_verified(host):

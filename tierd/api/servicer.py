@@ -28,7 +28,7 @@ from tierd.api.status import ERROR_KEY, status_of
 from tierd.api.wire import checked, chunk_message, split_chunk
 from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
-from tierd.core.store import DEFAULT_LEASE_SECONDS, Store, make_key
+from tierd.core.store import DEFAULT_LEASE_SECONDS, SnapshotReader, Store, make_key
 from tierd.errors import DataLoss, InvalidArgument, TierdError
 from tierd.layout import EngineLayout, Segment
 from tierd.metrics import Metrics
@@ -244,7 +244,7 @@ class TierdServicer(pb_grpc.TierdServicer):
                     # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
                     # measured half the throughput, the two threads taking turns on the GIL.
                     for data in reader:
-                        yield chunk_message(data)
+                        yield chunk_message(data, reader.digest)  # a whole page: its stored checksum
                 else:
                     while batch := await loop.run_in_executor(self.executor, _next_chunks, reader):
                         for message in batch:
@@ -347,12 +347,12 @@ async def _feed(chunks: queue.Queue, item: Any, job: asyncio.Future) -> None:
             await asyncio.sleep(0.001)
 
 
-def _next_chunks(reader: Iterator[bytes], budget: int = 8 << 20) -> list[bytes]:
+def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
     """The next serialized chunk messages of a Get, up to `budget` bytes: built
     off the event loop, one thread hop per batch."""
     out, size = [], 0
     for data in reader:
-        out.append(chunk_message(data))
+        out.append(chunk_message(data, reader.digest))
         size += len(data)
         if size >= budget:
             break

@@ -47,10 +47,10 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def chunk_message(data: bytes | memoryview) -> bytes:
+def chunk_message(data: bytes | memoryview, digest: int = 0) -> bytes:
     """{chunk: Chunk{data, xxh3}} in wire format, one copy of data: a
-    GetResponse, or a PutRequest."""
-    digest = xxhash.xxh3_64_intdigest(data)
+    GetResponse, or a PutRequest. digest: data's XXH3 where already known."""
+    digest = digest or xxhash.xxh3_64_intdigest(data)
     n = len(data)
     inner = 1 + len(_varint(n)) + n + 1 + 8  # field 1 (bytes) and field 2 (fixed64)
     return b"".join((bytes((_CHUNK,)), _varint(inner), bytes((_DATA,)), _varint(n), data, bytes((_XXH3,)),

@@ -538,7 +538,7 @@ class Store:
             raise
         return info, SnapshotReader(lock, self._stream(session, chunk_bytes))
 
-    def _stream(self, session: Session, chunk_bytes: int) -> Iterator[bytes]:
+    def _stream(self, session: Session, chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
         snap = session.snap
         t0 = time.perf_counter()
         try:
@@ -1069,20 +1069,24 @@ class Store:
             self.index.close()
 
 
-class SnapshotReader(Iterator[bytes]):
+class SnapshotReader(Iterator[bytes | memoryview]):
     """Chunks of a snapshot (bytes, or memoryviews valid until the next chunk);
-    holds the session's lock until exhausted or closed."""
+    holds the session's lock until exhausted or closed. `digest` is the XXH3
+    of the chunk last returned where the store knew it (a whole page's stored
+    checksum), else 0."""
 
-    def __init__(self, lock: threading.Lock, chunks: Iterator[bytes]) -> None:
+    def __init__(self, lock: threading.Lock, chunks: Iterator[tuple[bytes | memoryview, int]]) -> None:
         self._lock = lock
         self._chunks = chunks
         self._open = True
+        self.digest = 0
 
-    def __next__(self) -> bytes:
+    def __next__(self) -> bytes | memoryview:
         if not self._open:
             raise StopIteration
         try:
-            return next(self._chunks)
+            data, self.digest = next(self._chunks)
+            return data
         except BaseException:
             self.close()
             raise

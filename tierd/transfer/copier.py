@@ -428,29 +428,33 @@ class CopyEngine:
         return total
 
     def read_stream(self, src: list[Span], geom: Geometry, checksums: np.ndarray, chunk_bytes: int,
-                    priority: int = Priority.DEMAND) -> Iterator[bytes | memoryview]:
+                    priority: int = Priority.DEMAND) -> Iterator[tuple[bytes | memoryview, int]]:
         """The snapshot's logical bytes, in chunks of chunk_bytes (the last may be
-        shorter), whatever the page size: a byte cursor over the pages. A chunk
+        shorter), whatever the page size: a byte cursor over the pages. Each
+        chunk comes with its XXH3 where already known, else 0: a chunk that
+        is one whole page has the checksum the page was stored with. A chunk
         that lies inside one page comes as a memoryview of the tier's bytes
         (no copy), valid until the next chunk is asked for."""
         out = bytearray()
         for first, count, _, buf in self.windows(src, geom, checksums, priority):
             host = memory.to_host(buf)
             for i in range(count):
-                page = memoryview(host[i * geom.stride : i * geom.stride + geom.size_of(first + i)])
+                size = geom.size_of(first + i)
+                page = memoryview(host[i * geom.stride : i * geom.stride + size])
                 while len(page):
                     if not out and len(page) >= chunk_bytes:
-                        yield page[:chunk_bytes]
+                        whole = len(page) == size == chunk_bytes
+                        yield page[:chunk_bytes], int(checksums[first + i]) if whole else 0
                         page = page[chunk_bytes:]
                         continue
                     take = min(len(page), chunk_bytes - len(out))
                     out += page[:take]
                     page = page[take:]
                     if len(out) == chunk_bytes:
-                        yield bytes(out)
+                        yield bytes(out), 0
                         out.clear()
         if out:
-            yield bytes(out)
+            yield bytes(out), 0
 
     # -- checksums -----------------------------------------------------------
 
