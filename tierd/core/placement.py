@@ -26,10 +26,6 @@ from tierd.transfer.runs import Span
 
 log = logging.getLogger("tierd.core.placement")
 MakeRoom = Callable[[str, int, SessionKey, Priority, "str | None"], bool]
-# Rounds of making room before an allocation gives up. Under contention the room
-# made may go to another allocation first; a save or restore the engine waits on
-# keeps trying for as long as sessions can still be moved out.
-ROOM_ROUNDS = {Priority.DEMAND: 32}
 
 
 class Placement:
@@ -61,7 +57,7 @@ class Placement:
                 raise ResourceExhausted(
                     f"tenant {tenant!r} may hold {quota} bytes of the {tier} tier; it holds {t.used_by(tenant)} "
                     f"and this needs {total} more", tier=tier, quota=quota, used=t.used_by(tenant), need=total)
-        for attempt in range(ROOM_ROUNDS.get(klass, 3)):
+        for attempt in range(3):
             got: list[Piece] = []
             for first, n in ranges:
                 pieces = t.alloc_pages(n, stride, owner=tenant)

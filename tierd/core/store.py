@@ -908,7 +908,8 @@ class Store:
         """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
         bytes are free. False when no set of movable sessions holds that much."""
         for _ in range(REPLANS):
-            views = [v for v in self._views(exclude=protect, queued_busy=False) if tenant is None or v.key.tenant == tenant]
+            views = [v for v in self._views(exclude=protect, queued_busy=False)
+                     if tenant is None or v.key.tenant == tenant]
             plan = plan_eviction(views, tier, need, self.tiers, self.policy)
             if plan is None:
                 return False
