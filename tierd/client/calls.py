@@ -104,6 +104,15 @@ def _serialize(msg: pb.PutRequest | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
+def _byte_streams(channel: Any) -> tuple[Any, Any]:
+    """Get and Put on a channel (sync or asyncio), their chunk messages in
+    wire format both ways (see tierd.api.wire)."""
+    return (channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+                                 response_deserializer=None),
+            channel.stream_unary(PUT_METHOD, request_serializer=_serialize,
+                                 response_deserializer=pb.SessionInfo.FromString))
+
+
 def _ids(token_ids: Any) -> list[int] | None:
     if token_ids is None:
         return None
@@ -331,10 +340,7 @@ class Client(_Calls):
         self._channel = (grpc.secure_channel(self.address, creds, options=_OPTIONS) if creds else
                          grpc.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
-        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-                                               response_deserializer=None)  # Put and Get: see tierd.api.wire
-        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_serialize,
-                                               response_deserializer=pb.SessionInfo.FromString)
+        self._get, self._put = _byte_streams(self._channel)
 
     def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
@@ -422,10 +428,7 @@ class AsyncClient(_Calls):
         self._channel = (grpc.aio.secure_channel(self.address, creds, options=_OPTIONS) if creds else
                          grpc.aio.insecure_channel(self.address, options=_OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
-        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-                                               response_deserializer=None)  # Put and Get: see tierd.api.wire
-        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_serialize,
-                                               response_deserializer=pb.SessionInfo.FromString)
+        self._get, self._put = _byte_streams(self._channel)
 
     async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
