@@ -16,7 +16,7 @@ from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import PolicyConfig
 from tierd.tiers.device import DeviceTier
 from tierd.tiers.disk import DiskTier
-from tierd.tiers.factory import arena_prefix
+from tierd.tiers import shm
 from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine, EngineMemory
 from tierd.transfer.ioqueue import PriorityExecutor
@@ -55,9 +55,8 @@ class Harness:
 
     def open(self) -> Store:
         self.executor = PriorityExecutor(4)
-        # One arena name per data dir, as the daemon does: opening clears what a killed run left.
-        prefix = "tierd-test-" + arena_prefix(self.root).removeprefix("tierd-")
-        HostTier.remove_stale(prefix)
+        # As the daemon does: a fresh prefix per open, and what a killed run left is removed.
+        self.prefix = prefix = shm.claim_prefix(self.root)
         tiers: dict = {"host": HostTier(self.host_budget, prefix, self.host_slab)}
         index = None
         if self.disk:
@@ -67,7 +66,7 @@ class Harness:
         if self.device_budget is not None:
             tiers["device"] = DeviceTier(self.device_budget, "cpu", 8 * MiB)
         self.store = Store(tiers, CopyEngine(tiers, window_bytes=4 * MiB, verify_tiers=self.verify), index,
-                           clock=self.clock, policy=self.policy, movers=self.movers)
+                           clock=self.clock, policy=self.policy, movers=self.movers, shm_prefix=prefix)
         return self.store
 
     def close(self, flush: bool = False) -> None:

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 from tierd.client import Client
-from tierd.tiers.factory import arena_prefix
-from tierd.tiers.host import HostTier
+from tierd.tiers import shm
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, so `python -m tierd` finds this tree
 
@@ -87,4 +86,6 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
-        HostTier.remove_stale(arena_prefix(self.data_dir))
+        prefix = shm.read_prefix(self.data_dir)
+        if prefix is not None:
+            shm.remove_owned(prefix)

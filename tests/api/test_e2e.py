@@ -15,7 +15,7 @@ import pytest
 from tierd.api.convert import spec_to_pb
 from tierd.client import Arena, DataLoss, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
 from tierd.testing import Daemon
-from tierd.tiers.factory import arena_prefix
+from tierd.tiers import shm
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 
@@ -226,9 +226,9 @@ def test_gpu_memory_and_invisible_processes_get_clear_errors(daemon):
 
 
 def test_a_page_damaged_in_host_memory_is_not_served(tmp_path):
-    """A Get chunk that is one whole page (the defaults: 1 MiB pages, 1 MiB
-    chunks) carries the checksum the page was saved with, so bytes damaged in
-    the host tier after the save reach no client."""
+    """Every page a Get reads is checked against the checksum it was saved
+    with, whatever the tier: bytes damaged in the host tier after the save
+    reach no client, and the session is marked damaged."""
     d = Daemon(tmp_path, "--writeback-idle", "off", "--host-idle", "600").start()
     try:
         data = os.urandom(3 << 20)
@@ -237,15 +237,15 @@ def test_a_page_damaged_in_host_memory_is_not_served(tmp_path):
             assert c.get("hurt") == data
             needle = data[(1 << 20) + 4096 : (1 << 20) + 4160]  # inside page 1
             hits = 0
-            for path in glob.glob(f"/dev/shm/{arena_prefix(d.data_dir)}*"):
+            for path in glob.glob(f"/dev/shm/{shm.read_prefix(d.data_dir)}.*"):
                 with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
                     at = mm.find(needle)
                     if at >= 0:
                         mm[at] ^= 0x01
                         hits += 1
             assert hits == 1
-            with pytest.raises(DataLoss, match="chunk 1 of the Get stream arrived damaged"):
+            with pytest.raises(DataLoss, match="page 1 failed its checksum in the host tier"):
                 c.get("hurt")
-            assert c.stat("hurt").tier == "host"
+            assert c.stat("hurt").state == "damaged"
     finally:
         d.close()

@@ -2,11 +2,13 @@
 token lookup, on the store with a fake clock."""
 
 import dataclasses
+import os
+import stat
 
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC
+from tests.helpers import SPEC, Harness
 from tierd.client.shm import Arena
 from tierd.core.store import make_key
 from tierd.errors import (
@@ -15,7 +17,9 @@ from tierd.errors import (
     IdentityMismatch,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
 )
+from tierd.policy import PolicyConfig
 
 A = make_key("default", "a")
 OTHER = make_key("other", "a")
@@ -99,7 +103,7 @@ def test_append_through_a_lease_and_restore_a_prefix_from_disk(store, arena, har
     store.commit_save("default", more.lease_id)
     want = pages[:2] + new_pages
     assert stored(store, A) == want
-    # demote to disk only, then a restore lease for the first 4 pages brings them back
+    # demote to disk only, then a restore lease for the first 4 pages reads them from there
     store.release(A)
     harness.clock.advance(10_000)
     store.tick()
@@ -107,18 +111,14 @@ def test_append_through_a_lease_and_restore_a_prefix_from_disk(store, arena, har
     assert store.stat(A).tier_bytes.keys() == {"disk"}
     lease = store.begin_restore(A, SPEC, num_pages=4, ttl=3600)
     assert lease.num_pages == 4 and lease.num_tokens == 64
-    assert [p.tobytes() for p in arena.pages(lease)] == want[:4]
-    # held: policy cannot move it while the engine reads
-    store.release(A)
-    harness.clock.advance(1_000)
-    store.tick()
-    assert store.drain(30)
-    assert "host" in store.stat(A).tier_bytes
-    store.end_restore("default", lease.lease_id)
-    harness.clock.advance(10_000)
-    store.tick()
-    assert store.drain(30)
+    pages = arena.pages(lease)
+    assert [p.tobytes() for p in pages] == want[:4]
+    # the lease holds a copy of its own: the session is not held, a new save or a drop leaves the pages be
     assert store.stat(A).tier_bytes.keys() == {"disk"}
+    lease_save(store, arena, A, 16, seed=3)
+    store.drop(A)
+    assert [p.tobytes() for p in pages] == want[:4]
+    store.end_restore("default", lease.lease_id)
 
 
 def test_an_expired_restore_lease_cannot_end(store, arena, harness):
@@ -129,9 +129,52 @@ def test_an_expired_restore_lease_cannot_end(store, arena, harness):
     store.tick()
     with pytest.raises(NotFound, match="expired"):
         store.end_restore("default", held.lease_id)
-    store.drop(A)  # the session's lock was let go at expiry
+    assert not os.path.exists(f"/dev/shm/{held.slots[0].shm_name}")  # its segment went at expiry
+
+
+def test_a_lease_expires_when_taken_past_its_time_without_a_tick(store, arena, harness):
+    lease, _ = lease_save(store, arena, A, 16, ttl=2)
+    harness.clock.advance(3)
+    with pytest.raises(NotFound, match="expired"):
+        store.commit_save("default", lease.lease_id)
+    assert store.tiers["host"].used == 0 and not os.path.exists(f"/dev/shm/{lease.slots[0].shm_name}")
     with pytest.raises(NotFound):
         store.stat(A)
+
+
+def test_lease_segments_hold_only_the_leased_pages_under_unguessable_names(store, arena):
+    a, a_pages = lease_save(store, arena, A, 40)
+    store.commit_save("default", a.lease_id)
+    b, _ = lease_save(store, arena, OTHER, 40, seed=7)
+    held = store.begin_restore(A)
+    names = [a.slots[0].shm_name, b.slots[0].shm_name, held.slots[0].shm_name]
+    assert len(set(names)) == 3 and all(len(n.rsplit(".", 1)[1]) == 16 for n in names)
+    for lease in (b, held):  # each segment is exactly its lease's pages, nothing of another session
+        (slot,) = lease.slots
+        assert os.path.getsize(f"/dev/shm/{slot.shm_name}") == lease.num_pages * lease.page_bytes
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{slot.shm_name}").st_mode) == 0o600
+    assert [p.tobytes() for p in arena.pages(held)] == a_pages
+    store.end_restore("default", held.lease_id)
+    store.abort_save("other", b.lease_id)
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+def test_open_leases_are_limited_per_tenant(tmp_path, arena):
+    h = Harness(str(tmp_path), policy=PolicyConfig(tenant_leases=2, tenant_lease_bytes=4 * SPEC.page_bytes))
+    store = h.open()
+    try:
+        first = store.begin_save(A, SPEC, 16)
+        second = store.begin_save(make_key("default", "b"), SPEC, 16)
+        with pytest.raises(ResourceExhausted, match="may hold 2 leases open"):
+            store.begin_save(make_key("default", "c"), SPEC, 16)
+        store.begin_save(OTHER, SPEC, 48)  # another tenant's leases are its own
+        store.abort_save("default", second.lease_id)
+        with pytest.raises(ResourceExhausted, match="bytes in open leases"):
+            store.begin_save(make_key("default", "c"), SPEC, 64)  # 1 + 4 pages > 4
+        store.commit_save("default", first.lease_id)
+        store.begin_save(make_key("default", "c"), SPEC, 64).lease_id  # room again once ended
+    finally:
+        h.close()
 
 
 def test_bad_lease_requests_change_nothing(store, arena):

@@ -1,3 +1,4 @@
+import glob
 import os
 import stat
 import subprocess
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import arena_name, host_tier
+from tierd.tiers import shm
 from tierd.tiers.host import HostTier
 
 MiB = 1 << 20
@@ -67,16 +69,43 @@ def test_shrinking_the_budget_closes_empty_slabs(host):
     assert host.capacity == 8 * MiB
     host.free(b[0])
     host.set_budget(4 * MiB)
-    assert host.capacity == 4 * MiB and not os.path.exists(host.slab_path(1))
+    assert host.capacity == 4 * MiB and len(glob.glob(f"/dev/shm/{host.prefix}.*")) == 1
     host.free(a[0])
 
 
-def test_remove_stale_clears_a_crashed_run(tmp_path):
+def test_a_restart_removes_what_a_killed_run_left_and_only_its_own(tmp_path):
+    data = str(tmp_path)
+    first = shm.claim_prefix(data)
+    names = [shm.create(first, 4096)[0] for _ in range(2)]
+    foreign = f"/dev/shm/{first}.not-ours"
+    open(foreign, "wb").close()
+    os.chown(foreign, 65534, 65534)  # another user's file under the same prefix stays
+    try:
+        second = shm.claim_prefix(data)
+        assert second != first and shm.read_prefix(data) == second
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+        assert os.path.exists(foreign)
+        assert stat.S_IMODE(os.stat(tmp_path / shm.PREFIX_FILE).st_mode) == 0o600
+    finally:
+        os.unlink(foreign)
+
+
+def test_slab_names_are_unpredictable_and_a_squatted_name_is_skipped(monkeypatch, caplog):
     prefix = arena_name()
-    for i in range(2):
-        open(f"/dev/shm/{prefix}.{i}", "wb").close()
-    assert HostTier.remove_stale(prefix) == 2
-    assert not os.path.exists(f"/dev/shm/{prefix}.0")
+    taken = f"{prefix}.{'0' * 16}"
+    open(f"/dev/shm/{taken}", "wb").close()  # somebody created the first name we will draw
+    draws = iter(["0" * 16, "1" * 16])
+    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: next(draws))
+    tier = HostTier(4 * MiB, prefix, slab_bytes=4 * MiB)
+    try:
+        with caplog.at_level("WARNING", logger="tierd.tiers.shm"):
+            assert tier.alloc_pages(1, 4096) is not None
+        assert tier.slab_name(0) == f"{prefix}.{'1' * 16}"
+        assert "not ours: skipped" in caplog.text
+        assert os.path.getsize(f"/dev/shm/{taken}") == 0  # the squatter's file is untouched
+    finally:
+        tier.close()
+        os.unlink(f"/dev/shm/{taken}")
 
 
 def test_failed_pinning_falls_back_to_pageable_and_says_so(caplog):
@@ -94,10 +123,8 @@ def test_failed_pinning_falls_back_to_pageable_and_says_so(caplog):
         tier.close()
 
 
-def test_views_and_slots_never_cross_a_slab(host):
+def test_views_never_cross_a_slab(host):
     host.alloc_pages(2, 4 * MiB)  # both slabs
     assert host.view(4 * MiB - 4096, 4096).nbytes == 4096
     with pytest.raises(ValueError, match="cross a slab boundary"):
         host.view(4 * MiB - 4096, 8192)  # would have been cut short at the slab's end
-    with pytest.raises(ValueError, match="cross a slab boundary"):
-        host.where(4 * MiB - 4096, 8192)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import SPEC, HostEngine, host_tier
-from tierd.errors import DataLoss
+from tierd.errors import DataLoss, InvalidArgument
 from tierd.layout import KVSpec
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Geometry, Span
@@ -80,14 +80,21 @@ def test_streams_use_a_byte_cursor_whatever_the_chunking(host):
     pieces = host.alloc_pages(n_pages, geom.stride)
     spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in pieces]
     copier = CopyEngine({"host": host})
-    got = copier.write_stream(spans, geom, iter([data[i : i + 777] for i in range(0, len(data), 777)]))
-    assert got == len(data)
+    writer = copier.page_writer(spans, geom)
+    for i in range(0, len(data), 777):
+        writer.write(data[i : i + 777])
+    assert writer.received == len(data)
     sums = copier.checksums(spans, geom)
     chunks = [c for c, _ in copier.read_stream(spans, geom, sums, 4096)]
     assert b"".join(chunks) == data
     assert all(len(c) == 4096 for c in chunks[:-1])
-    # More bytes than the pages hold are reported, not written past the end.
-    assert copier.write_stream(spans, geom, iter([data, b"xx"])) == len(data) + 2
+    # A chunk past what the pages hold is refused, and not written at all.
+    writer = copier.page_writer(spans, geom)
+    writer.write(data[:-1])
+    with pytest.raises(InvalidArgument, match="more than the 35001 bytes"):
+        writer.write(b"xx")
+    assert writer.received == len(data) - 1
+    assert b"".join(c for c, _ in copier.read_stream(spans, geom, sums, 4096)) == data
     # A chunk that is one whole page comes with the checksum the page was stored with.
     whole = list(copier.read_stream(spans, geom, sums, spec.page_bytes))
     assert [d for _, d in whole] == [int(x) for x in sums[:-1]] + [0]  # the last page is short

@@ -56,7 +56,8 @@ def test_gather_and_scatter_are_one_launch_each_whatever_the_runs(so, tiers, kin
     dst = HostEngine(SPEC, 64, kind, seed=2)
     target = np.array([5, 6, 30, 31, 32, 50, 0])
     copier.scatter(spans, dst.memory, target, geom, sums, Priority.PREFETCH)
-    assert kernels.launches == 4 and copier.copy_ops == 2
+    assert kernels.launches == 3 + 2 + 1  # the pages checked (lanes, merge), then every run copied in one
+    assert copier.copy_ops == 2
     assert kernels.priorities == [Priority.DEMAND, Priority.PREFETCH]
     assert dst.pages(target) == src.pages(blocks)
     untouched = HostEngine(SPEC, 64, kind, seed=2)
@@ -105,7 +106,7 @@ def test_store_round_trip_through_the_kernels(so, tmp_path):
         out = HostEngine(SPEC, 64, seed=7, device="cpu")
         launches = kernels.launches
         store.restore(key, out.memory, SPEC, [7, 8, 30, 31])
-        assert kernels.launches == launches + 1
+        assert kernels.launches == launches + 2 + 1  # checked (lanes, merge), then copied in one launch
         assert out.pages([7, 8, 30, 31]) == eng.pages([3, 4, 5, 20])
         # Tier moves go through the copy engines, on the stream of their priority.
         shrunk = store.set_budget("device", 0)  # the overflow goes to host at once

@@ -172,6 +172,8 @@ class Session:
     row: Any = None  # the complete state recorded in the disk index (index.Row), if any
     row_version: int = -1  # the snapshot version that row describes
     op: threading.Lock = field(default_factory=threading.Lock)
+    readers: int = 0  # Get streams reading pages without the op lock
+    deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done
 
     @property
     def durable(self) -> bool:

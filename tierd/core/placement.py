@@ -84,6 +84,26 @@ class Placement:
         for p in pieces:
             self.tiers[tier].free(p)
 
+    def retire(self, session: Session, pieces: list[tuple[str, Piece]]) -> None:
+        """Free pieces the session no longer holds, or, while a Get stream
+        still reads them, once it is done (end_read)."""
+        with self.lock:
+            if session.readers:
+                session.deferred += pieces
+                return
+        for tier, p in pieces:
+            self.tiers[tier].free(p)
+
+    def end_read(self, session: Session) -> None:
+        """A Get stream is done with the session's pages: free what waited for it."""
+        with self.lock:
+            session.readers -= 1
+            if session.readers:
+                return
+            pieces, session.deferred = session.deferred, []
+        for tier, p in pieces:
+            self.tiers[tier].free(p)
+
     # -- moves -------------------------------------------------------------------
 
     def promote(self, session: Session, target: str, klass: Priority) -> int:
@@ -109,8 +129,8 @@ class Placement:
                 self.copy_in(session, target, missing, klass, reason)
         with self.lock:
             dropped = {t: snap.remove_tier(t) for t in faster}
-        for t, pieces in dropped.items():
-            self.free(t, pieces)
+        self.retire(session, [(t, p) for t, pieces in dropped.items() for p in pieces])
+        for t in dropped:
             self.events.evicted(t, reason)
 
     def copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], klass: Priority,
@@ -203,8 +223,7 @@ class Placement:
         with self.lock:
             placement = dict(session.snap.placement)
             session.snap.placement.clear()
-        for tier, pieces in placement.items():
-            self.free(tier, pieces)
+        self.retire(session, [(t, p) for t, pieces in placement.items() for p in pieces])
 
     def io_failed(self, op: str, exc: OSError, key: SessionKey) -> Unavailable:
         """Disk I/O failed while moving or serving a session: counted, logged, and

@@ -38,7 +38,7 @@ from tierd.errors import (
     ResourceExhausted,
     TierdError,
 )
-from tierd.layout import KVSpec
+from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import (
     Advice,
     Move,
@@ -51,8 +51,9 @@ from tierd.policy import (
     pressure_moves,
 )
 from tierd.policy.rules import DROP
-from tierd.tiers import TIER_ORDER, tier_rank
-from tierd.transfer.copier import CopyEngine, EngineMemory
+from tierd.tiers import TIER_ORDER, shm, tier_rank
+from tierd.tiers.allocator import Piece
+from tierd.transfer.copier import CopyEngine, EngineMemory, PageWriter
 from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Geometry, Span
 
@@ -128,31 +129,58 @@ class Lease:
 
 
 @dataclass(eq=False)
+class PendingWrite:
+    """Pages on their way into a session: allocated in `tier`, written by the
+    caller, invisible until committed (or freed when aborted). Save, Put and
+    save leases all store through one."""
+
+    key: SessionKey
+    spec: KVSpec
+    tier: str
+    first_page: int
+    num_tokens: int
+    nbytes: int  # the snapshot's bytes once committed
+    geom: Geometry
+    pieces: list[Piece]
+    hashes: np.ndarray | None
+    priority: int | None
+    started: float
+    writer: PageWriter | None = None  # Put: where the stream's bytes go, in page order
+
+    @property
+    def spans(self) -> list[Span]:
+        return [Span(p.first_page, p.n_pages, self.tier, p.offset) for p in self.pieces]
+
+    @property
+    def new_bytes(self) -> int:
+        return self.nbytes - self.first_page * self.spec.page_bytes
+
+    def write(self, data: bytes | memoryview | np.ndarray) -> None:
+        """Put: the stream's next bytes (InvalidArgument past what was announced)."""
+        assert self.writer is not None
+        self.writer.write(data)
+
+
+@dataclass(eq=False)
 class _Lease:
     what = "lease"
     lease_id: str
     key: SessionKey
     expires: float
+    segment: shm.Segment  # the lease's pages, and nothing else: the engine maps it by name
+    nbytes: int
 
 
 @dataclass(eq=False)
 class _SaveLease(_Lease):
     what = "save"
-    spec: KVSpec
-    first_page: int
-    pieces: list
-    num_tokens: int
-    hashes: np.ndarray | None
-    priority: int | None
-    started: float
+    write: PendingWrite
 
 
 @dataclass(eq=False)
 class _RestoreLease(_Lease):
     what = "restore"
-    lock: threading.Lock
     source: str
-    nbytes: int
     started: float
 
 
@@ -169,7 +197,7 @@ class BudgetResult:
 class Store:
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *,
                  clock: Clock | None = None, policy: PolicyConfig | None = None,
-                 events: StoreEvents | None = None, movers: int = 2) -> None:
+                 events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None) -> None:
         if "host" not in tiers:
             raise ValueError("the host tier is required")
         if (index is None) != ("disk" not in tiers):
@@ -189,6 +217,9 @@ class Store:
         self.placement.quota = self.policy.quota
         self._per_tenant: dict[str, int] = {}  # sessions held by each tenant
         self._leases: dict[str, _Lease] = {}
+        self._lease_use: dict[str, tuple[int, int]] = {}  # tenant -> (open leases, their bytes)
+        self._segments = (shm_prefix or shm.new_prefix()) + ".lease"  # names of lease segments
+        self._listeners: list[Callable[[], None]] = []
         self.recovery_problems = self._recover() if index is not None else []
         self.mover = Mover(self._run_job, movers)
         self._closed = False
@@ -262,6 +293,13 @@ class Store:
     def _notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
+        for listener in self._listeners:
+            listener()
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call listener (from any thread; it must not block) whenever a
+        session's content or placement may have changed."""
+        self._listeners.append(listener)
 
     def _landing(self, engine: EngineMemory | None) -> str:
         if engine is not None and engine.medium == "device" and "device" in self.tiers:
@@ -393,10 +431,51 @@ class Store:
             session.last_access, session.released_at, session.awaited = now, None, False
             if priority is not None:
                 session.priority = priority
-            self._changed.notify_all()
-        for t, p in freed:
-            self.tiers[t].free(p)
+        self.placement.retire(session, freed)
+        self._notify()
         return session
+
+    # -- the write path: save, put and save leases ---------------------------------
+
+    def _begin_write(self, key: SessionKey, spec: KVSpec, tier: str, first_page: int, num_tokens: int,
+                     nbytes: int, geom: Geometry, hashes: np.ndarray | None,
+                     priority: int | None) -> PendingWrite:
+        """Check that the store may go ahead (quota, an append onto the same
+        identity and tokens) and allocate its pages; the session's lock is held
+        only for that."""
+        lock, session = self._acquire(key)
+        try:
+            self._check_append(key, session, spec, first_page * spec.block_tokens if first_page else 0, hashes)
+            pieces = self.placement.alloc(tier, [(first_page, geom.n_pages - first_page)], geom.stride, key,
+                                          Priority.DEMAND)
+        finally:
+            lock.release()
+        return PendingWrite(key, spec, tier, first_page, num_tokens, nbytes, geom, pieces, hashes, priority,
+                            time.perf_counter())
+
+    def _commit_write(self, w: PendingWrite, sums: np.ndarray) -> SessionInfo:
+        """Publish written pages (sums: their checksums), checked again under
+        the session's lock: it may have changed since the write began."""
+        lock, session = self._acquire(w.key)
+        try:
+            try:
+                self._check_append(w.key, session, w.spec, w.first_page * w.spec.block_tokens if w.first_page else 0,
+                                   w.hashes)
+                session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier, sums,
+                                        w.num_tokens, w.nbytes, w.priority, w.hashes)
+            except BaseException:
+                self.abort_write(w)
+                raise
+            w.pieces = []  # the session's now
+            self.events.saved(w.tier, w.new_bytes, time.perf_counter() - w.started)
+            return self._info(session)
+        finally:
+            lock.release()
+
+    def abort_write(self, w: PendingWrite) -> None:
+        """Give back the pages of a write that will not be committed."""
+        pieces, w.pieces = w.pieces, []
+        self.placement.free(w.tier, pieces)
 
     # -- engine memory: save / restore -----------------------------------------
 
@@ -420,25 +499,15 @@ class Store:
             raise InvalidArgument(
                 f"tokens [{start_token}, {num_tokens}) fill {n_pages - first_page} blocks of {spec.block_tokens}, "
                 f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
-        lock, session = self._acquire(key)
+        geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
+        w = self._begin_write(key, spec, tier or self._landing(engine), first_page, num_tokens,
+                              n_pages * spec.page_bytes, geom, tok, priority)
         try:
-            self._check_append(key, session, spec, start_token, tok)
-            tier = tier or self._landing(engine)
-            geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
-            t0 = time.perf_counter()
-            pieces = self.placement.alloc(tier, [(first_page, ids.size)], geom.stride, key, Priority.DEMAND)
-            spans = [Span(p.first_page, p.n_pages, tier, p.offset) for p in pieces]
-            try:
-                sums = self.copier.gather(engine, ids, spans, geom, first_page)
-            except BaseException:
-                self.placement.free(tier, pieces)
-                raise
-            session = self._publish(key, lock, session, spec, first_page, pieces, tier, sums, num_tokens,
-                                    n_pages * spec.page_bytes, priority, tok)
-            self.events.saved(tier, ids.size * spec.page_bytes, time.perf_counter() - t0)
-            return self._info(session)
-        finally:
-            lock.release()
+            sums = self.copier.gather(engine, ids, w.spans, geom, first_page)
+        except BaseException:
+            self.abort_write(w)
+            raise
+        return self._commit_write(w, sums)
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec,
                 block_ids: Iterable[int]) -> RestoreResult:
@@ -455,27 +524,35 @@ class Store:
             spans = snap.best_spans()
             source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
             t0 = time.perf_counter()
-            try:
-                self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums)
-            except DataLoss as exc:
-                self.placement.mark_damaged(session, exc)
-                raise DataLoss(f"session {key.session_id!r}: {exc}", session_id=key.session_id, **exc.details) from None
-            except OSError as exc:
-                raise self.placement.io_failed("read", exc, key) from None
+            self._scatter(session, spans, engine, ids)
             seconds = time.perf_counter() - t0
             with self._lock:
                 session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
             self.events.restored(source, ids.size * snap.spec.page_bytes, seconds)
             return RestoreResult(min(snap.num_tokens, ids.size * snap.spec.block_tokens), int(ids.size), source, seconds)
 
+    def _scatter(self, session: Session, spans: list[Span], engine: EngineMemory, ids: np.ndarray) -> None:
+        """Copy the snapshot's first len(ids) pages into those blocks, every
+        page checked against its checksum: a mismatch damages the session."""
+        snap = session.snap
+        try:
+            self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums)
+        except DataLoss as exc:
+            self.placement.mark_damaged(session, exc)
+            raise DataLoss(f"session {session.key.session_id!r}: {exc}", session_id=session.key.session_id,
+                           **exc.details) from None
+        except OSError as exc:
+            raise self.placement.io_failed("read", exc, session.key) from None
+
     # -- bytes: put / get --------------------------------------------------------
 
-    def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
-            chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
-            start_token: int = 0, token_ids: Iterable[int] | None = None) -> SessionInfo:
-        """Store a snapshot sent as bytes: the pages from start_token on (KV
+    def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
+                  priority: int | None = None, start_token: int = 0,
+                  token_ids: Iterable[int] | None = None) -> PendingWrite:
+        """Room for a snapshot sent as bytes: the pages from start_token on (KV
         specs; 0 replaces the whole snapshot), with their token ids if given.
-        Nothing is visible unless exactly nbytes arrive."""
+        Write the stream into the result (write()), then commit_put, or
+        abort_write. No lock is held meanwhile: the stream may take its time."""
         _check_priority(priority)
         first_page = self._check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
@@ -501,48 +578,62 @@ class Store:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
                                     need=nbytes, budget=tier_budget)
         geom = Geometry(spec.page_bytes, n_pages, last)
-        lock, session = self._acquire(key)
+        w = self._begin_write(key, spec, "host", first_page, num_tokens, first_page * spec.page_bytes + nbytes, geom,
+                              tok, priority)
+        w.writer = self.copier.page_writer(w.spans, geom)
+        return w
+
+    def commit_put(self, w: PendingWrite) -> SessionInfo:
+        """Publish a Put whose stream has ended: nothing is visible unless
+        exactly the announced bytes arrived."""
+        assert w.writer is not None
         try:
-            self._check_append(key, session, spec, start_token, tok)
-            t0 = time.perf_counter()
-            pieces = self.placement.alloc("host", [(first_page, n_pages - first_page)], geom.stride, key,
-                                          Priority.DEMAND)
-            spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in pieces]
-            try:
-                got = self.copier.write_stream(spans, geom, iter(chunks))
-                if got != nbytes:
-                    raise InvalidArgument(f"the stream carried {got} bytes, the header announced {nbytes}",
-                                          field="size", want=nbytes, got=got)
-                sums = self.copier.checksums(spans, geom)
-            except BaseException:
-                self.placement.free("host", pieces)
-                raise
-            session = self._publish(key, lock, session, spec, first_page, pieces, "host", sums, num_tokens,
-                                    (first_page * spec.page_bytes) + nbytes, priority, tok)
-            self.events.saved("host", nbytes, time.perf_counter() - t0)
-            return self._info(session)
-        finally:
-            lock.release()
+            if w.writer.received != w.new_bytes:
+                raise InvalidArgument(f"the stream carried {w.writer.received} bytes, the header announced "
+                                      f"{w.new_bytes}", field="size", want=w.new_bytes, got=w.writer.received)
+            sums = self.copier.checksums(w.spans, w.geom)
+        except BaseException:
+            self.abort_write(w)
+            raise
+        self.copier.record("client->host", w.new_bytes, time.perf_counter() - w.started)
+        return self._commit_write(w, sums)
+
+    def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
+            chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
+            start_token: int = 0, token_ids: Iterable[int] | None = None) -> SessionInfo:
+        """begin_put, every chunk written, commit_put: the whole Put in one call."""
+        w = self.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids)
+        try:
+            for chunk in chunks:
+                w.write(chunk)
+        except BaseException:
+            self.abort_write(w)
+            raise
+        return self.commit_put(w)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
-        """The snapshot's info and a reader of its bytes. The session stays
-        locked (no move starts) until the reader is exhausted or closed."""
+        """The snapshot's info and a reader of its bytes, checked against their
+        checksums whatever the tier. No lock is held while it reads: pages it
+        reads that the session gives up meanwhile (a move, a drop, a new save)
+        are freed only once the reader is closed, so the stream stays the
+        snapshot as it was when the call came."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
             raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {chunk_bytes!r}", field="chunk_bytes")
-        lock, session = self._acquire(key)
-        try:
+        session = self._get(key)
+        with self._lock:
             self._check_readable(key, session, "read")
+            snap = session.snap
             info = self._info(session)
-        except BaseException:
-            lock.release()
-            raise
-        return info, SnapshotReader(lock, self._stream(session, chunk_bytes))
+            spans, geom, sums = snap.best_spans(), snap.geometry, snap.checksums
+            session.readers += 1
+        return info, SnapshotReader(self._stream(session, spans, geom, sums, chunk_bytes),
+                                    lambda: self.placement.end_read(session))
 
-    def _stream(self, session: Session, chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
-        snap = session.snap
+    def _stream(self, session: Session, spans: list[Span], geom: Geometry, sums: np.ndarray,
+                chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
         t0 = time.perf_counter()
         try:
-            yield from self.copier.read_stream(snap.best_spans(), snap.geometry, snap.checksums, chunk_bytes)
+            yield from self.copier.read_stream(spans, geom, sums, chunk_bytes)
         except DataLoss as exc:
             self.placement.mark_damaged(session, exc)
             raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
@@ -550,7 +641,9 @@ class Store:
             raise self.placement.io_failed("read", exc, session.key) from None
         with self._lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
-        self.events.restored(snap.slowest_tier() or "host", snap.nbytes, time.perf_counter() - t0)
+        self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else "host", geom.nbytes,
+                             time.perf_counter() - t0)
+
 
     # -- token lookup -----------------------------------------------------------------
 
@@ -572,7 +665,7 @@ class Store:
         return LookupResult(min(pages * bt, stored), pages, stored,
                             max((sp.tier for sp in spans), key=tier_rank) if spans else None)
 
-    # -- leases: the engine copies pages in and out of the host arena itself ----------
+    # -- leases: the engine copies pages in and out of memory of the lease's own ----------
 
     @staticmethod
     def _check_ttl(ttl: float) -> float:
@@ -581,16 +674,34 @@ class Store:
                                   field="ttl_seconds", value=ttl)
         return float(ttl)
 
-    def _slots(self, pieces: list, stride: int, end: int) -> list[Slot]:
-        """Where the pages below `end` of these host pieces lie in the arena's slabs."""
-        host = self.tiers["host"]
-        out = []
-        for p in pieces:
-            count = min(p.n_pages, end - p.first_page)
-            if count > 0:
-                name, off = host.where(p.offset, count * stride)
-                out.append(Slot(name, off, p.first_page, count))
-        return out
+    def _open_lease(self, tenant: str, nbytes: int) -> shm.Segment:
+        """Count a new lease against its tenant's limits and create its segment."""
+        count_limit, bytes_limit = self.policy.tenant_leases, self.policy.tenant_lease_bytes
+        with self._lock:
+            count, held = self._lease_use.get(tenant, (0, 0))
+            if count_limit and count >= count_limit:
+                raise ResourceExhausted(f"tenant {tenant!r} may hold {count_limit} leases open; end some first",
+                                        tenant=tenant, quota=count_limit)
+            if bytes_limit and held + nbytes > bytes_limit:
+                raise ResourceExhausted(f"tenant {tenant!r} may hold {bytes_limit} bytes in open leases; it holds "
+                                        f"{held} and this needs {nbytes} more", tenant=tenant, quota=bytes_limit)
+            self._lease_use[tenant] = (count + 1, held + nbytes)
+        try:
+            return shm.Segment(self._segments, nbytes)
+        except OSError as exc:
+            self._close_lease(tenant, None, nbytes)
+            raise ResourceExhausted(f"no shared memory for a lease of {nbytes} bytes: {exc.strerror or exc}",
+                                    need=nbytes) from None
+
+    def _close_lease(self, tenant: str, segment: shm.Segment | None, nbytes: int) -> None:
+        if segment is not None:
+            segment.close()
+        with self._lock:
+            count, held = self._lease_use[tenant]
+            if count > 1:
+                self._lease_use[tenant] = (count - 1, held - nbytes)
+            else:
+                del self._lease_use[tenant]
 
     def _take_lease(self, tenant: str, lease_id: str, kind: type) -> _Lease:
         with self._lock:
@@ -599,74 +710,72 @@ class Store:
                 raise NotFound(f"no open {kind.what} lease {lease_id!r}: it ended, expired or never was",
                                lease_id=lease_id)
             del self._leases[lease_id]
+        if lease.expires <= self.clock.now():  # past its time: it ends as it would have on the next tick
+            log.warning("a %s lease on %s/%s expired", lease.what, *lease.key)
+            self.events.lease_expired(lease.what)
+            self._end_lease(lease)
+            raise NotFound(f"no open {kind.what} lease {lease_id!r}: it ended, expired or never was",
+                           lease_id=lease_id)
         return lease
+
+    def _end_lease(self, lease: _Lease) -> None:
+        if isinstance(lease, _SaveLease):
+            self.abort_write(lease.write)  # nothing, once committed
+        self._close_lease(lease.key.tenant, lease.segment, lease.nbytes)
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
                    ttl: float = DEFAULT_LEASE_SECONDS) -> Lease:
-        """Host-arena slots for pages [start_token // block_tokens, pages for
-        num_tokens): the engine writes each page's bytes there, then calls
-        commit_save (or abort_save). Nothing is visible before the commit."""
+        """A segment of shared memory for pages [start_token // block_tokens,
+        pages for num_tokens): the engine writes each page's bytes there, then
+        calls commit_save (or abort_save). The pages' room in the host tier is
+        taken now; nothing is visible before the commit."""
         _check_priority(priority)
         ttl = self._check_ttl(ttl)
         first_page = self._check_blocks_range(spec, start_token, num_tokens)
         tok = self._token_hashes(spec, token_ids, num_tokens)
         n_pages = spec.pages_for_tokens(num_tokens)
-        geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
-        lock, session = self._acquire(key)
+        count = n_pages - first_page
+        segment = self._open_lease(key.tenant, count * spec.page_bytes)
         try:
-            self._check_append(key, session, spec, start_token, tok)
-            pieces = self.placement.alloc("host", [(first_page, n_pages - first_page)], geom.stride, key,
-                                          Priority.DEMAND)
-        finally:
-            lock.release()
-        lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, spec, first_page, pieces,
-                           num_tokens, tok, priority, time.perf_counter())
+            w = self._begin_write(key, spec, "host", first_page, num_tokens, n_pages * spec.page_bytes,
+                                  Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
+        except BaseException:
+            self._close_lease(key.tenant, segment, segment.size)
+            raise
+        lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, segment.size, w)
         with self._lock:
             self._leases[lease.lease_id] = lease
-        return Lease(lease.lease_id, self._slots(pieces, geom.stride, n_pages), spec.page_bytes, geom.stride,
-                     first_page, n_pages - first_page, num_tokens, ttl)
+        return Lease(lease.lease_id, [Slot(segment.name, 0, first_page, count)], spec.page_bytes, spec.page_bytes,
+                     first_page, count, num_tokens, ttl)
 
     def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
-        """Take the checksums of the leased pages and publish them."""
+        """Copy the leased pages into the host tier, taking their checksums, and publish them."""
         lease = self._take_lease(tenant, lease_id, _SaveLease)
-        key, spec = lease.key, lease.spec
-        n_pages = spec.pages_for_tokens(lease.num_tokens)
-        geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
-        spans = [Span(p.first_page, p.n_pages, "host", p.offset) for p in lease.pieces]
-        lock, session = self._acquire(key)
+        w = lease.write
+        count = w.geom.n_pages - w.first_page
         try:
-            try:
-                self._check_append(key, session, spec, lease.first_page * spec.block_tokens, lease.hashes)
-                sums = self.copier.checksums(spans, geom)
-            except BaseException:
-                self.placement.free("host", lease.pieces)
-                raise
-            session = self._publish(key, lock, session, spec, lease.first_page, lease.pieces, "host", sums,
-                                    lease.num_tokens, n_pages * spec.page_bytes, lease.priority, lease.hashes)
-            self.events.saved("host", (n_pages - lease.first_page) * spec.page_bytes,
-                              time.perf_counter() - lease.started)
-            return self._info(session)
+            memory = EngineMemory(EngineLayout.cross_layer(w.spec, count), [lease.segment.array])
+            sums = self.copier.gather(memory, np.arange(count), w.spans, w.geom, w.first_page)
+            return self._commit_write(w, sums)
         finally:
-            lock.release()
+            self._end_lease(lease)
 
     def abort_save(self, tenant: str, lease_id: str) -> None:
-        lease = self._take_lease(tenant, lease_id, _SaveLease)
-        self.placement.free("host", lease.pieces)
+        self._end_lease(self._take_lease(tenant, lease_id, _SaveLease))
 
     def begin_restore(self, key: SessionKey, spec: KVSpec | None = None, num_pages: int = 0,
                       ttl: float = DEFAULT_LEASE_SECONDS, token_ids: Iterable[int] | None = None) -> Lease:
-        """Bring the snapshot's first num_pages pages (0: all) into the host
-        arena if they are not there (waiting for a move in flight first),
-        hold them there, and hand out their slots; end_restore lets them move
-        again. With token_ids (the request's prompt), pages that hold other
-        tokens are refused: the snapshot changed since the lookup."""
+        """Copy the snapshot's first num_pages pages (0: all), checked against
+        their checksums, into a segment of shared memory of the lease's own
+        (waiting for a move of the session in flight first), and hand it out;
+        end_restore gives it back. With token_ids (the request's prompt), pages
+        that hold other tokens are refused: the snapshot changed since the lookup."""
         ttl = self._check_ttl(ttl)
         request = tokens.check_ids(token_ids) if token_ids is not None else None
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise InvalidArgument(f"num_pages must be a non-negative integer, got {num_pages!r}", field="num_pages")
-        lock, session = self._acquire(key)
-        try:
+        with self._held(key) as session:
             self._check_readable(key, session, "restored")
             if spec is not None:
                 self._check_identity(session, spec)
@@ -682,34 +791,32 @@ class Store:
             started = time.perf_counter()
             spans = [sp for sp in snap.best_spans() if sp.first_page < n]
             source = max((sp.tier for sp in spans), key=tier_rank)
-            missing = [(f, min(c, n - f)) for f, c in snap.missing(["host"]) if f < n]
-            if missing:
-                self.placement.copy_in(session, "host", missing, Priority.DEMAND, "restore")
-            lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, lock, source,
-                                  n * snap.spec.page_bytes, started)
+            segment = self._open_lease(key.tenant, n * snap.spec.page_bytes)
+            try:
+                memory = EngineMemory(EngineLayout.cross_layer(snap.spec, n), [segment.array])
+                self._scatter(session, spans, memory, np.arange(n))
+            except BaseException:
+                self._close_lease(key.tenant, segment, segment.size)
+                raise
             with self._lock:
                 session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+            lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, segment.size, source,
+                                  started)
+            with self._lock:
                 self._leases[lease.lease_id] = lease
-            lock = None  # the lease holds it now
-            return Lease(lease.lease_id, self._slots(snap.pieces("host"), snap.geometry.stride, n),
-                         snap.spec.page_bytes, snap.geometry.stride, 0, n,
-                         min(snap.num_tokens, n * snap.spec.block_tokens), ttl)
-        except OSError as exc:
-            raise self.placement.io_failed("read", exc, key) from None
-        finally:
-            if lock is not None:
-                lock.release()
+            return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
+                         0, n, min(snap.num_tokens, n * bt), ttl)
 
     def end_restore(self, tenant: str, lease_id: str) -> None:
-        """The engine has read its pages; they may move again. A lease that
-        expired first is NOT_FOUND: what the engine read may be wrong."""
+        """The engine has read its pages: the segment goes. A lease that
+        expired first is NOT_FOUND."""
         lease = self._take_lease(tenant, lease_id, _RestoreLease)
-        lease.lock.release()
+        self._end_lease(lease)
         self.events.restored(lease.source, lease.nbytes, time.perf_counter() - lease.started)
 
     def expire_leases(self, everything: bool = False) -> int:
-        """End leases past their time (or all): save slots return to the arena,
-        held sessions may move again. Returns how many ended."""
+        """End leases past their time (or all): their segments go, and the
+        host-tier room of uncommitted saves returns. Returns how many ended."""
         now = self.clock.now()
         with self._lock:
             gone = [lease for lease in self._leases.values() if everything or lease.expires <= now]
@@ -719,11 +826,9 @@ class Store:
             if not everything:
                 log.warning("a %s lease on %s/%s expired", lease.what, *lease.key)
                 self.events.lease_expired(lease.what)
-            if isinstance(lease, _SaveLease):
-                self.placement.free("host", lease.pieces)
-            else:
-                lease.lock.release()
+            self._end_lease(lease)
         return len(gone)
+
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -796,23 +901,27 @@ class Store:
                 session.released_at = now
         return now
 
-    def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
-        """Wait until the whole session is in `tier` or faster; returns
-        (ready, the tier it is in)."""
+    def ready(self, key: SessionKey, tier: str = "host") -> tuple[bool, str | None]:
+        """Whether the whole session is in `tier` or faster, and the tier it is in; never waits."""
         if tier not in TIER_ORDER:
             raise InvalidArgument(f"unknown tier {tier!r}", field="tier", value=tier)
+        with self._lock:
+            session = self._get(key)
+            if session.damaged:
+                raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
+            where = session.snap.slowest_tier()
+        return where is not None and tier_rank(where) <= tier_rank(tier), where
+
+    def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
+        """Wait until the whole session is in `tier` or faster; returns
+        (ready, the tier it is in). (The API waits on its event loop instead, through ready() and subscribe().)"""
         end = time.monotonic() + max(0.0, timeout)
         with self._changed:
             while True:
-                session = self._get(key)
-                if session.damaged:
-                    raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
-                where = session.snap.slowest_tier()
-                if where is not None and tier_rank(where) <= tier_rank(tier):
-                    return True, where
+                ready, where = self.ready(key, tier)
                 left = end - time.monotonic()
-                if left <= 0:
-                    return False, where
+                if ready or left <= 0:
+                    return ready, where
                 self._changed.wait(left)
 
     def _run_job(self, job: Job) -> None:
@@ -882,7 +991,7 @@ class Store:
         busy = self.mover.busy_keys(queued=queued_busy)
         return [
             SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0,
-                        s.op.locked() or s.key in busy, s.durable, s.awaited)
+                        s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited)
             for s in sessions
         ]
 
@@ -1071,35 +1180,42 @@ class Store:
 
 
 class SnapshotReader(Iterator[bytes | memoryview]):
-    """Chunks of a snapshot (bytes, or memoryviews valid until the next chunk);
-    holds the session's lock until exhausted or closed. `digest` is the XXH3
-    of the chunk last returned where the store knew it (a whole page's stored
+    """Chunks of a snapshot (bytes, or memoryviews valid until the next
+    chunk). Until it is exhausted or closed, the pages it reads stay
+    allocated; close() may come from any thread, also while another thread
+    is taking a chunk (it then waits for that chunk). `digest` is the XXH3 of
+    the chunk last returned where the store knew it (a whole page's stored
     checksum), else 0."""
 
-    def __init__(self, lock: threading.Lock, chunks: Iterator[tuple[bytes | memoryview, int]]) -> None:
-        self._lock = lock
+    def __init__(self, chunks: Iterator[tuple[bytes | memoryview, int]], done: Callable[[], None]) -> None:
         self._chunks = chunks
+        self._done = done
         self._open = True
+        self._lock = threading.Lock()
         self.digest = 0
 
     def __next__(self) -> bytes | memoryview:
-        if not self._open:
-            raise StopIteration
-        try:
-            data, self.digest = next(self._chunks)
-            return data
-        except BaseException:
-            self.close()
-            raise
+        with self._lock:
+            if not self._open:
+                raise StopIteration
+            try:
+                data, self.digest = next(self._chunks)
+                return data
+            except BaseException:
+                self._close()
+                raise
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._open:
             self._open = False
-            self._chunks.close()  # type: ignore[attr-defined]
-            self._lock.release()
-
-    def __del__(self) -> None:
-        self.close()
+            try:
+                self._chunks.close()  # type: ignore[attr-defined]
+            finally:
+                self._done()
 
 
 def _merge_prefetch(old: Job, new: Job) -> bool:

@@ -23,6 +23,8 @@ class PolicyConfig:
     priority_weight: float = 60.0  # one priority step counts as this many seconds of recency
     tenant_quota: tuple[tuple[str, int], ...] = ()  # (tier, bytes) that each tenant may hold there
     tenant_sessions: int = 0  # sessions each tenant may hold (0: no limit)
+    tenant_leases: int = 0  # leases each tenant may hold open (0: no limit)
+    tenant_lease_bytes: int = 0  # bytes of open leases each tenant may hold (0: no limit)
 
     def quota(self, tier: str) -> int | None:
         """Bytes of `tier` each tenant may hold, or None for no limit."""

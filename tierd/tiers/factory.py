@@ -8,7 +8,6 @@ kernels, and whether engines may register GPU memory.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from tierd.config import AUTO, Config
 from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.index import DiskIndex
+from tierd.tiers import shm
 from tierd.tiers.disk import DiskTier
 from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine
@@ -32,15 +32,10 @@ class Machine:
     executor: PriorityExecutor
     backends: dict[str, str] = field(default_factory=dict)  # what was chosen, beside each tier's .backend
     ipc: IpcCache | None = None  # where engines may register GPU memory (CUDA IPC)
+    shm_prefix: str = ""  # this run's shared-memory names: the arena's slabs and the lease segments
 
     def close(self) -> None:
         self.executor.shutdown()
-
-
-def arena_prefix(data_dir: str) -> str:
-    """Shared-memory names for one data dir: a second daemon on another data
-    dir never touches them, and a restart on this one clears what a crash left."""
-    return "tierd-" + hashlib.sha256(os.path.realpath(data_dir).encode()).hexdigest()[:12]
 
 
 def probe_device(cfg: Config):
@@ -91,10 +86,7 @@ def build(cfg: Config) -> Machine:
     executor = PriorityExecutor(cfg.io_workers)
     device, device_text = probe_device(cfg)
     log.info("device tier: %s", device_text)
-    prefix = arena_prefix(data_dir)
-    stale = HostTier.remove_stale(prefix)
-    if stale:
-        log.info("host arena: removed %d shared-memory slabs left by an earlier run", stale)
+    prefix = shm.claim_prefix(data_dir)  # random per run; what a killed run left is removed
     pin = device is not None and device.device.type == "cuda"
     host = HostTier(int(cfg.host_budget), prefix, int(cfg.host_slab), pin=pin)
     slabs = os.path.join(data_dir, "slabs")
@@ -119,7 +111,8 @@ def build(cfg: Config) -> Machine:
     ipc = open_ipc() if pin else None
     backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
     index = DiskIndex(os.path.join(data_dir, "index.db"))
-    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify, kernels=kernels), index, executor, backends, ipc)
+    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify, kernels=kernels), index, executor, backends, ipc,
+                   prefix)
 
 
 def open_ipc() -> IpcCache | None:

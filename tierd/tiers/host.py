@@ -1,8 +1,8 @@
 """Host tier: an arena of shared-memory slabs that other processes can map.
 
-Each slab is a file under /dev/shm (mode 0600) mapped into the daemon; an
-engine on the same machine can map the same file by name, so pages move
-between engine and daemon without passing through messages. Allocations are
+Each slab is a file under /dev/shm mapped into the daemon, created
+exclusively under a random name (tiers/shm.py), mode 0600; engines never map
+it (leases hand out segments of their own). Allocations are
 backed with posix_fallocate (a full /dev/shm then fails the allocation instead
 of killing the daemon with SIGBUS); freed ranges stay resident while the arena
 is busy and are punched out once it is quiet, so an idle arena costs only what
@@ -12,7 +12,6 @@ it holds. With a GPU, each slab is registered with CUDA
 
 from __future__ import annotations
 
-import glob
 import logging
 import mmap
 import os
@@ -20,11 +19,12 @@ import time
 
 import numpy as np
 
+from tierd.tiers import shm
 from tierd.tiers.allocator import Piece
 from tierd.tiers.slabs import SlabTier
 
 log = logging.getLogger("tierd.tiers.host")
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm.SHM_DIR
 
 
 class HostTier(SlabTier):
@@ -38,6 +38,7 @@ class HostTier(SlabTier):
         self.pin = pin
         self._maps: dict[int, mmap.mmap] = {}
         self._fds: dict[int, int] = {}
+        self._names: dict[int, str] = {}
         self._arrays: dict[int, np.ndarray] = {}
         self._registered: dict[int, object] = {}
         self._backed: dict[int, np.ndarray] = {}  # per slab, per granule: memory is reserved in /dev/shm
@@ -53,30 +54,20 @@ class HostTier(SlabTier):
     def backend(self) -> str:
         return "shm-pinned" if self.pinned else "shm-pageable"
 
-    @staticmethod
-    def remove_stale(prefix: str, shm_dir: str = SHM_DIR) -> int:
-        """Delete slabs a previous daemon with this prefix left behind."""
-        stale = glob.glob(os.path.join(shm_dir, glob.escape(prefix) + ".*"))
-        for path in stale:
-            os.unlink(path)
-        return len(stale)
-
     def slab_name(self, index: int) -> str:
-        return f"{self.prefix}.{index}"
-
-    def where(self, offset: int, nbytes: int) -> tuple[str, int]:
-        """The slab name and the offset in it of arena bytes [offset, offset + nbytes)."""
-        slab, off = self.locate(offset, nbytes)
-        return self.slab_name(slab), off
+        return self._names[index]
 
     def slab_path(self, index: int) -> str:
         return os.path.join(self.shm_dir, self.slab_name(index))
 
     def _open_slab(self, index: int) -> None:
-        fd = os.open(self.slab_path(index), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(fd, self.slab_bytes)
-        mm = mmap.mmap(fd, self.slab_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._fds[index], self._maps[index] = fd, mm
+        name, fd = shm.create(self.prefix, self.slab_bytes, self.shm_dir)
+        try:
+            mm = mmap.mmap(fd, self.slab_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            shm.remove(name, fd, self.shm_dir)
+            raise
+        self._fds[index], self._maps[index], self._names[index] = fd, mm, name
         self._arrays[index] = np.frombuffer(mm, dtype=np.uint8)
         self._backed[index] = np.zeros(self.slab_bytes // self.allocator.granule, dtype=bool)
         if self.pin:
@@ -109,11 +100,7 @@ class HostTier(SlabTier):
                 pass
         fd = self._fds.pop(index, None)
         if fd is not None:
-            os.close(fd)
-            try:
-                os.unlink(self.slab_path(index))
-            except FileNotFoundError:
-                pass
+            shm.remove(self._names.pop(index), fd, self.shm_dir)
 
     def _on_alloc(self, piece: Piece) -> bool:
         self._last_alloc = time.monotonic()

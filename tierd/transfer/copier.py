@@ -3,8 +3,10 @@
 Tier-to-tier moves are routed by (source medium, destination medium) to one
 handler each; engine gathers and scatters go run by run, one copy per run and
 segment, or, where the GPU kernels reach both sides, all of a call's runs in
-one kernel launch. Pages read back from a tier that could corrupt them are
-checked against their checksums before anything leaves the copy engine.
+one kernel launch. Pages handed out of the daemon (to engine memory, a
+lease, a Get stream) are checked against their checksums whatever the tier;
+pages moved between tiers, where they are read from a tier that could corrupt
+them (disk always). Nothing that fails its check leaves the copy engine.
 Counts copy operations and keeps a moving average of bandwidth per route.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tierd.checksum import page_checksum
-from tierd.errors import DataLoss
+from tierd.errors import DataLoss, InvalidArgument
 from tierd.layout import EngineLayout
 from tierd.tiers.disk import aligned_buffer
 from tierd.transfer import gpu, memory
@@ -160,11 +162,14 @@ class CopyEngine:
     # -- reading pages out of tiers -----------------------------------------
 
     def windows(self, spans: list[Span], geom: Geometry, checksums: np.ndarray,
-                priority: int = Priority.DEMAND, on_device: bool = False) -> Iterator[tuple[int, int, str, Any]]:
+                priority: int = Priority.DEMAND, on_device: bool = False,
+                handout: bool = False) -> Iterator[tuple[int, int, str, Any]]:
         """(first page, count, tier, buffer) over the spans' pages, checked where
-        the tier is verified. Host and device spans come out as views (no copy);
-        disk spans through staging buffers (aligned host memory, or GPU memory
-        with on_device), read ahead of the caller."""
+        the tier is verified, or everywhere for a handout (bytes that leave the
+        daemon). Host and device spans come out as views (no copy): a checked
+        one in pieces of about hash_chunk_bytes, each still in the CPU's cache
+        when the caller copies it; disk spans through staging buffers (aligned
+        host memory, or GPU memory with on_device), read ahead of the caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
         disk_jobs: list[tuple[int, int, int]] = []
@@ -173,7 +178,7 @@ class CopyEngine:
                 yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device)
                 disk_jobs = []
                 buf = self._view(span.tier, span.offset, span.n_pages * stride)
-                if span.tier in self.verify_tiers:
+                if handout or span.tier in self.verify_tiers:
                     self._verify(buf, span.first_page, span.n_pages, geom, checksums, span.tier)
                 yield span.first_page, span.n_pages, span.tier, buf
                 continue
@@ -288,7 +293,7 @@ class CopyEngine:
         launched_bytes: dict[str, int] = {}
         t_call = time.perf_counter()
         on_device = self._stages_on_device(engine)
-        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority, on_device):
+        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority, on_device, handout=True):
             t0 = time.perf_counter()
             window = [Span(first, count, tier, 0)]
             pairs = []
@@ -401,31 +406,10 @@ class CopyEngine:
 
     # -- byte streams (Put / Get) ------------------------------------------------
 
-    def write_stream(self, dst: list[Span], geom: Geometry, chunks: Iterator[Any]) -> int:
-        """Write a stream of byte chunks, of any sizes, into the pages of dst
-        (host spans) in page order; returns the bytes received, which may
-        differ from geom.nbytes (the caller checks) but never overflow it."""
-        slots = []  # (page, view of the page's bytes)
-        for span in sorted(dst, key=lambda s: s.first_page):
-            buf = self._view(span.tier, span.offset, span.n_pages * geom.stride)
-            for i in range(span.n_pages):
-                page = span.first_page + i
-                slots.append(buf[i * geom.stride : i * geom.stride + geom.size_of(page)])
-        total, slot, within = 0, 0, 0
-        t0 = time.perf_counter()
-        for chunk in chunks:
-            data = np.frombuffer(chunk, dtype=np.uint8) if not isinstance(chunk, np.ndarray) else chunk.reshape(-1)
-            pos = 0
-            while pos < data.nbytes:
-                if slot >= len(slots):
-                    return total + data.nbytes - pos  # more than fits: the caller refuses it
-                take = min(data.nbytes - pos, slots[slot].nbytes - within)
-                slots[slot][within : within + take] = data[pos : pos + take]
-                pos, within, total = pos + take, within + take, total + take
-                if within == slots[slot].nbytes:
-                    slot, within = slot + 1, 0
-        self.record(f"client->{dst[0].tier}" if dst else "client", total, time.perf_counter() - t0)
-        return total
+    def page_writer(self, dst: list[Span], geom: Geometry) -> PageWriter:
+        """A cursor that writes a stream of byte chunks, of any sizes, into the
+        pages of dst (host spans) in page order."""
+        return PageWriter(self, dst, geom)
 
     def read_stream(self, src: list[Span], geom: Geometry, checksums: np.ndarray, chunk_bytes: int,
                     priority: int = Priority.DEMAND) -> Iterator[tuple[bytes | memoryview, int]]:
@@ -436,7 +420,7 @@ class CopyEngine:
         that lies inside one page comes as a memoryview of the tier's bytes
         (no copy), valid until the next chunk is asked for."""
         out = bytearray()
-        for first, count, _, buf in self.windows(src, geom, checksums, priority):
+        for first, count, _, buf in self.windows(src, geom, checksums, priority, handout=True):
             host = memory.to_host(buf)
             for i in range(count):
                 size = geom.size_of(first + i)
@@ -463,6 +447,37 @@ class CopyEngine:
         spans = sorted(spans, key=lambda s: s.first_page)
         return self._page_sums([(self._view(s.tier, s.offset, s.n_pages * geom.stride), s.first_page, s.n_pages)
                                 for s in spans], geom)
+
+
+class PageWriter:
+    """Bytes of a stream written into tier pages in page order, chunk by
+    chunk as they arrive (on the event loop: one memcpy each); `received`
+    counts them. A chunk past what the pages hold is refused, unwritten."""
+
+    def __init__(self, copier: CopyEngine, dst: list[Span], geom: Geometry) -> None:
+        self._slots = []  # a view of each page's bytes
+        for span in sorted(dst, key=lambda s: s.first_page):
+            buf = copier._view(span.tier, span.offset, span.n_pages * geom.stride)
+            for i in range(span.n_pages):
+                self._slots.append(buf[i * geom.stride : i * geom.stride + geom.size_of(span.first_page + i)])
+        self.capacity = sum(v.nbytes for v in self._slots)
+        self.received = 0
+        self._slot = self._within = 0
+
+    def write(self, chunk: Any) -> None:
+        data = np.frombuffer(chunk, dtype=np.uint8) if not isinstance(chunk, np.ndarray) else chunk.reshape(-1)
+        if self.received + data.nbytes > self.capacity:
+            raise InvalidArgument(f"the stream carries more than the {self.capacity} bytes its header announced",
+                                  field="size", want=self.capacity)
+        pos = 0
+        while pos < data.nbytes:
+            view = self._slots[self._slot]
+            take = min(data.nbytes - pos, view.nbytes - self._within)
+            view[self._within : self._within + take] = data[pos : pos + take]
+            pos, self._within = pos + take, self._within + take
+            if self._within == view.nbytes:
+                self._slot, self._within = self._slot + 1, 0
+        self.received += data.nbytes
 
 
 _pool: ThreadPoolExecutor | None = None
