@@ -139,8 +139,14 @@ class Config:
     tenant_host_quota: int = _opt(parse_size, "host bytes each tenant may hold (0: no limit)", 0)
     tenant_disk_quota: int = _opt(parse_size, "disk bytes each tenant may hold (0: no limit)", 0)
     tenant_sessions: int = _opt(_count, "sessions each tenant may hold (0: no limit)", 0)
-    tenant_inflight_bytes: int = _opt(parse_size, "bytes one tenant may have in flight in data calls (0: no cap)",
-                                      8 << 30)
+    tenant_inflight_bytes: int | str = _opt(_size_or_auto, "bytes one tenant may have in flight in data calls "
+                                                           "(auto: half the host budget; 0: no cap)", AUTO)
+    tenant_leases: int = _opt(_count, "leases each tenant may hold open (0: no limit)", 64)
+    tenant_lease_bytes: int | str = _opt(_size_or_auto, "bytes each tenant may hold in open leases "
+                                                        "(auto: a quarter of the host budget; 0: no limit)", AUTO)
+    tenant_streams: int = _opt(_count, "Put and Get streams each tenant may have open (0: no limit)", 32)
+    tenant_workers: int = _opt(_count, "threads one tenant's data calls may use at once (0: half of rpc_workers)", 0)
+    stream_idle_seconds: float = _opt(_seconds, "a Put or Get stream that makes no progress this long is ended", 30.0)
     metrics: str = _opt(_host_port, "Prometheus HOST:PORT (off to disable)", "127.0.0.1:9464")
     log_level: str = _opt(_choice("debug", "info", "warning", "error"), "log level", "info")
     verify: str = _opt(_choice("disk", "all"), "verify checksums on reads from: disk, or all tiers", "disk")
@@ -175,6 +181,11 @@ class Config:
             value = getattr(self, name)
             if value != AUTO and (value <= 0 or value % 4096):
                 raise InvalidArgument(f"{name} must be a positive multiple of 4096, got {value}")
+
+    @property
+    def worker_slots(self) -> int:
+        """RPC threads one tenant's calls may hold at once."""
+        return self.tenant_workers or max(1, self.rpc_workers // 2)
 
     @property
     def metrics_endpoint(self) -> tuple[str, int] | None:
@@ -224,7 +235,8 @@ def load(flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
 
 
 def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | None = None) -> Config:
-    """Replace "auto" host and disk budgets (and the host slab) by numbers for this machine."""
+    """Replace "auto" host and disk budgets, and what is sized from them (the
+    host slab, per-tenant bytes in flight and in leases), by numbers for this machine."""
     if cfg.host_budget == AUTO:
         ram = total_ram if total_ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         cfg = replace(cfg, host_budget=ram // 4)
@@ -233,6 +245,10 @@ def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | 
             os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
             free_disk = shutil.disk_usage(cfg.data_dir).free
         cfg = replace(cfg, disk_budget=free_disk // 2)
+    if cfg.tenant_inflight_bytes == AUTO:
+        cfg = replace(cfg, tenant_inflight_bytes=int(cfg.host_budget) // 2)
+    if cfg.tenant_lease_bytes == AUTO:
+        cfg = replace(cfg, tenant_lease_bytes=int(cfg.host_budget) // 4)
     if cfg.host_slab == AUTO:
         # One sparse slab for the whole budget: a snapshot never has to be split
         # across slabs, so a contiguous restore stays one copy per segment.

@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from tierd import __version__
 from tierd.api.auth import Authenticator
+from tierd.api.fds import FdIntake, intake_path
+from tierd.api.limits import TenantLimits
 from tierd.api.servicer import TierdServicer, add_to_server
 from tierd.config import Config, default_runtime_dir, resolve_budgets
 from tierd.core.engines import EngineRegistry
@@ -39,7 +41,7 @@ from tierd.errors import InvalidArgument
 from tierd.metrics import Metrics
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
-from tierd.tiers import factory
+from tierd.tiers import factory, shm
 from tierd.v1 import tierd_pb2
 
 log = logging.getLogger("tierd")
@@ -112,7 +114,8 @@ def policy_of(cfg: Config) -> PolicyConfig:
     quotas = tuple((tier, q) for tier, q in (("device", cfg.tenant_device_quota), ("host", cfg.tenant_host_quota),
                                               ("disk", cfg.tenant_disk_quota)) if q)
     return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
-                        disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions)
+                        disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions,
+                        tenant_leases=cfg.tenant_leases, tenant_lease_bytes=int(cfg.tenant_lease_bytes))
 
 
 async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: asyncio.Event,
@@ -148,6 +151,9 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
         if bound == 0:
             raise StartupError(f"cannot listen on {cfg.listen}")
     await server.start()
+    loop = asyncio.get_running_loop()
+    if servicer.fds is not None:
+        servicer.fds.start(loop)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tierd %s serving on %s", __version__, " and ".join(endpoints))
@@ -157,10 +163,11 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     gc.collect()
     gc.freeze()
 
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     trimmed = time.monotonic()
+    # Policy runs on a thread of its own: it never waits behind client calls for an RPC thread.
+    policy = ThreadPoolExecutor(1, thread_name_prefix="tierd-policy")
 
     def tick() -> None:
         nonlocal trimmed
@@ -175,12 +182,15 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
             await asyncio.wait_for(stop.wait(), cfg.tick_seconds)
         except asyncio.TimeoutError:
             try:
-                await loop.run_in_executor(servicer.executor, tick)
+                await loop.run_in_executor(policy, tick)
             except Exception:
                 log.exception("policy tick failed")
     log.info("stopping: in-flight calls get %.0f s", cfg.grace_seconds)
+    if servicer.fds is not None:
+        servicer.fds.close()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(cfg.grace_seconds)
+    policy.shutdown()
 
 
 def tune_malloc() -> Callable[[], object] | None:
@@ -238,7 +248,7 @@ def serve(cfg: Config) -> int:
         metrics = Metrics(registry)
         try:
             store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
-                          movers=cfg.movers)
+                          movers=cfg.movers, shm_prefix=machine.shm_prefix)
         except OSError as exc:
             raise StartupError(f"cannot open the disk tier under {cfg.data_dir}: {exc}") from None
         stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
@@ -258,8 +268,11 @@ def serve(cfg: Config) -> int:
         stack.callback(engines.close)
         executor = ThreadPoolExecutor(cfg.rpc_workers, thread_name_prefix="tierd-rpc")
         stack.callback(executor.shutdown)
+        fds = FdIntake(intake_path(cfg.socket), lambda token: auth.identify(
+            [("authorization", f"Bearer {token}")] if token else []).tenant, shm.is_own) if cfg.socket else None
         servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes, auth,
-                                 cfg.tenant_inflight_bytes)
+                                 int(cfg.tenant_inflight_bytes), TenantLimits(cfg.worker_slots, cfg.tenant_streams),
+                                 cfg.stream_idle_seconds, fds)
         _run(_serve(cfg, store, servicer, asyncio.Event(), trim))
         log.info("flushing and closing")
     log.info("stopped")

@@ -23,6 +23,7 @@ from tierd.client import (
 )
 from tierd.errors import TierdError
 from tierd.layout import EngineLayout
+from tierd.api.convert import spec_to_pb
 from tierd.api.wire import PUT_METHOD, _varint, chunk_message
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
@@ -152,7 +153,14 @@ CASES = {
         spec=pb.KVSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float64", block_tokens=16),
         regions=[pb.Region(shm_name="none", size=4096)], num_blocks=1)), grpc.StatusCode.INVALID_ARGUMENT),
     "region that does not exist": (lambda c, e, o, s: c.register_engine(SPEC, [("no-such-region", 1 << 20)],
-                                                                        EngineLayout.cross_layer(SPEC, 4)), NotFound),
+                                                                        EngineLayout.cross_layer(SPEC, 4)),
+                                   InvalidArgument),
+    "region named, not handed over": (lambda c, e, o, s: s.RegisterEngine(pb.RegisterEngineRequest(
+        spec=spec_to_pb(SPEC), regions=[pb.Region(shm_name="anything", size=1 << 20)], num_blocks=4)),
+        grpc.StatusCode.FAILED_PRECONDITION),
+    "region with an unknown descriptor ticket": (lambda c, e, o, s: s.RegisterEngine(pb.RegisterEngineRequest(
+        spec=spec_to_pb(SPEC), regions=[pb.Region(shm_fd=0, size=1 << 20)], num_blocks=4, fd_ticket="0" * 32)),
+        grpc.StatusCode.NOT_FOUND),
     "region name with a path": (lambda c, e, o, s: c.register_engine(SPEC, [("../etc/passwd", 1 << 20)],
                                                                      EngineLayout.cross_layer(SPEC, 4)),
                                 InvalidArgument),

@@ -1,8 +1,15 @@
 """The tierd.v1.Tierd servicer: converts messages and calls the store.
 
-Runs on the daemon's event loop. Calls that copy bytes or may wait run on a
-thread pool; the rest touch only in-memory metadata and run inline. Every
-call is timed, and every TierdError becomes its one gRPC status.
+Runs on the daemon's event loop. Every call is authenticated from its
+metadata before its message is even parsed, and parsed here (not by gRPC),
+so a malformed message is INVALID_ARGUMENT; long id lists are read as
+arrays (api/packed.py). Calls that copy bytes or may wait on a session run
+on the RPC threads, at most a few per tenant at once (api/limits.py); the
+waiting itself (a tenant's turn, WaitReady, a stream's next message) is
+done on the loop, so a stalled or slow client holds no thread. Put and Get
+streams end when the client makes no progress for the idle deadline, and
+give back every byte and lock they held however they end. Every call is
+timed, and every TierdError becomes its one gRPC status.
 """
 
 from __future__ import annotations
@@ -10,9 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -21,23 +27,43 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from tierd import __version__
+from tierd.api import packed
 from tierd.api.auth import Authenticator, Caller
-from tierd.api.convert import info_to_pb, lease_to_pb, lookup_to_pb, optional_spec_from_pb, spec_from_pb
+from tierd.api.convert import (
+    info_to_pb,
+    lease_to_pb,
+    lookup_to_pb,
+    optional_spec_from_pb,
+    spec_from_pb,
+)
+from tierd.api.fds import FdIntake
 from tierd.api.inflight import InflightBytes
+from tierd.api.limits import TenantLimits
 from tierd.api.status import ERROR_KEY, status_of
 from tierd.api.wire import checked, chunk_message, split_chunk
 from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
-from tierd.core.store import DEFAULT_LEASE_SECONDS, SnapshotReader, Store, make_key
-from tierd.errors import DataLoss, InvalidArgument, TierdError
+from tierd.core.store import (
+    DEFAULT_LEASE_SECONDS,
+    PendingWrite,
+    SnapshotReader,
+    Store,
+    make_key,
+)
+from tierd.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    TierdError,
+)
 from tierd.layout import EngineLayout, Segment
 from tierd.metrics import Metrics
 from tierd.v1 import tierd_pb2 as pb
-from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tierd.api")
 MAX_WAIT_SECONDS = 600.0
-_END = object()
+SERVICE = pb.DESCRIPTOR.services_by_name["Tierd"]
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -61,23 +87,43 @@ class _Call:
             self.metrics.rpc(self.method, time.perf_counter() - self.t0, code)
 
     async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        if context.cancelled() or context.done():
+            # The client left (or the call is over): nobody to tell, nothing the daemon did wrong.
+            self.count("CANCELLED")
+            log.debug("%s: the client went away (%s)", self.method, type(exc).__name__)
+            return
         self.count(exc.code if isinstance(exc, TierdError) else "INTERNAL")
         await _abort(context, exc)
 
 
+def _parse(cls: type, raw: bytes) -> Any:
+    """A request message from its bytes; InvalidArgument (logged in one line) when it is not one."""
+    try:
+        msg = cls.FromString(raw)
+    except DecodeError as exc:
+        log.info("%s: a malformed request was refused (%s)", cls.DESCRIPTOR.name, exc)
+        raise InvalidArgument(f"the request is not a valid {cls.DESCRIPTOR.name} message "
+                              "(malformed protobuf, or a string that is not UTF-8)") from None
+    packed.check_packed(msg)
+    return msg
+
+
 def _unary(blocking: bool = False) -> Callable:
-    """Wrap fn(self, request, caller) -> response as a timed async handler;
-    blocking ones run on the thread pool."""
+    """Wrap fn(self, request, caller) -> response as a timed async handler that
+    authenticates, then parses; blocking ones run on the RPC threads."""
 
     def wrap(fn: Callable) -> Callable:
+        cls = packed.message_class(SERVICE.methods_by_name[fn.__name__].input_type.name)
+
         @functools.wraps(fn)
-        async def handler(self: TierdServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handler(self: TierdServicer, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             call = _Call(self.metrics, fn.__name__)
             try:
                 caller = self.auth.identify(context.invocation_metadata())
+                req = _parse(cls, raw)
                 if blocking:
-                    return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self, request, caller)
-                return fn(self, request, caller)
+                    return await self.blocking(caller.tenant, fn, self, req, caller)
+                return fn(self, req, caller)
             except Exception as exc:
                 await call.fail(context, exc)
             finally:
@@ -88,7 +134,7 @@ def _unary(blocking: bool = False) -> Callable:
     return wrap
 
 
-def _layout(req: pb.RegisterEngineRequest, spec: Any) -> EngineLayout:
+def _layout(req: Any, spec: Any) -> EngineLayout:
     if req.segments:
         return EngineLayout(req.num_blocks, tuple(Segment(s.region, s.offset, s.stride, s.nbytes) for s in req.segments))
     if spec.is_opaque:
@@ -101,64 +147,131 @@ def _layout(req: pb.RegisterEngineRequest, spec: Any) -> EngineLayout:
                           f"(K and V per layer); got {len(req.regions)} regions", field="segments")
 
 
-class TierdServicer(pb_grpc.TierdServicer):
+class _Changes:
+    """Wakes WaitReady calls on the loop when the store says a session may
+    have changed (from any thread, at no cost when nobody waits)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fut: asyncio.Future | None = None
+
+    def future(self) -> asyncio.Future:
+        if self._fut is None or self._fut.done():
+            self._loop = asyncio.get_running_loop()
+            self._fut = self._loop.create_future()
+        return self._fut
+
+    def notify(self) -> None:
+        fut, loop = self._fut, self._loop
+        if fut is not None and not fut.done() and loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._fire, fut)
+            except RuntimeError:
+                pass  # the loop has closed: nobody waits any more
+
+    @staticmethod
+    def _fire(fut: asyncio.Future) -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+
+class TierdServicer:
     def __init__(self, store: Store, engines: EngineRegistry, executor: Executor, metrics: Metrics,
                  backends: dict[str, str], chunk_bytes: int, auth: Authenticator | None = None,
-                 inflight_cap: int = 0) -> None:
+                 inflight_cap: int = 0, limits: TenantLimits | None = None, idle_seconds: float = 30.0,
+                 fds: FdIntake | None = None) -> None:
         self.auth = auth or Authenticator()
         self.inflight = InflightBytes(inflight_cap)
+        self.limits = limits or TenantLimits(workers=8, streams=0)
+        self.idle_seconds = idle_seconds  # a stream with no progress for this long is ended
         self.store = store
         self.engines = engines
         self.executor = executor
         self.metrics = metrics
         self.backends = backends
         self.chunk_bytes = chunk_bytes
+        self.fds = fds  # None: engine memory is GPU memory only (no Unix socket to hand descriptors over)
+        self._changes = _Changes()
+        store.subscribe(self._changes.notify)
+
+    async def blocking(self, tenant: str, fn: Callable, *args: Any, undo: Callable[[Any], None] | None = None) -> Any:
+        """fn(*args) on an RPC thread, once one of the tenant's slots is free.
+        If the call is cancelled while fn runs, fn still finishes; `undo`
+        then gets its result (a write nobody will commit, say)."""
+        async with self.limits.worker(tenant):
+            job = self.executor.submit(fn, *args)
+            try:
+                return await asyncio.wrap_future(job)
+            except asyncio.CancelledError:
+                if undo is not None:
+                    job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or undo(f.result()))
+                raise
 
     # -- engine memory ---------------------------------------------------------
 
     @_unary(blocking=True)
-    def RegisterEngine(self, req: pb.RegisterEngineRequest, caller: Caller) -> pb.RegisterEngineResponse:
+    def RegisterEngine(self, req: Any, caller: Caller) -> pb.RegisterEngineResponse:
         spec = spec_from_pb(req.spec)
-        regions: list[tuple[str, int] | IpcRegion] = []
-        for i, r in enumerate(req.regions):
-            kind = r.WhichOneof("memory")
-            if kind == "shm_name":
-                regions.append((r.shm_name, r.size))
-            elif kind == "cuda_ipc":
-                regions.append(IpcRegion(r.cuda_ipc.handle, r.cuda_ipc.offset, r.size, r.cuda_ipc.device_uuid))
-            else:
-                raise InvalidArgument(f"regions[{i}] names no memory (shm_name or cuda_ipc)", field="regions")
-        engine = self.engines.register(caller.tenant, spec, regions, _layout(req, spec), req.pid)
+        layout = _layout(req, spec)
+        kinds = {r.WhichOneof("memory") for r in req.regions}
+        if "shm_name" in kinds:
+            raise FailedPrecondition("engine memory is not taken by name (a name proves nothing about who owns the "
+                                     "memory): hand over its open descriptors (tierd.client does)", field="regions")
+        if None in kinds:
+            raise InvalidArgument("a region names no memory (shm_fd or cuda_ipc)", field="regions")
+        if kinds == {"cuda_ipc"}:
+            regions: list = [IpcRegion(r.cuda_ipc.handle, r.cuda_ipc.offset, r.size, r.cuda_ipc.device_uuid)
+                             for r in req.regions]
+            engine = self.engines.register(caller.tenant, spec, regions, layout, req.pid)
+            return pb.RegisterEngineResponse(engine_id=engine.engine_id)
+        if kinds != {"shm_fd"}:
+            raise InvalidArgument("an engine's regions are all shared memory or all CUDA IPC", field="regions")
+        if self.fds is None:
+            raise FailedPrecondition("this daemon takes no shared memory: it listens on no Unix socket",
+                                     field="regions")
+        ticket = self.fds.take(caller.tenant, req.fd_ticket)
+        try:
+            fds = ticket.fds
+            for r in req.regions:
+                if r.shm_fd >= len(fds):
+                    raise InvalidArgument(f"region names descriptor {r.shm_fd}; the ticket holds {len(fds)}",
+                                          field="regions")
+            regions = [(fds[r.shm_fd], r.size) for r in req.regions]
+            engine = self.engines.register(caller.tenant, spec, regions, layout, req.pid)
+        finally:
+            ticket.close()  # mapped now (or refused): the descriptors are not needed
         return pb.RegisterEngineResponse(engine_id=engine.engine_id)
 
     @_unary(blocking=True)
-    def UnregisterEngine(self, req: pb.EngineRequest, caller: Caller) -> pb.Empty:
+    def UnregisterEngine(self, req: Any, caller: Caller) -> pb.Empty:
         self.engines.unregister(caller.tenant, req.engine_id)
         return pb.Empty()
 
     @_unary(blocking=True)
-    def Save(self, req: pb.SaveRequest, caller: Caller) -> pb.SessionInfo:
+    def Save(self, req: Any, caller: Caller) -> pb.SessionInfo:
         key = make_key(caller.tenant, req.session_id)
+        ids = packed.decode(req.block_ids, "block_ids")
         with self.engines.use(caller.tenant, req.engine_id) as engine, \
-                self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
-            info = self.store.save(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64),
-                                   req.num_tokens, req.start_token, req.tier or None,
-                                   req.priority if req.HasField("priority") else None, _token_ids(req.token_ids))
+                self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
+            info = self.store.save(key, engine.memory, engine.spec, ids, req.num_tokens, req.start_token,
+                                   req.tier or None, req.priority if req.HasField("priority") else None,
+                                   _token_ids(req.token_ids))
         return info_to_pb(info)
 
     @_unary(blocking=True)
-    def Restore(self, req: pb.RestoreRequest, caller: Caller) -> pb.RestoreResponse:
+    def Restore(self, req: Any, caller: Caller) -> pb.RestoreResponse:
         key = make_key(caller.tenant, req.session_id)
+        ids = packed.decode(req.block_ids, "block_ids")
         with self.engines.use(caller.tenant, req.engine_id) as engine, \
-                self.inflight.hold(caller.tenant, len(req.block_ids) * engine.spec.page_bytes):
-            r = self.store.restore(key, engine.memory, engine.spec, np.asarray(req.block_ids, dtype=np.int64))
+                self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
+            r = self.store.restore(key, engine.memory, engine.spec, ids)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)
 
     # -- leases and lookup ------------------------------------------------------------
 
     @_unary(blocking=True)
-    def BeginSave(self, req: pb.BeginSaveRequest, caller: Caller) -> pb.Lease:
+    def BeginSave(self, req: Any, caller: Caller) -> pb.Lease:
         lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
                                       req.start_token, _token_ids(req.token_ids),
                                       req.priority if req.HasField("priority") else None,
@@ -166,100 +279,119 @@ class TierdServicer(pb_grpc.TierdServicer):
         return lease_to_pb(lease)
 
     @_unary(blocking=True)
-    def CommitSave(self, req: pb.LeaseRequest, caller: Caller) -> pb.SessionInfo:
+    def CommitSave(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.commit_save(caller.tenant, req.lease_id))
 
     @_unary(blocking=True)
-    def AbortSave(self, req: pb.LeaseRequest, caller: Caller) -> pb.Empty:
+    def AbortSave(self, req: Any, caller: Caller) -> pb.Empty:
         self.store.abort_save(caller.tenant, req.lease_id)
         return pb.Empty()
 
     @_unary(blocking=True)
-    def BeginRestore(self, req: pb.BeginRestoreRequest, caller: Caller) -> pb.Lease:
+    def BeginRestore(self, req: Any, caller: Caller) -> pb.Lease:
         lease = self.store.begin_restore(make_key(caller.tenant, req.session_id),
                                          optional_spec_from_pb(req), req.num_pages,
                                          req.ttl_seconds or DEFAULT_LEASE_SECONDS, _token_ids(req.token_ids))
         return lease_to_pb(lease)
 
-    @_unary()
-    def EndRestore(self, req: pb.LeaseRequest, caller: Caller) -> pb.Empty:
+    @_unary(blocking=True)
+    def EndRestore(self, req: Any, caller: Caller) -> pb.Empty:
         self.store.end_restore(caller.tenant, req.lease_id)
         return pb.Empty()
 
     @_unary(blocking=True)
-    def Lookup(self, req: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
+    def Lookup(self, req: Any, caller: Caller) -> pb.LookupResponse:
         return lookup_to_pb(self.store.lookup(make_key(caller.tenant, req.session_id),
-                                              np.asarray(req.token_ids, dtype=np.int64), optional_spec_from_pb(req)))
+                                              packed.decode(req.token_ids), optional_spec_from_pb(req)))
 
     # -- bytes ---------------------------------------------------------------------
 
+    async def _read(self, context: grpc.aio.ServicerContext) -> Any:
+        """The stream's next message (raw bytes, or EOF), within the idle deadline."""
+        try:
+            return await asyncio.wait_for(context.read(), self.idle_seconds)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"the Put stream sent nothing for {self.idle_seconds:g} s") from None
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: bytes) -> None:
+        """Send one message, within the idle deadline (the client must keep reading)."""
+        try:
+            await asyncio.wait_for(context.write(message), self.idle_seconds)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"the Get stream's reader took nothing for {self.idle_seconds:g} s") from None
+
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         call = _Call(self.metrics, "Put")
-        chunks: queue.Queue = queue.Queue(maxsize=16)
+        write: PendingWrite | None = None
         try:
             caller = self.auth.identify(context.invocation_metadata())
-            first = await anext(aiter(request_iterator), None)
-            head = _put_header(first)
+            head = _put_header(await self._read(context))
             key = make_key(caller.tenant, head.session_id)
             spec = spec_from_pb(head.spec)
-            loop = asyncio.get_running_loop()
-            with self.inflight.hold(caller.tenant, head.size):
-                job = loop.run_in_executor(self.executor, self.store.put, key, spec, head.num_tokens, head.size,
-                                           _verified(chunks), head.priority if head.HasField("priority") else None,
-                                           head.start_token, _token_ids(head.token_ids))
-                job.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, even if the client left
-                try:
-                    n = 1
-                    async for raw in request_iterator:  # wire bytes: see add_to_server
-                        if job.done():
-                            break
-                        item = _put_chunk(raw, n)
-                        await _feed(chunks, item, job)
-                        if isinstance(item, InvalidArgument):
-                            break
-                        n += 1
-                    else:
-                        await _feed(chunks, _END, job)
-                    return info_to_pb(await job)
-                except BaseException:
-                    await _feed(chunks, InvalidArgument("the Put stream was cut short"), job)
-                    raise
+            with self.limits.stream(caller.tenant), self.inflight.hold(caller.tenant, head.size):
+                write = await self.blocking(
+                    caller.tenant, self.store.begin_put, key, spec, head.num_tokens, head.size,
+                    head.priority if head.HasField("priority") else None, head.start_token,
+                    _token_ids(head.token_ids), undo=self.store.abort_write)
+                n = 1
+                while (raw := await self._read(context)) is not grpc.aio.EOF:
+                    data, digest = _put_chunk(raw, n)
+                    if not checked(data, digest):
+                        raise DataLoss(f"chunk {n - 1} of the Put stream arrived damaged (checksum mismatch)",
+                                       chunk=n - 1)
+                    write.write(data)  # one copy into the host tier, here on the loop
+                    n += 1
+                done, write = write, None
+                return info_to_pb(await self.blocking(caller.tenant, self.store.commit_put, done))
         except Exception as exc:
             await call.fail(context, exc)
         finally:
+            if write is not None:  # failed or cancelled before its commit: every byte goes back
+                self.store.abort_write(write)
             call.count(None)
 
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> Any:
+    async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         call = _Call(self.metrics, "Get")
-        loop = asyncio.get_running_loop()
-        reader = None
+        reader: SnapshotReader | None = None
+        batch = None  # the RPC thread's work on the reader, while it runs
         try:
-            key = make_key(self.auth.identify(context.invocation_metadata()).tenant, request.session_id)
-            info, reader = await loop.run_in_executor(self.executor, self.store.get, key,
-                                                      request.chunk_bytes or self.chunk_bytes)
-            with self.inflight.hold(key.tenant, info.size_bytes):
-                # Get's messages go out already serialized (see add_to_server), one copy each.
-                yield pb.GetResponse(header=info_to_pb(info)).SerializeToString()
-                if info.tier in ("host", "device"):
-                    # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
-                    # measured half the throughput, the two threads taking turns on the GIL.
-                    for data in reader:
-                        yield chunk_message(data, reader.digest)  # a whole page: its stored checksum
-                else:
-                    while batch := await loop.run_in_executor(self.executor, _next_chunks, reader):
-                        for message in batch:
-                            yield message
+            caller = self.auth.identify(context.invocation_metadata())
+            req = _parse(pb.GetRequest, raw)
+            key = make_key(caller.tenant, req.session_id)
+            with self.limits.stream(caller.tenant):
+                info, reader = self.store.get(key, req.chunk_bytes or self.chunk_bytes)
+                with self.inflight.hold(key.tenant, info.size_bytes):
+                    # Get's messages go out already serialized (see add_to_server), one copy each.
+                    await self._write(context, pb.GetResponse(header=info_to_pb(info)).SerializeToString())
+                    if info.tier in ("host", "device"):
+                        # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
+                        # measured half the throughput, the two threads taking turns on the GIL.
+                        for data in reader:
+                            await self._write(context, chunk_message(data, reader.digest))
+                    else:
+                        while True:
+                            async with self.limits.worker(caller.tenant):
+                                batch = self.executor.submit(_next_chunks, reader)
+                                messages = await asyncio.wrap_future(batch)
+                            batch = None
+                            if not messages:
+                                break
+                            for message in messages:
+                                await self._write(context, message)
         except Exception as exc:
             await call.fail(context, exc)
         finally:
             if reader is not None:
-                reader.close()
+                if batch is not None and not batch.done():
+                    batch.add_done_callback(lambda _: reader.close())  # closed by the thread once it is done
+                else:
+                    reader.close()
             call.count(None)
 
     # -- lifecycle -------------------------------------------------------------------
 
     @_unary()
-    def Prefetch(self, req: pb.PrefetchRequest, caller: Caller) -> pb.PrefetchResponse:
+    def Prefetch(self, req: Any, caller: Caller) -> pb.PrefetchResponse:
         key = make_key(caller.tenant, req.session_id)
         if req.deadline_seconds < 0:
             raise InvalidArgument("deadline_seconds must not be negative", field="deadline_seconds")
@@ -267,39 +399,57 @@ class TierdServicer(pb_grpc.TierdServicer):
         status = self.store.prefetch(key, req.tier or "host", req.priority, deadline)
         return pb.PrefetchResponse(status=status)
 
-    @_unary(blocking=True)
-    def WaitReady(self, req: pb.WaitReadyRequest, caller: Caller) -> pb.WaitReadyResponse:
-        key = make_key(caller.tenant, req.session_id)
-        if not 0 <= req.timeout_seconds <= MAX_WAIT_SECONDS:
-            raise InvalidArgument(f"timeout_seconds must be 0 to {MAX_WAIT_SECONDS:.0f}", field="timeout_seconds")
-        ready, tier = self.store.wait_ready(key, req.tier or "host", req.timeout_seconds)
-        return pb.WaitReadyResponse(ready=ready, tier=tier or "")
+    async def WaitReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.WaitReadyResponse:
+        """Waits on the loop, woken by the store's changes: no thread is held."""
+        call = _Call(self.metrics, "WaitReady")
+        try:
+            caller = self.auth.identify(context.invocation_metadata())
+            req = _parse(pb.WaitReadyRequest, raw)
+            key = make_key(caller.tenant, req.session_id)
+            if not 0 <= req.timeout_seconds <= MAX_WAIT_SECONDS:
+                raise InvalidArgument(f"timeout_seconds must be 0 to {MAX_WAIT_SECONDS:.0f}", field="timeout_seconds")
+            loop = asyncio.get_running_loop()
+            end = loop.time() + req.timeout_seconds
+            while True:
+                changed = self._changes.future()  # taken before the check: a change after it wakes this call
+                ready, tier = self.store.ready(key, req.tier or "host")
+                left = end - loop.time()
+                if ready or left <= 0:
+                    return pb.WaitReadyResponse(ready=ready, tier=tier or "")
+                try:
+                    await asyncio.wait_for(asyncio.shield(changed), left)
+                except asyncio.TimeoutError:
+                    pass
+        except Exception as exc:
+            await call.fail(context, exc)
+        finally:
+            call.count(None)
 
     @_unary()
-    def Release(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+    def Release(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.release(make_key(caller.tenant, req.session_id)))
 
     @_unary()
-    def Pin(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+    def Pin(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.pin(make_key(caller.tenant, req.session_id)))
 
     @_unary()
-    def Unpin(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+    def Unpin(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.unpin(make_key(caller.tenant, req.session_id)))
 
     @_unary(blocking=True)
-    def Drop(self, req: pb.SessionRequest, caller: Caller) -> pb.Empty:
+    def Drop(self, req: Any, caller: Caller) -> pb.Empty:
         self.store.drop(make_key(caller.tenant, req.session_id))
         return pb.Empty()
 
     # -- inspection and control --------------------------------------------------------
 
     @_unary()
-    def Stat(self, req: pb.SessionRequest, caller: Caller) -> pb.SessionInfo:
+    def Stat(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.stat(make_key(caller.tenant, req.session_id)))
 
     @_unary()
-    def List(self, req: pb.ListRequest, caller: Caller) -> pb.ListResponse:
+    def List(self, req: Any, caller: Caller) -> pb.ListResponse:
         if req.all_tenants:
             caller.require_admin("listing every tenant's sessions")
         page, token = self.store.list(None if req.all_tenants else caller.tenant, after=req.page_token,
@@ -307,7 +457,7 @@ class TierdServicer(pb_grpc.TierdServicer):
         return pb.ListResponse(sessions=[info_to_pb(i) for i in page], next_page_token=token)
 
     @_unary()
-    def Stats(self, req: pb.StatsRequest, caller: Caller) -> pb.StatsResponse:
+    def Stats(self, req: Any, caller: Caller) -> pb.StatsResponse:
         copier = self.store.copier
         return pb.StatsResponse(
             tiers=[pb.TierStats(name=t.name, budget=t.budget, used=t.used, capacity=t.capacity, sessions=t.sessions,
@@ -316,7 +466,7 @@ class TierdServicer(pb_grpc.TierdServicer):
             version=__version__, backends=self.backends, sessions=len(self.store.keys()))
 
     @_unary(blocking=True)
-    def SetBudget(self, req: pb.SetBudgetRequest, caller: Caller) -> pb.SetBudgetResponse:
+    def SetBudget(self, req: Any, caller: Caller) -> pb.SetBudgetResponse:
         caller.require_admin("changing a budget")
         r = self.store.set_budget(req.tier, req.budget)
         return pb.SetBudgetResponse(tier=r.tier, old_budget=r.old_budget, new_budget=r.new_budget,
@@ -324,27 +474,16 @@ class TierdServicer(pb_grpc.TierdServicer):
                                     seconds=r.seconds)
 
     @_unary()
-    def Advise(self, req: pb.AdviseRequest, caller: Caller) -> pb.AdviseResponse:
+    def Advise(self, req: Any, caller: Caller) -> pb.AdviseResponse:
         a = self.store.advise(make_key(caller.tenant, req.session_id), req.prefill_tokens_per_s)
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
                                  recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)
 
 
-def _token_ids(field: Any) -> np.ndarray | None:
-    """A repeated token_ids field: None when empty (not known)."""
-    return np.asarray(field, dtype=np.int64) if len(field) else None
-
-
-async def _feed(chunks: queue.Queue, item: Any, job: asyncio.Future) -> None:
-    """Hand one item to the thread running the store's put, without blocking
-    the event loop, and without waiting on a put that has already ended."""
-    while not job.done():
-        try:
-            chunks.put_nowait(item)
-            return
-        except queue.Full:
-            await asyncio.sleep(0.001)
+def _token_ids(raw: bytes) -> np.ndarray | None:
+    """A packed token_ids field: None when empty (not known)."""
+    return packed.decode(raw) if raw else None
 
 
 def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
@@ -360,60 +499,43 @@ def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
 
 
 def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer like the generated add_TierdServicer_to_server,
-    except that Get's responses are sent as the bytes the handler built, and
-    Put's requests reach the handler as the bytes received (tierd.api.wire)."""
-
-    class _Capture:
-        handlers: dict = {}
-
-        def add_generic_rpc_handlers(self, handlers: Any) -> None:
-            pass
-
-        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
-            self.handlers = handlers
-
-    capture = _Capture()
-    pb_grpc.add_TierdServicer_to_server(servicer, capture)
-    handlers = dict(capture.handlers)
-    handlers["Get"] = handlers["Get"]._replace(response_serializer=None)
-    handlers["Put"] = handlers["Put"]._replace(request_deserializer=None)
-    name = pb.DESCRIPTOR.services_by_name["Tierd"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    """Register the servicer's handlers. Every request reaches its handler as
+    the bytes received (parsed there, after authentication), and Get's
+    responses are sent as the bytes the handler built (tierd.api.wire)."""
+    handlers = {}
+    for method in SERVICE.methods:
+        fn = getattr(servicer, method.name)
+        out = None if method.server_streaming else getattr(pb, method.output_type.name).SerializeToString
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(fn, None, out)
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(fn, None, out)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(fn, None, out)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
-def _put_header(raw: bytes | None) -> pb.PutHeader:
+_PUT = packed.message_class("PutRequest")
+
+
+def _put_header(raw: Any) -> Any:
     try:
-        msg = pb.PutRequest.FromString(raw) if raw is not None else None
+        msg = _PUT.FromString(raw) if isinstance(raw, bytes) else None
     except DecodeError:
         msg = None
     if msg is None or msg.WhichOneof("part") != "header":
         raise InvalidArgument("a Put stream starts with its header", field="header")
+    packed.check_packed(msg.header, "header.")
     return msg.header
 
 
-def _put_chunk(raw: bytes, n: int) -> tuple[memoryview, int] | InvalidArgument:
-    """Message n (the header is 0) of a Put stream as (data, xxh3), data a view of raw;
-    for what is not a chunk, the error that ends the stream."""
+def _put_chunk(raw: bytes, n: int) -> tuple[memoryview, int]:
+    """Message n (the header is 0) of a Put stream as (data, xxh3), data a view of raw."""
     try:
         parts = split_chunk(raw, pb.PutRequest)
     except DecodeError:
-        return InvalidArgument(f"message {n + 1} of the Put stream is not a PutRequest")
-    return parts if parts is not None else InvalidArgument("a Put stream has one header", field="header")
-
-
-def _verified(chunks: queue.Queue) -> Iterator[memoryview]:
-    """The Put stream's chunks, each checked against its XXH3 (0: unchecked)."""
-    n = 0
-    while True:
-        item = chunks.get()
-        if item is _END:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        data, digest = item
-        if not checked(data, digest):
-            raise DataLoss(f"chunk {n} of the Put stream arrived damaged (checksum mismatch)", chunk=n)
-        n += 1
-        yield data
+        raise InvalidArgument(f"message {n + 1} of the Put stream is not a PutRequest") from None
+    if parts is None:
+        raise InvalidArgument("a Put stream has one header", field="header")
+    return parts

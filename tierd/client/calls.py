@@ -11,18 +11,32 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, optional_spec_to_pb, spec_to_pb
+from tierd.api.convert import (
+    info_from_pb,
+    lease_from_pb,
+    lookup_from_pb,
+    optional_spec_to_pb,
+    spec_to_pb,
+)
+from tierd.api.fds import hand_over, intake_path
 from tierd.api.status import from_rpc_error
-from tierd.api.wire import GET_METHOD, PUT_METHOD, chunk_message, read_chunk, read_header
+from tierd.api.wire import (
+    GET_METHOD,
+    PUT_METHOD,
+    chunk_message,
+    read_chunk,
+    read_header,
+)
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
 from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
-from tierd.errors import DataLoss, InvalidArgument
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument
 from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import Advice
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
+SHM_DIR = "/dev/shm"
 DEFAULT_CHUNK = 1 << 20
 MAX_MESSAGE = 64 << 20
 _OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
@@ -58,17 +72,53 @@ def as_bytes(data: Any) -> memoryview:
     raise InvalidArgument(f"data must be bytes, memoryview, a numpy array or a torch tensor, not {type(data).__name__}")
 
 
-def _regions(regions: Any) -> tuple[list[pb.Region], EngineLayout | None, bool]:
-    """Region messages, the layout they carry if any, and whether they are GPU memory."""
+def _open_shm(memory: str | int) -> int:
+    """A descriptor of shared memory: an open one (duplicated), or a file in /dev/shm opened by name."""
+    if isinstance(memory, int):
+        return os.dup(memory)
+    if not isinstance(memory, str) or "/" in memory or memory.startswith("."):
+        raise InvalidArgument(f"shared memory is a file name in {SHM_DIR} or an open descriptor, not {memory!r}",
+                              field="regions")
+    try:
+        return os.open(os.path.join(SHM_DIR, memory), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot open shared memory {memory!r}: {exc.strerror}", field="regions") from None
+
+
+def _shm_regions(pairs: list[tuple[str | int, int]], address: str,
+                 metadata: tuple) -> tuple[list[pb.Region], str]:
+    """Hand the memory's descriptors to the daemon (it maps only memory handed
+    over, never a name); the region messages and the ticket that names them."""
+    if not address.startswith("unix:"):
+        raise FailedPrecondition("shared-memory engine memory needs the daemon's Unix socket, on this machine",
+                                 field="regions")
+    token = next((v[len("Bearer "):] for k, v in metadata if k == "authorization"), None)
+    fds: list[int] = []
+    try:
+        for memory, _ in pairs:
+            fds.append(_open_shm(memory))
+        ticket = hand_over(intake_path(address[len("unix:"):]), fds, token)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [pb.Region(shm_fd=i, size=size) for i, (_, size) in enumerate(pairs)], ticket
+
+
+def _regions(regions: Any, address: str, metadata: tuple) -> tuple[list[pb.Region], EngineLayout | None, bool, str]:
+    """Region messages, the layout they carry if any, whether they are GPU
+    memory, and the ticket of shared memory handed over."""
     if hasattr(regions, "names") and hasattr(regions, "layout"):  # a SharedKVCache
-        return [pb.Region(shm_name=n, size=s) for n, s in zip(regions.names, regions.sizes)], regions.layout, False
+        msgs, ticket = _shm_regions(list(zip(regions.names, regions.sizes)), address, metadata)
+        return msgs, regions.layout, False, ticket
     regions = list(regions)
     cuda = [bool(getattr(r, "is_cuda", False)) for r in regions]
     if any(cuda):
         if not all(cuda):
-            raise InvalidArgument("regions are all CUDA tensors or all (shm_name, size) pairs", field="regions")
-        return [cuda_region(t) for t in regions], None, True
-    return [pb.Region(shm_name=name, size=size) for name, size in regions], None, False
+            raise InvalidArgument("regions are all CUDA tensors or all (shm name or descriptor, size) pairs",
+                                  field="regions")
+        return [cuda_region(t) for t in regions], None, True, ""
+    msgs, ticket = _shm_regions(regions, address, metadata)
+    return msgs, None, False, ticket
 
 
 def cuda_region(tensor: Any) -> pb.Region:
@@ -239,17 +289,21 @@ class _Calls:
 
     def register_engine(self, spec: KVSpec, regions: Any, layout: EngineLayout | None = None,
                         pid: int | None = None) -> Any:
-        """Register engine KV memory: a SharedKVCache; (shm_name, size) pairs;
-        or contiguous CUDA tensors (the daemon opens them through CUDA IPC),
-        the last two with a layout. The daemon unregisters the engine when
-        process pid exits: by default this process for GPU memory, no process
-        for shared memory (pass os.getpid() to have it watched; 0 for none).
-        With GPU memory, save blocks once the kernels writing them are done
+        """Register engine KV memory: a SharedKVCache; (shared memory, size)
+        pairs, the memory a file name in /dev/shm or an open descriptor (a
+        memfd, say); or contiguous CUDA tensors (the daemon opens them through
+        CUDA IPC), the last two with a layout. Shared memory is opened here and
+        its descriptors handed to the daemon over its Unix socket (a blocking
+        local exchange, also for AsyncClient): the daemon maps nothing by name.
+        The daemon unregisters the engine when process pid exits: by default
+        this process for GPU memory, no process for shared memory (pass
+        os.getpid() to have it watched; 0 for none). With GPU memory, save
+        blocks once the kernels writing them are done
         (torch.cuda.current_stream().synchronize()); restore returns with the
         blocks written. Returns an Engine with save and restore."""
-        msgs, cache_layout, gpu = _regions(regions)
+        msgs, cache_layout, gpu, ticket = _regions(regions, self.address, self._metadata)
         layout = layout or cache_layout
-        req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs,
+        req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs, fd_ticket=ticket,
                                        pid=(os.getpid() if gpu else 0) if pid is None else pid)
         if layout is not None:
             req.num_blocks = layout.num_blocks

@@ -1,11 +1,12 @@
 """Registered engine memory: shared-memory regions and GPU memory mapped
 into the daemon.
 
-Runs in the daemon. An engine names files in /dev/shm that hold its paged KV
-cache, or exports its GPU allocations as CUDA IPC handles; the daemon maps
-or opens them once at registration and copies blocks straight between them
-and its tiers. Names are checked (no path separators, no symlinks followed)
-and engines are visible only to their own tenant. An engine registered with
+Runs in the daemon (on the RPC threads). An engine hands over open
+descriptors of the shared memory holding its paged KV cache (api/fds.py
+checks them: shared memory of the engine's own user, never the daemon's),
+or exports its GPU allocations as CUDA IPC handles; the daemon maps or opens
+them once at registration and copies blocks straight between them and its
+tiers. Engines are visible only to their own tenant. An engine registered with
 its process id is unregistered when that process exits, and its memory is
 released once the calls using it have finished.
 """
@@ -16,7 +17,6 @@ import contextlib
 import logging
 import mmap
 import os
-import re
 import stat
 import threading
 import uuid
@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierd.core.cuda_ipc import IpcCache, IpcRegion
-from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from tierd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from tierd.layout import EngineLayout, KVSpec
 from tierd.transfer.copier import EngineMemory
 
 log = logging.getLogger("tierd.core.engines")
-SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 MAX_ENGINES_PER_TENANT = 64
 
 
@@ -107,40 +110,33 @@ def process_alive(identity: tuple[int, int]) -> bool:
     return int(fields[19]) == identity[1] and fields[0] not in (b"Z", b"X")
 
 
-def map_shm(name: str, size: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
-    """Map /dev/shm/<name> read-write; it must be a regular file of at least size bytes."""
-    if not isinstance(name, str) or not _SHM_NAME.match(name) or ".." in name:
-        raise InvalidArgument(f"shared-memory name {name!r} must be a plain file name in {shm_dir}", field="regions")
+def map_fd(fd: int, size: int, index: int) -> mmap.mmap:
+    """Map size bytes of an open shared-memory descriptor read-write; it must be
+    a regular file of at least size bytes."""
     if size <= 0:
-        raise InvalidArgument(f"region {name!r} needs a positive size", field="regions")
+        raise InvalidArgument(f"region {index} needs a positive size", field="regions")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"region {index} is not a regular file", field="regions")
+    if st.st_size < size:
+        raise InvalidArgument(f"region {index} holds {st.st_size} bytes, fewer than the {size} declared",
+                              field="regions")
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFound(f"shared-memory region {name!r} does not exist", field="regions") from None
-    except OSError as exc:
-        raise InvalidArgument(f"cannot open shared-memory region {name!r}: {exc.strerror}", field="regions") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgument(f"shared-memory region {name!r} is not a regular file", field="regions")
-        if st.st_size < size:
-            raise InvalidArgument(f"region {name!r} holds {st.st_size} bytes, fewer than the {size} declared",
-                                  field="regions")
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot map region {index}: {exc.strerror}", field="regions") from None
 
 
 class EngineRegistry:
-    def __init__(self, shm_dir: str = SHM_DIR, ipc: IpcCache | None = None) -> None:
-        self.shm_dir = shm_dir
+    def __init__(self, ipc: IpcCache | None = None) -> None:
         self.ipc = ipc  # None where the daemon has no GPU
         self._engines: dict[str, Engine] = {}
         self._lock = threading.Lock()
 
     def register(self, tenant: str, spec: KVSpec, regions: list[tuple[str, int] | IpcRegion], layout: EngineLayout,
                  pid: int = 0) -> Engine:
-        """Map or open the regions: (shm name, size) pairs or IpcRegions, not both."""
+        """Map or open the regions: (open shared-memory descriptor, size) pairs
+        (the caller closes the descriptors) or IpcRegions, not both."""
         if not regions:
             raise InvalidArgument("an engine needs at least one memory region", field="regions")
         ipc = [r for r in regions if isinstance(r, IpcRegion)]
@@ -176,8 +172,8 @@ class EngineRegistry:
                           _ipc_cache=self.ipc)
         maps: list[mmap.mmap] = []
         try:
-            for name, size in regions:
-                maps.append(map_shm(name, size, self.shm_dir))
+            for i, (fd, size) in enumerate(regions):
+                maps.append(map_fd(fd, size, i))
         except BaseException:
             for m in maps:
                 m.close()

@@ -46,14 +46,16 @@ class Segment(_message.Message):
     def __init__(self, region: _Optional[int] = ..., offset: _Optional[int] = ..., stride: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("shm_name", "cuda_ipc", "size")
+    __slots__ = ("shm_name", "cuda_ipc", "shm_fd", "size")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHM_FD_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     cuda_ipc: CudaIpcMemory
+    shm_fd: int
     size: int
-    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., size: _Optional[int] = ...) -> None: ...
+    def __init__(self, shm_name: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcMemory, _Mapping]] = ..., shm_fd: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcMemory(_message.Message):
     __slots__ = ("handle", "offset", "device_uuid")
@@ -66,18 +68,20 @@ class CudaIpcMemory(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("spec", "regions", "num_blocks", "segments", "pid")
+    __slots__ = ("spec", "regions", "num_blocks", "segments", "pid", "fd_ticket")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    FD_TICKET_FIELD_NUMBER: _ClassVar[int]
     spec: KVSpec
     regions: _containers.RepeatedCompositeFieldContainer[Region]
     num_blocks: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     pid: int
-    def __init__(self, spec: _Optional[_Union[KVSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., pid: _Optional[int] = ...) -> None: ...
+    fd_ticket: str
+    def __init__(self, spec: _Optional[_Union[KVSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., pid: _Optional[int] = ..., fd_ticket: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine_id",)

@@ -1,0 +1,224 @@
+"""Engine memory handed over as open file descriptors, never named.
+
+A name in /dev/shm proves nothing about who owns the memory behind it: a
+tenant that named the daemon's arena or another tenant's segment got it
+mapped. So an engine opens its shared memory itself and passes the
+descriptors over a Unix socket beside the daemon's (SCM_RIGHTS), with its
+token; the daemon answers with a ticket that the engine's RegisterEngine
+names. The daemon accepts a descriptor only if it is shared memory
+(/dev/shm or a memfd), a regular file owned by the connecting process's
+user (SO_PEERCRED), open read-write, and not one of the daemon's own files.
+
+`hand_over` is the client's side (any thread); `FdIntake` runs on the
+daemon's event loop, never blocking it: one message a connection, a few
+seconds to send it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, TierdError
+
+log = logging.getLogger("tierd.api.fds")
+MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit on descriptors in one message
+TICKET_SECONDS = 60.0
+CONNECT_SECONDS = 5.0
+_MESSAGE = 4096
+
+
+def intake_path(socket_path: str) -> str:
+    """Where the daemon listening on socket_path takes descriptors."""
+    return socket_path + ".fds"
+
+
+def hand_over(path: str, fds: list[int], token: str | None = None, timeout: float = CONNECT_SECONDS) -> str:
+    """Pass open descriptors to the daemon; returns the ticket that names
+    them in RegisterEngine. Raises FailedPrecondition (no daemon there, or it
+    refused them, saying why)."""
+    if not 0 < len(fds) <= MAX_FDS:
+        raise InvalidArgument(f"hand over 1 to {MAX_FDS} descriptors at once, not {len(fds)}", field="regions")
+    payload = json.dumps({"token": token or ""}).encode() + b"\n"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            socket.send_fds(s, [payload], fds)
+            reply = b""
+            while not reply.endswith(b"\n"):
+                part = s.recv(_MESSAGE)
+                if not part:
+                    break
+                reply += part
+    except OSError as exc:
+        raise FailedPrecondition(f"cannot hand engine memory to the daemon at {path}: {exc.strerror or exc} "
+                                 "(shared memory needs the daemon's Unix socket, on the same machine)") from None
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        raise FailedPrecondition(f"the daemon at {path} gave no answer for the engine memory") from None
+    if "ticket" not in answer:
+        raise FailedPrecondition(f"the daemon refused the engine memory: {answer.get('error', 'no reason given')}")
+    return str(answer["ticket"])
+
+
+@dataclass(eq=False)
+class Ticket:
+    tenant: str
+    fds: list[int]
+    pid: int  # the process that handed them over
+    expires: float = field(default=0.0)
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def check_shared_memory(fd: int, uid: int, own: Callable[[os.stat_result], bool]) -> str | None:
+    """Why descriptor fd may not be engine memory of user uid, or None if it may."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "cannot tell what file it is"
+    if not target.startswith(("/dev/shm/", "/memfd:")):
+        return "not shared memory (a file in /dev/shm, or a memfd)"
+    if st.st_uid != uid:
+        return "owned by another user than the process handing it over"
+    if own(st):
+        return "the daemon's own memory"
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        return "not open for reading and writing"
+    return None
+
+
+class FdIntake:
+    """The daemon's side: a Unix socket taking descriptors, and the tickets
+    that name them until RegisterEngine takes them (or they expire)."""
+
+    def __init__(self, path: str, identify: Callable[[str], str], own: Callable[[os.stat_result], bool]) -> None:
+        self.path = path
+        self._identify = identify  # token -> tenant; raises Unauthenticated
+        self._own = own
+        self._tickets: dict[str, Ticket] = {}
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)  # left by a daemon that died: the socket's lock says none runs
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock, self._loop = sock, loop
+        loop.add_reader(sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        for ticket in self._tickets.values():
+            ticket.close()
+        self._tickets.clear()
+
+    def take(self, tenant: str, ticket_id: str) -> Ticket:
+        """The descriptors a ticket names, once, for their tenant; the caller closes them."""
+        self._expire()
+        ticket = self._tickets.get(ticket_id)
+        if ticket is None or ticket.tenant != tenant:
+            raise NotFound("no such descriptor ticket (it expired, was used, or is another tenant's): hand the "
+                           "memory over again", field="fd_ticket")
+        del self._tickets[ticket_id]
+        return ticket
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, t in self._tickets.items() if t.expires <= now]:
+            self._tickets.pop(key).close()
+
+    def _accept(self) -> None:
+        assert self._sock is not None and self._loop is not None
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(False)
+        timer = self._loop.call_later(CONNECT_SECONDS, self._drop, conn)
+        self._loop.add_reader(conn.fileno(), self._receive, conn, timer)
+
+    def _drop(self, conn: socket.socket) -> None:
+        if conn.fileno() >= 0 and self._loop is not None:
+            self._loop.remove_reader(conn.fileno())
+        conn.close()
+
+    def _receive(self, conn: socket.socket, timer: asyncio.TimerHandle) -> None:
+        fds: list[int] = []
+        try:
+            msg, fds, _, _ = socket.recv_fds(conn, _MESSAGE, MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            msg = b""
+        timer.cancel()
+        assert self._loop is not None
+        self._loop.remove_reader(conn.fileno())
+        try:
+            answer = {"ticket": self._admit(conn, msg, fds)}
+            fds = []  # the ticket holds them now
+        except TierdError as exc:
+            log.info("engine memory refused: %s", exc.message)
+            answer = {"error": exc.message}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            conn.send(json.dumps(answer).encode() + b"\n")  # a few bytes: fits the socket's buffer
+        except OSError:
+            pass
+        conn.close()
+
+    def _admit(self, conn: socket.socket, msg: bytes, fds: list[int]) -> str:
+        if not msg.endswith(b"\n"):
+            raise InvalidArgument("send one line of JSON with the descriptors")
+        try:
+            request = json.loads(msg)
+            token = str(request.get("token") or "")
+        except (ValueError, AttributeError):
+            raise InvalidArgument("send one line of JSON with the descriptors") from None
+        tenant = self._identify(token)
+        if not fds:
+            raise InvalidArgument("no descriptors came with the message")
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        for i, fd in enumerate(fds):
+            why = check_shared_memory(fd, uid, self._own)
+            if why is not None:
+                raise FailedPrecondition(f"descriptor {i} is {why}", field="regions")
+        self._expire()
+        ticket_id = secrets.token_hex(16)
+        self._tickets[ticket_id] = Ticket(tenant, fds, pid, time.monotonic() + TICKET_SECONDS)
+        return ticket_id
