@@ -29,6 +29,9 @@ KIND_OPAQUE = "opaque"
 DEFAULT_ARRANGEMENT = "layer,kv,token,head,dim"
 DEFAULT_OPAQUE_PAGE_BYTES = 1 << 20
 MAX_PAGE_BYTES = 1 << 30
+# Every page takes at least one 4 KiB granule of a tier (and its own checksum
+# and token hash): smaller pages would let a few bytes hold a granule each.
+MIN_PAGE_BYTES = 4096
 _NAME = re.compile(r"^[\x21-\x7e]{1,256}$")
 
 
@@ -91,8 +94,15 @@ class KVSpec:
                     field="block_tokens",
                     value=self.block_tokens,
                 )
+            if self.page_bytes < MIN_PAGE_BYTES:
+                raise InvalidArgument(
+                    f"a page of {self.block_tokens} tokens is {self.page_bytes} bytes, under the "
+                    f"{MIN_PAGE_BYTES}-byte minimum: use more tokens per block",
+                    field="block_tokens",
+                    value=self.block_tokens,
+                )
         elif self.kind == KIND_OPAQUE:
-            _check_int("opaque_page_bytes", self.opaque_page_bytes, 1, MAX_PAGE_BYTES)
+            _check_int("opaque_page_bytes", self.opaque_page_bytes, MIN_PAGE_BYTES, MAX_PAGE_BYTES)
             if (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.block_tokens) != (0, 0, 0, "uint8", 1):
                 raise InvalidArgument("an opaque spec has no layers, heads, head_dim, dtype or block_tokens", field="kind")
         else:
