@@ -12,7 +12,10 @@ Requests that carry a session id (the X-Session-ID header, a `session_id`
 body field or `vllm_xargs`) are served from the session's snapshot as far as
 its pages hold the same tokens as the prompt (a `Lookup`), and append their
 new blocks to it when they finish, then `Release` it so idle demotion starts.
-Requests without one pass through untouched.
+Requests without one pass through untouched. A request's `cache_salt`
+is folded into its session (adapters/sessions.py): every user of the server
+is one tierd tenant, and the salt keeps users who send the same session id
+apart. Session ids must be unguessable all the same.
 
 Pages move through leases in the daemon's host arena: the worker copies
 blocks in and out itself (vLLM on a CPU keeps its KV cache in private
@@ -46,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierd.adapters.paged import LayerBlocks
+from tierd.adapters.sessions import session_key
 from tierd.client import Arena, Client, KVSpec, NotFound, TierdError
 from tierd.errors import FailedPrecondition
 
@@ -87,10 +91,12 @@ class TierdConnectorMetadata(KVConnectorMetadata):
 
 
 def session_of(request: Request) -> str | None:
+    """The tierd session of a request: its session id, under its cache salt
+    (users of one server are one tenant: the salt keeps theirs apart)."""
     sid = getattr(request, "session_id", None)
     if not sid and request.kv_transfer_params:
         sid = request.kv_transfer_params.get("session_id")
-    return sid or None
+    return session_key(sid, getattr(request, "cache_salt", None)) if sid else None
 
 
 def spec_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVSpec:
