@@ -140,7 +140,7 @@ class Config:
     tenant_disk_quota: int = _opt(parse_size, "disk bytes each tenant may hold (0: no limit)", 0)
     tenant_sessions: int = _opt(_count, "sessions each tenant may hold (0: no limit)", 0)
     tenant_inflight_bytes: int | str = _opt(_size_or_auto, "bytes one tenant may have in flight in data calls "
-                                                           "(auto: half the host budget; 0: no cap)", AUTO)
+                                                           "(auto: the host budget; 0: no cap)", AUTO)
     tenant_leases: int = _opt(_count, "leases each tenant may hold open (0: no limit)", 64)
     tenant_lease_bytes: int | str = _opt(_size_or_auto, "bytes each tenant may hold in open leases "
                                                         "(auto: a quarter of the host budget; 0: no limit)", AUTO)
@@ -246,7 +246,7 @@ def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | 
             free_disk = shutil.disk_usage(cfg.data_dir).free
         cfg = replace(cfg, disk_budget=free_disk // 2)
     if cfg.tenant_inflight_bytes == AUTO:
-        cfg = replace(cfg, tenant_inflight_bytes=int(cfg.host_budget) // 2)
+        cfg = replace(cfg, tenant_inflight_bytes=int(cfg.host_budget))
     if cfg.tenant_lease_bytes == AUTO:
         cfg = replace(cfg, tenant_lease_bytes=int(cfg.host_budget) // 4)
     if cfg.host_slab == AUTO:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tierd import __version__
@@ -39,6 +39,8 @@ class Metrics:
                                      registry=registry)
         self.rpc_errors = Counter("tierd_rpc_errors_total", "Failed gRPC calls", ["method", "code"],
                                   registry=registry)
+        self.rpc_in_flight = Gauge("tierd_rpc_in_flight", "gRPC calls being served (waiting ones included)",
+                                   ["method"], registry=registry)
         self.prefetches = Counter("tierd_prefetch_total", "Prefetch outcomes: ready, in_time, late, missed",
                                   ["outcome"], registry=registry)
         self.checksum_failures = Counter("tierd_checksum_failures_total", "Pages that failed their checksum",
@@ -91,7 +93,11 @@ class Metrics:
 
     # RPCs -----------------------------------------------------------------------
 
+    def rpc_started(self, method: str) -> None:
+        self.rpc_in_flight.labels(method).inc()
+
     def rpc(self, method: str, seconds: float, code: str | None) -> None:
+        self.rpc_in_flight.labels(method).dec()
         self.rpc_seconds.labels(method).observe(seconds)
         if code is not None:
             self.rpc_errors.labels(method, code).inc()

@@ -37,7 +37,8 @@ FIELDS = {
     "BeginSaveRequest": ("token_ids",),
     "BeginRestoreRequest": ("token_ids",),
 }
-_BLOCK = 1 << 18  # varints decoded at a time: temporaries of 16 bytes per wire byte, at most ~38 MiB
+_SCAN = 1 << 20  # wire bytes decoded at a time: temporaries of about 16 MiB
+_BLOCK = 1 << 18  # values encoded at a time
 
 
 def _shadow_pool() -> descriptor_pool.DescriptorPool:
@@ -74,37 +75,44 @@ def check_packed(msg: Any, path: str = "") -> None:
             raise InvalidArgument(f"{name} must be sent packed (proto3's default encoding)", field=name)
 
 
-def decode(raw: bytes, name: str = "token_ids") -> np.ndarray:
-    """The varints of a packed repeated int64 field as an int64 array. Ids
-    are non-negative: a negative value (a 10-byte varint) or a value past
-    63 bits is refused, and so is a truncated varint."""
-    if not raw:
-        return np.empty(0, dtype=np.int64)
+def count(raw: bytes) -> int:
+    """How many varints a packed field holds (one byte under 0x80 ends each)."""
     data = np.frombuffer(raw, dtype=np.uint8)
-    if data[-1] & 0x80:
+    return sum(int(np.count_nonzero(data[i : i + _SCAN] < 0x80)) for i in range(0, data.size, _SCAN))
+
+
+def decode(raw: bytes, name: str = "token_ids", limit: int | None = None) -> np.ndarray:
+    """The varints of a packed repeated int64 field as an int64 array, the
+    first `limit` of them if given (a caller that needs no more decodes no
+    more). Ids are non-negative: a negative value (a 10-byte varint) or a
+    value past 63 bits is refused, and so is a truncated varint."""
+    data = np.frombuffer(raw, dtype=np.uint8)
+    if data.size and data[-1] & 0x80:
         raise InvalidArgument(f"{name} ends inside a varint", field=name)
-    ends = np.flatnonzero(data < 0x80)
-    out = np.empty(ends.size, dtype=np.int64)
-    done, start = 0, 0
-    while done < ends.size:
-        stop = min(done + _BLOCK, ends.size)  # varints [done, stop): bytes [start, ends[stop - 1]]
-        last = int(ends[stop - 1]) + 1
-        block = data[start:last]
-        block_ends = ends[done:stop] - start
-        starts = np.empty_like(block_ends)
+    n = count(raw) if limit is None else min(limit, count(raw))
+    out = np.empty(n, dtype=np.int64)
+    done = pos = 0
+    while done < n:
+        block = data[pos : pos + _SCAN]
+        ends = np.flatnonzero(block < 0x80)[: n - done]
+        if not ends.size:
+            raise InvalidArgument(f"{name} holds a negative or over 63-bit value", field=name)
+        starts = np.empty_like(ends)
         starts[0] = 0
-        starts[1:] = block_ends[:-1] + 1
-        lengths = block_ends - starts + 1
+        starts[1:] = ends[:-1] + 1
+        lengths = ends - starts + 1
         if lengths.max() > 9:
             raise InvalidArgument(f"{name} holds a negative or over 63-bit value", field=name)
+        used = block[: ends[-1] + 1]
         # Each byte's place in its varint, then its 7 bits shifted there and OR-ed per varint.
-        place = np.arange(block.size, dtype=np.int64) - np.repeat(starts, lengths)
-        bits = (block & 0x7F).astype(np.uint64) << (7 * place).astype(np.uint64)
+        place = np.arange(used.size, dtype=np.int64) - np.repeat(starts, lengths)
+        bits = (used & 0x7F).astype(np.uint64) << (7 * place).astype(np.uint64)
         values = np.bitwise_or.reduceat(bits, starts)
         if (values >> np.uint64(63)).any():
             raise InvalidArgument(f"{name} holds a negative or over 63-bit value", field=name)
-        out[done:stop] = values.view(np.int64)
-        done, start = stop, last
+        out[done : done + ends.size] = values.view(np.int64)
+        done += ends.size
+        pos += used.size
     return out
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
+from grpc._cython import cygrpc
 
 from tierd import __version__
 from tierd.api import packed
@@ -40,7 +41,7 @@ from tierd.api.fds import FdIntake
 from tierd.api.inflight import InflightBytes
 from tierd.api.limits import TenantLimits
 from tierd.api.status import ERROR_KEY, status_of
-from tierd.api.wire import checked, chunk_message, split_chunk
+from tierd.api.wire import PUT_ACCEPTED, checked, chunk_message, split_chunk
 from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
 from tierd.core.store import (
@@ -63,6 +64,10 @@ from tierd.v1 import tierd_pb2 as pb
 
 log = logging.getLogger("tierd.api")
 MAX_WAIT_SECONDS = 600.0
+
+
+class _ClientGone(Exception):
+    """A message could not be sent or read: the client has left the call."""
 SERVICE = pb.DESCRIPTOR.services_by_name["Tierd"]
 
 
@@ -80,6 +85,7 @@ class _Call:
 
     def __init__(self, metrics: Metrics, method: str) -> None:
         self.metrics, self.method, self.t0, self.counted = metrics, method, time.perf_counter(), False
+        metrics.rpc_started(method)
 
     def count(self, code: str | None) -> None:
         if not self.counted:
@@ -87,7 +93,7 @@ class _Call:
             self.metrics.rpc(self.method, time.perf_counter() - self.t0, code)
 
     async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        if context.cancelled() or context.done():
+        if isinstance(exc, _ClientGone) or context.cancelled() or context.done():
             # The client left (or the call is over): nobody to tell, nothing the daemon did wrong.
             self.count("CANCELLED")
             log.debug("%s: the client went away (%s)", self.method, type(exc).__name__)
@@ -250,21 +256,21 @@ class TierdServicer:
     @_unary(blocking=True)
     def Save(self, req: Any, caller: Caller) -> pb.SessionInfo:
         key = make_key(caller.tenant, req.session_id)
-        ids = packed.decode(req.block_ids, "block_ids")
-        with self.engines.use(caller.tenant, req.engine_id) as engine, \
-                self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
-            info = self.store.save(key, engine.memory, engine.spec, ids, req.num_tokens, req.start_token,
-                                   req.tier or None, req.priority if req.HasField("priority") else None,
-                                   _token_ids(req.token_ids))
+        with self.engines.use(caller.tenant, req.engine_id) as engine:
+            ids = _block_ids(req.block_ids, engine.memory.layout.num_blocks)
+            with self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
+                info = self.store.save(key, engine.memory, engine.spec, ids, req.num_tokens, req.start_token,
+                                       req.tier or None, req.priority if req.HasField("priority") else None,
+                                       _token_ids(req.token_ids, want=req.num_tokens))
         return info_to_pb(info)
 
     @_unary(blocking=True)
     def Restore(self, req: Any, caller: Caller) -> pb.RestoreResponse:
         key = make_key(caller.tenant, req.session_id)
-        ids = packed.decode(req.block_ids, "block_ids")
-        with self.engines.use(caller.tenant, req.engine_id) as engine, \
-                self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
-            r = self.store.restore(key, engine.memory, engine.spec, ids)
+        with self.engines.use(caller.tenant, req.engine_id) as engine:
+            ids = _block_ids(req.block_ids, engine.memory.layout.num_blocks)
+            with self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
+                r = self.store.restore(key, engine.memory, engine.spec, ids)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)
 
@@ -273,7 +279,7 @@ class TierdServicer:
     @_unary(blocking=True)
     def BeginSave(self, req: Any, caller: Caller) -> pb.Lease:
         lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
-                                      req.start_token, _token_ids(req.token_ids),
+                                      req.start_token, _token_ids(req.token_ids, want=req.num_tokens),
                                       req.priority if req.HasField("priority") else None,
                                       req.ttl_seconds or DEFAULT_LEASE_SECONDS)
         return lease_to_pb(lease)
@@ -289,9 +295,10 @@ class TierdServicer:
 
     @_unary(blocking=True)
     def BeginRestore(self, req: Any, caller: Caller) -> pb.Lease:
-        lease = self.store.begin_restore(make_key(caller.tenant, req.session_id),
-                                         optional_spec_from_pb(req), req.num_pages,
-                                         req.ttl_seconds or DEFAULT_LEASE_SECONDS, _token_ids(req.token_ids))
+        key = make_key(caller.tenant, req.session_id)
+        prompt = _token_ids(req.token_ids, limit=self.store.stat(key).num_tokens) if req.token_ids else None
+        lease = self.store.begin_restore(key, optional_spec_from_pb(req), req.num_pages,
+                                         req.ttl_seconds or DEFAULT_LEASE_SECONDS, prompt)
         return lease_to_pb(lease)
 
     @_unary(blocking=True)
@@ -301,53 +308,67 @@ class TierdServicer:
 
     @_unary(blocking=True)
     def Lookup(self, req: Any, caller: Caller) -> pb.LookupResponse:
-        return lookup_to_pb(self.store.lookup(make_key(caller.tenant, req.session_id),
-                                              packed.decode(req.token_ids), optional_spec_from_pb(req)))
+        # Only as many of the prompt's ids as the snapshot holds tokens can match: the rest stay undecoded.
+        key = make_key(caller.tenant, req.session_id)
+        prompt = packed.decode(req.token_ids, limit=self.store.stat(key).num_tokens)
+        return lookup_to_pb(self.store.lookup(key, prompt, optional_spec_from_pb(req)))
 
     # -- bytes ---------------------------------------------------------------------
 
     async def _read(self, context: grpc.aio.ServicerContext) -> Any:
         """The stream's next message (raw bytes, or EOF), within the idle deadline."""
-        try:
-            return await asyncio.wait_for(context.read(), self.idle_seconds)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"the Put stream sent nothing for {self.idle_seconds:g} s") from None
+        return await self._within(context.read(), "the Put stream sent nothing")
 
     async def _write(self, context: grpc.aio.ServicerContext, message: bytes) -> None:
         """Send one message, within the idle deadline (the client must keep reading)."""
+        await self._within(context.write(message), "the Get stream's reader took nothing")
+
+    async def _within(self, op: Any, stalled: str) -> Any:
+        """A stream's read or write, ended when the client makes no progress
+        for the idle deadline. Not wait_for: that waits for the cancelled
+        operation to finish, which a stalled client never lets happen."""
+        task = asyncio.ensure_future(op)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, however the call ends
+        done, _ = await asyncio.wait((task,), timeout=self.idle_seconds)
+        if not done:
+            task.cancel()
+            raise DeadlineExceeded(f"{stalled} for {self.idle_seconds:g} s")
         try:
-            await asyncio.wait_for(context.write(message), self.idle_seconds)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"the Get stream's reader took nothing for {self.idle_seconds:g} s") from None
+            return task.result()
+        except cygrpc.BaseError as exc:  # the call is over on gRPC's side
+            raise _ClientGone() from exc
 
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         call = _Call(self.metrics, "Put")
         write: PendingWrite | None = None
         try:
-            caller = self.auth.identify(context.invocation_metadata())
-            head = _put_header(await self._read(context))
-            key = make_key(caller.tenant, head.session_id)
-            spec = spec_from_pb(head.spec)
-            with self.limits.stream(caller.tenant), self.inflight.hold(caller.tenant, head.size):
-                write = await self.blocking(
-                    caller.tenant, self.store.begin_put, key, spec, head.num_tokens, head.size,
-                    head.priority if head.HasField("priority") else None, head.start_token,
-                    _token_ids(head.token_ids), undo=self.store.abort_write)
-                n = 1
-                while (raw := await self._read(context)) is not grpc.aio.EOF:
-                    data, digest = _put_chunk(raw, n)
-                    if not checked(data, digest):
-                        raise DataLoss(f"chunk {n - 1} of the Put stream arrived damaged (checksum mismatch)",
-                                       chunk=n - 1)
-                    write.write(data)  # one copy into the host tier, here on the loop
-                    n += 1
-                done, write = write, None
-                return info_to_pb(await self.blocking(caller.tenant, self.store.commit_put, done))
+            try:
+                caller = self.auth.identify(context.invocation_metadata())
+                head = _put_header(await self._read(context))
+                key = make_key(caller.tenant, head.session_id)
+                spec = spec_from_pb(head.spec)
+                with self.limits.stream(caller.tenant), self.inflight.hold(caller.tenant, head.size):
+                    write = await self.blocking(
+                        caller.tenant, self.store.begin_put, key, spec, head.num_tokens, head.size,
+                        head.priority if head.HasField("priority") else None, head.start_token,
+                        _token_ids(head.token_ids, want=head.num_tokens), undo=self.store.abort_write)
+                    await context.send_initial_metadata((PUT_ACCEPTED,))  # the client sends its chunks now
+                    n = 1
+                    while (raw := await self._read(context)) is not grpc.aio.EOF:
+                        data, digest = _put_chunk(raw, n)
+                        if not checked(data, digest):
+                            raise DataLoss(f"chunk {n - 1} of the Put stream arrived damaged (checksum mismatch)",
+                                           chunk=n - 1)
+                        write.write(data)  # one copy into the host tier, here on the loop
+                        n += 1
+                    done, write = write, None
+                    return info_to_pb(await self.blocking(caller.tenant, self.store.commit_put, done))
+            finally:
+                if write is not None:  # failed or cancelled before its commit: every byte goes back, first
+                    self.store.abort_write(write)
         except Exception as exc:
             await call.fail(context, exc)
         finally:
-            if write is not None:  # failed or cancelled before its commit: every byte goes back
-                self.store.abort_write(write)
             call.count(None)
 
     async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
@@ -355,37 +376,40 @@ class TierdServicer:
         reader: SnapshotReader | None = None
         batch = None  # the RPC thread's work on the reader, while it runs
         try:
-            caller = self.auth.identify(context.invocation_metadata())
-            req = _parse(pb.GetRequest, raw)
-            key = make_key(caller.tenant, req.session_id)
-            with self.limits.stream(caller.tenant):
-                info, reader = self.store.get(key, req.chunk_bytes or self.chunk_bytes)
-                with self.inflight.hold(key.tenant, info.size_bytes):
-                    # Get's messages go out already serialized (see add_to_server), one copy each.
-                    await self._write(context, pb.GetResponse(header=info_to_pb(info)).SerializeToString())
-                    if info.tier in ("host", "device"):
-                        # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
-                        # measured half the throughput, the two threads taking turns on the GIL.
-                        for data in reader:
-                            await self._write(context, chunk_message(data, reader.digest))
+            try:
+                caller = self.auth.identify(context.invocation_metadata())
+                req = _parse(pb.GetRequest, raw)
+                key = make_key(caller.tenant, req.session_id)
+                with self.limits.stream(caller.tenant):
+                    info, reader = self.store.get(key, req.chunk_bytes or self.chunk_bytes)
+                    with self.inflight.hold(key.tenant, info.size_bytes):
+                        # Get's messages go out already serialized (see add_to_server), one copy each.
+                        await self._write(context, pb.GetResponse(header=info_to_pb(info)).SerializeToString())
+                        if info.tier in ("host", "device"):
+                            # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
+                            # measured half the throughput, the two threads taking turns on the GIL.
+                            for data in reader:
+                                await self._write(context, chunk_message(data, reader.digest))
+                        else:
+                            while True:
+                                async with self.limits.worker(caller.tenant):
+                                    batch = self.executor.submit(_next_chunks, reader)
+                                    messages = await asyncio.wrap_future(batch)
+                                batch = None
+                                if not messages:
+                                    break
+                                for message in messages:
+                                    await self._write(context, message)
+            finally:
+                # Given back before the client is told: telling a stalled client may wait for good.
+                if reader is not None:
+                    if batch is not None and not batch.done():
+                        batch.add_done_callback(lambda _: reader.close())  # by the thread, once it is done
                     else:
-                        while True:
-                            async with self.limits.worker(caller.tenant):
-                                batch = self.executor.submit(_next_chunks, reader)
-                                messages = await asyncio.wrap_future(batch)
-                            batch = None
-                            if not messages:
-                                break
-                            for message in messages:
-                                await self._write(context, message)
+                        reader.close()
         except Exception as exc:
             await call.fail(context, exc)
         finally:
-            if reader is not None:
-                if batch is not None and not batch.done():
-                    batch.add_done_callback(lambda _: reader.close())  # closed by the thread once it is done
-                else:
-                    reader.close()
             call.count(None)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -481,9 +505,22 @@ class TierdServicer:
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)
 
 
-def _token_ids(raw: bytes) -> np.ndarray | None:
-    """A packed token_ids field: None when empty (not known)."""
-    return packed.decode(raw) if raw else None
+def _token_ids(raw: bytes, want: int | None = None, limit: int | None = None) -> np.ndarray | None:
+    """A packed token_ids field (None when empty: not known): exactly `want`
+    ids, counted before any is decoded, or its first `limit` ids."""
+    if not raw:
+        return None
+    if want is not None and (got := packed.count(raw)) != want:
+        raise InvalidArgument(f"{want} token ids were expected (one per stored token), got {got}",
+                              field="token_ids", want=want, got=got)
+    return packed.decode(raw, limit=limit)
+
+
+def _block_ids(raw: bytes, num_blocks: int) -> np.ndarray:
+    """A packed block_ids field; more ids than the engine has blocks are refused before decoding."""
+    if (got := packed.count(raw)) > num_blocks:
+        raise InvalidArgument(f"{got} block ids for an engine of {num_blocks} blocks", field="block_ids")
+    return packed.decode(raw, "block_ids")
 
 
 def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:

@@ -86,6 +86,17 @@ def split_chunk(raw: bytes, message: type) -> tuple[memoryview, int] | None:
         return memoryview(msg.chunk.data), msg.chunk.xxh3
 
 
+# Sent as initial metadata once a Put's header is taken: the client sends its
+# chunks only then, so a refused Put costs no transfer and its status arrives
+# before anything else is written.
+PUT_ACCEPTED = ("tierd-put", "accepted")
+
+
+def put_accepted(metadata: object) -> bool:
+    """Whether a Put's initial metadata says its header was taken."""
+    return PUT_ACCEPTED in tuple(metadata or ())
+
+
 def checked(data: memoryview, digest: int) -> bool:
     """Whether data matches its XXH3 (0: sent unchecked)."""
     return not digest or xxhash.xxh3_64_intdigest(data) == digest

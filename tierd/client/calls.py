@@ -4,7 +4,9 @@ AsyncClient. Put and Get stream, so each client has its own."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -24,6 +26,7 @@ from tierd.api.wire import (
     GET_METHOD,
     PUT_METHOD,
     chunk_message,
+    put_accepted,
     read_chunk,
     read_header,
 )
@@ -430,10 +433,20 @@ class Client(_Calls):
             priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
         """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
         with start_token (KV specs), the bytes are the pages from there on, appended."""
+        messages = _put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids)
+        started = threading.Event()
+        call: list = []
+
+        def requests() -> Iterator[pb.PutRequest | bytes]:
+            yield next(messages)  # the header; the chunks only once the daemon has taken it
+            started.wait()
+            if put_accepted(call[0].initial_metadata()):
+                yield from messages
+
         try:
-            reply = self._put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
-                                            start_token, token_ids),
-                              timeout=self.timeout, metadata=self._metadata)
+            call.append(self._put.future(requests(), timeout=self.timeout, metadata=self._metadata))
+            started.set()
+            reply = call[0].result()
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         return info_from_pb(reply)
@@ -504,13 +517,22 @@ class AsyncClient(_Calls):
 
     async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
                   priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
+        messages = _put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids)
+        call = self._put(timeout=self.timeout, metadata=self._metadata)
         try:
-            reply = await self._put(_put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority,
-                                                  start_token, token_ids),
-                                    timeout=self.timeout, metadata=self._metadata)
+            try:
+                await call.write(next(messages))
+                # The chunks go only once the daemon has taken the header: a refusal then comes with its own
+                # status (grpc.aio reports a write that fails as the call ends as INTERNAL, not the status).
+                if put_accepted(await call.initial_metadata()):
+                    for message in messages:
+                        await call.write(message)
+                    await call.done_writing()
+            except asyncio.InvalidStateError:
+                pass  # the call ended while writing: its status says why
+            return info_from_pb(await call)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        return info_from_pb(reply)
 
     async def get(self, session_id: str, chunk_bytes: int = 0) -> bytes:
         info, chunks = await self.get_stream(session_id, chunk_bytes)

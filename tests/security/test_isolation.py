@@ -1,0 +1,186 @@
+"""No tenant reaches another's KV through engine memory, and no read hands
+out bytes that differ from what was saved.
+
+Each case is the attack as a tenant would make it, against a real daemon
+process with real /dev/shm files: registering the daemon's own arena (or a
+lease segment, or another user's shared memory) as "engine memory", using
+another tenant's descriptor ticket, and reading a session whose bytes in the
+host tier were changed behind the daemon's back, through every read path.
+"""
+
+import glob
+import hashlib
+import mmap
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from tierd.api.convert import spec_to_pb
+from tierd.api.fds import hand_over, intake_path
+from tierd.client import (
+    Arena,
+    DataLoss,
+    EngineLayout,
+    FailedPrecondition,
+    KVSpec,
+    SharedKVCache,
+)
+from tierd.testing import Daemon
+from tierd.tiers import shm
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+TOKENS = {"alice": "alice-secret", "bob": "bob-secret"}
+MiB = 1 << 20
+
+
+@pytest.fixture
+def secured(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}\n" for t, s in TOKENS.items()))
+    d = Daemon(tmp_path, "--auth-tokens", str(tokens), "--writeback-idle", "off", "--host-idle", "600").start()
+    yield d
+    d.close()
+
+
+def arena_files(d):
+    """The daemon's shared-memory files: its arena slabs, then its lease segments."""
+    prefix = shm.read_prefix(d.data_dir)
+    files = sorted(glob.glob(f"/dev/shm/{prefix}.*"))
+    return [f for f in files if ".lease." not in f], [f for f in files if ".lease." in f]
+
+
+def random_cache(seed=0):
+    kv = SharedKVCache(SPEC, 16)
+    for r in kv.regions:
+        r[:] = np.random.default_rng(seed).integers(0, 256, r.size, dtype=np.uint8)
+    return kv
+
+
+def test_the_daemons_own_memory_is_never_engine_memory(secured):
+    """A tenant that hands over the arena slab (or another tenant's lease
+    segment) as its engine memory would Save other tenants' pages into its
+    own session and Restore over them: refused, whatever it names or passes."""
+    alice, bob = secured.client(token=TOKENS["alice"]), secured.client(token=TOKENS["bob"])
+    with random_cache() as kv:
+        alice.register_engine(SPEC, kv).save("victim", list(range(3)), 40)
+    lease = alice.begin_save("victim-2", SPEC, 32)
+    slabs, segments = arena_files(secured)
+    assert slabs and segments
+    layout = EngineLayout.cross_layer(SPEC, 4)
+    for path in slabs + segments:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with pytest.raises(FailedPrecondition, match="the daemon's own memory"):
+                bob.register_engine(SPEC, [(fd, 4 * SPEC.page_bytes)], layout)
+        finally:
+            os.close(fd)
+    # Naming it, as clients used to, is refused whatever the name.
+    stub = pb_grpc.TierdStub(grpc.insecure_channel("unix:" + secured.socket))
+    for path in slabs + segments:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterEngine(pb.RegisterEngineRequest(
+                spec=spec_to_pb(SPEC), regions=[pb.Region(shm_name=os.path.basename(path), size=4 * SPEC.page_bytes)],
+                num_blocks=4), metadata=(("authorization", f"Bearer {TOKENS['bob']}"),))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    alice.abort_save(lease)
+    assert len(bob.list()) == 0 and [s.session_id for s in alice.list()] == ["victim"]
+
+
+def test_shared_memory_of_another_user_is_refused(secured, tmp_path):
+    """Only memory of the user handing it over: a file another user owns
+    (here readable and writable by anyone) is refused."""
+    path = f"/dev/shm/tierd-test-foreign-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        os.ftruncate(fd, 4 * SPEC.page_bytes)
+        os.fchown(fd, 65534, 65534)  # nobody's
+        os.fchmod(fd, 0o666)
+        with pytest.raises(FailedPrecondition, match="owned by another user"):
+            secured.client(token=TOKENS["bob"]).register_engine(SPEC, [(fd, 4 * SPEC.page_bytes)],
+                                                               EngineLayout.cross_layer(SPEC, 4))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_a_descriptor_ticket_is_its_tenants_alone(secured):
+    """Descriptors handed over with alice's token cannot be registered by bob."""
+    with random_cache() as kv:
+        fds = [os.open(f"/dev/shm/{n}", os.O_RDWR) for n in kv.names]
+        try:
+            ticket = hand_over(intake_path(secured.socket), fds, TOKENS["alice"])
+            with pytest.raises(FailedPrecondition, match="unknown token"):
+                hand_over(intake_path(secured.socket), fds, "not-a-token")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        stub = pb_grpc.TierdStub(grpc.insecure_channel("unix:" + secured.socket))
+        req = pb.RegisterEngineRequest(spec=spec_to_pb(SPEC), num_blocks=16, fd_ticket=ticket,
+                                       regions=[pb.Region(shm_fd=i, size=s) for i, s in enumerate(kv.sizes)])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterEngine(req, metadata=(("authorization", f"Bearer {TOKENS['bob']}"),))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # alice's own call takes it, once
+        assert stub.RegisterEngine(req, metadata=(("authorization", f"Bearer {TOKENS['alice']}"),)).engine_id
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterEngine(req, metadata=(("authorization", f"Bearer {TOKENS['alice']}"),))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def flip_in_arena(d, needle):
+    """Change one byte of the daemon's host arena where `needle` lies."""
+    slabs, _ = arena_files(d)
+    hits = 0
+    for path in slabs:
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            at = mm.find(needle)
+            if at >= 0:
+                mm[at] ^= 0x01
+                hits += 1
+    assert hits == 1
+
+
+def read_get(c, chunk_bytes):
+    return c.get("victim", chunk_bytes=chunk_bytes)
+
+
+def read_restore(c, chunk_bytes):
+    with SharedKVCache(SPEC, 16) as out:
+        c.register_engine(SPEC, out).restore("victim", [5, 6, 7])
+        return out
+
+
+def read_lease(c, chunk_bytes):
+    held = c.begin_restore("victim", SPEC)
+    arena = Arena()
+    try:
+        return b"".join(p.tobytes() for p in arena.pages(held))
+    finally:
+        arena.close()
+
+
+@pytest.mark.parametrize("read, chunk_bytes", [
+    (read_get, 0),             # one chunk per page: each carries the page's save-time checksum
+    (read_get, 8192),          # chunks inside pages: before, hashed from the bytes as read
+    (read_get, 3 * 32768 - 1), # chunks across pages
+    (read_restore, 0),         # scattered into registered engine memory
+    (read_lease, 0),           # copied out through a restore lease
+])
+def test_no_read_hands_out_bytes_changed_in_host_memory(tmp_path, read, chunk_bytes):
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--host-idle", "600").start()
+    try:
+        c = d.client()
+        with random_cache(seed=3) as kv:
+            c.register_engine(SPEC, kv).save("victim", [0, 1, 2], 40)
+            page1 = kv.block(0, 1).tobytes()  # layer 0's K of page 1, as saved
+        flip_in_arena(d, page1[100:164])
+        with pytest.raises(DataLoss, match="page 1 failed its checksum in the host tier"):
+            read(c, chunk_bytes)
+        assert c.stat("victim").state == "damaged"
+        assert "Traceback" not in d.log()
+    finally:
+        d.close()

@@ -1,0 +1,244 @@
+"""No client freezes the others: stalled, slow, cancelling and flooding
+clients hold no shared thread, lock or room beyond their own limits.
+
+Each case is the hostile client first, against a real daemon process, then
+what the others (another tenant, the policy tick, a clean stop) still get.
+Waits are on conditions with deadlines.
+"""
+
+import hashlib
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from tierd.api.convert import spec_to_pb
+from tierd.client import KVSpec, ResourceExhausted
+from tierd.errors import DeadlineExceeded
+from tierd.testing import Daemon
+from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2_grpc as pb_grpc
+
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+OPAQUE = KVSpec.opaque("m", page_bytes=1 << 20)
+TOKENS = {"alice": "alice-secret", "bob": "bob-secret"}
+MiB = 1 << 20
+
+
+def tokens_file(root):
+    path = root / "tokens"
+    path.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}\n" for t, s in TOKENS.items()))
+    return str(path)
+
+
+def until(predicate, timeout=20.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def host_used(c):
+    return next(t.used for t in c.stats()["tiers"] if t.name == "host")
+
+
+def in_flight(d, method):
+    """Calls of `method` the daemon is serving now (its tierd_rpc_in_flight gauge)."""
+    text = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+    m = re.search(rf'^tierd_rpc_in_flight{{method="{method}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def retry(call, timeout=10.0):
+    """call(), again while it is refused for bytes still in flight (a cancelled
+    stream lets its bytes go just after its client hears of it)."""
+    result = []
+
+    def attempt():
+        try:
+            result.append(call())
+            return True
+        except ResourceExhausted:
+            return False
+
+    until(attempt, timeout, "the call to be admitted")
+    return result[0]
+
+
+class Stalled:
+    """Raw calls that hold the daemon's attention and then do nothing."""
+
+    def __init__(self, d, token):
+        self.channel = grpc.insecure_channel("unix:" + d.socket)
+        self.stub = pb_grpc.TierdStub(self.channel)
+        self.md = (("authorization", f"Bearer {token}"),) if token else ()
+        self.results: list = []
+        self.release = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def _run(self, call):
+        try:
+            self.results.append(call())
+        except grpc.RpcError as err:
+            self.results.append(err.code())
+
+    def put(self, session_id, size=MiB):
+        """A Put that sends its header, then nothing until released."""
+        def messages():
+            yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(OPAQUE), size=size))
+            self.release.wait(60)
+        self._start(lambda: self.stub.Put(messages(), metadata=self.md, timeout=120))
+
+    def wait_ready(self, session_id):
+        """A WaitReady for a tier the session never reaches."""
+        req = pb.WaitReadyRequest(session_id=session_id, tier="device", timeout_seconds=600)
+        self._start(lambda: self.stub.WaitReady(req, metadata=self.md, timeout=120))
+
+    def _start(self, call):
+        t = threading.Thread(target=self._run, args=(call,), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def close(self):
+        self.release.set()
+        self.channel.close()
+        for t in self.threads:
+            t.join(30)
+
+
+def test_stalled_puts_and_long_waits_freeze_no_other_tenant(tmp_path):
+    """8 Puts that send a header and then nothing, and 8 WaitReady calls on a
+    session that is not coming, used to hold all 8 RPC threads: every other
+    tenant's calls timed out and idle demotion stopped."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path), "--rpc-workers", "8", "--host-idle", "0.5",
+               "--writeback-idle", "0.2", "--stream-idle-seconds", "60").start()
+    alice = Stalled(d, TOKENS["alice"])
+    try:
+        bob = d.client(token=TOKENS["bob"], timeout=5)
+        d.client(token=TOKENS["alice"]).put("waited-for", b"a" * 1000, OPAQUE, 1)
+        for i in range(8):
+            alice.put(f"stalled-{i}")
+            alice.wait_ready("waited-for")
+        until(lambda: in_flight(d, "Put") == 8 and in_flight(d, "WaitReady") == 8, what="alice's calls to be held")
+        data = np.random.default_rng(1).integers(0, 256, 3 * MiB, dtype=np.uint8).tobytes()
+        for i in range(10):  # each call has 5 s before the client gives up
+            bob.put(f"b{i}", data, OPAQUE, 1)
+            assert bob.get(f"b{i}") == data
+            bob.drop(f"b{i}")
+        bob.put("idle", data, OPAQUE, 1)
+        bob.release("idle")
+        until(lambda: bob.stat("idle").tier == "disk", what="bob's idle session to reach disk")
+        assert alice.results == [] and in_flight(d, "WaitReady") == 8  # still held: they froze nothing
+    finally:
+        alice.close()
+        d.close()
+
+
+def test_a_stalled_put_ends_at_the_idle_deadline_and_gives_its_room_back(tmp_path):
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--stream-idle-seconds", "1").start()
+    stalled = Stalled(d, None)
+    try:
+        c = d.client()
+        stalled.put("never", size=32 * MiB)
+        until(lambda: host_used(c) >= 32 * MiB, what="the Put's room to be taken")
+        until(lambda: stalled.results == [grpc.StatusCode.DEADLINE_EXCEEDED], what="the Put to be ended")
+        until(lambda: host_used(c) == 0, what="its room to come back")
+        assert c.list() == []
+        assert "Traceback" not in d.log()
+    finally:
+        stalled.close()
+        d.close()
+
+
+def test_a_reader_that_stops_reading_holds_nothing(tmp_path):
+    """A Get whose client stops reading holds no lock (a Drop goes through at
+    once) and, past the idle deadline, no pages."""
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--stream-idle-seconds", "1").start()
+    try:
+        c = d.client()
+        data = np.random.default_rng(2).integers(0, 256, 24 * MiB, dtype=np.uint8).tobytes()
+        c.put("s", data, OPAQUE, 1)
+        _, chunks = c.get_stream("s")
+        next(chunks)  # then nothing more is read
+        t0 = time.monotonic()
+        c.drop("s")
+        assert time.monotonic() - t0 < 2
+        until(lambda: host_used(c) == 0, what="the reader's pages to be freed")
+        with pytest.raises(DeadlineExceeded, match="took nothing for 1 s"):
+            for _ in chunks:
+                pass
+    finally:
+        d.close()
+
+
+def test_cancelling_gets_of_disk_sessions_leaves_no_session_stuck(tmp_path):
+    """A Get cancelled while an RPC thread read the session from disk used to
+    keep the session's lock for good: Drop hung, and SIGTERM no longer
+    stopped the daemon."""
+    d = Daemon(tmp_path, "--host-idle", "0.2", "--writeback-idle", "0.1").start()
+    try:
+        c = d.client()
+        data = np.random.default_rng(3).integers(0, 256, 24 * MiB, dtype=np.uint8).tobytes()
+        c.put("s", data, OPAQUE, 1)
+        c.release("s")
+        until(lambda: c.stat("s").tier == "disk", what="the session to reach disk")
+        for i in range(60):
+            _, chunks = retry(lambda: c.get_stream("s"))
+            for k, _ in enumerate(chunks):
+                if k == i % 12:
+                    break
+            chunks.close()
+        assert c.get("s") == data
+        c.drop("s")
+        t0 = time.monotonic()
+        assert d.stop(timeout=30) == 0
+        assert time.monotonic() - t0 < 10
+        assert "Traceback" not in d.log()
+    finally:
+        d.close()
+
+
+def test_open_leases_cannot_take_the_host_tier_from_other_tenants(tmp_path):
+    """Uncommitted save leases (TTL up to an hour) used to hold the whole
+    host budget against everyone: a tenant's open leases are capped, by
+    default at a quarter of the host budget."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path), "--writeback-idle", "off").start()
+    try:
+        alice, bob = d.client(token=TOKENS["alice"]), d.client(token=TOKENS["bob"])
+        held = 0
+        with pytest.raises(ResourceExhausted, match="bytes in open leases"):
+            for i in range(100):
+                alice.begin_save(f"a{i}", SPEC, 1024, ttl=3600)  # 64 pages, 2 MiB
+                held += 64 * SPEC.page_bytes
+        assert held == 16 * MiB  # a quarter of the daemon's 64 MiB host budget
+        data = b"b" * (40 * MiB)  # bob still finds room for most of the rest
+        bob.put("b", data, OPAQUE, 1)
+        assert bob.stat("b").tier == "host"
+    finally:
+        d.close()
+
+
+def test_a_tenants_open_streams_are_capped(tmp_path):
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path), "--writeback-idle", "off",
+               "--tenant-streams", "2").start()
+    try:
+        alice, bob = d.client(token=TOKENS["alice"]), d.client(token=TOKENS["bob"])
+        alice.put("a", b"a" * (32 * MiB), OPAQUE, 1)  # more than gRPC buffers: the streams stay open
+        bob.put("b", b"b" * (4 * MiB), OPAQUE, 1)
+        streams = [alice.get_stream("a") for _ in range(2)]
+        for _, chunks in streams:
+            next(chunks)
+        until(lambda: in_flight(d, "Get") == 2, what="both streams to be open")
+        with pytest.raises(ResourceExhausted, match="2 Put and Get streams open"):
+            alice.get("a")
+        assert bob.get("b") == b"b" * (4 * MiB)  # bob's are his own
+        for _, chunks in streams:
+            chunks.close()
+        assert retry(lambda: alice.get("a")) == b"a" * (32 * MiB)  # once they are let go
+    finally:
+        d.close()
