@@ -79,3 +79,14 @@ def test_layout_errors():
         EngineLayout(2, (Segment(0, 0, 100, 200),))
     with pytest.raises(InvalidArgument, match="opaque"):
         cl.check(KVSpec.opaque("x"), [1 << 30])
+
+
+def test_a_page_is_at_least_4_KiB():
+    """Each page takes a 4 KiB granule of a tier whatever its size: 1-byte opaque
+    pages once let a 16 KiB Put hold 64 MiB of the host tier."""
+    assert KVSpec.opaque("x", page_bytes=4096).page_bytes == 4096
+    for page_bytes in (1, 4095):
+        with pytest.raises(InvalidArgument, match="opaque_page_bytes"):
+            KVSpec.opaque("x", page_bytes=page_bytes)
+    with pytest.raises(InvalidArgument, match="under the 4096-byte minimum"):
+        KVSpec("m", num_layers=1, num_kv_heads=1, head_dim=1, dtype="int8", block_tokens=1)

@@ -146,6 +146,10 @@ CASES = {
         pb.PutRequest(header=pb.PutHeader(session_id="short", spec=pb.KVSpec(model_id="x", kind="opaque",
                                                                              opaque_page_bytes=4096), size=10)),
         pb.PutRequest(chunk=pb.Chunk(data=b"abc"))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "opaque pages of 1 byte": (lambda c, e, o, s: _raw_put(s.Put, [
+        pb.PutRequest(header=pb.PutHeader(session_id="tiny", spec=pb.KVSpec(model_id="x", kind="opaque",
+                                                                            opaque_page_bytes=1), size=16384))]),
+        grpc.StatusCode.INVALID_ARGUMENT),
     "spec without a model": (lambda c, e, o, s: _raw_put(s.Put, [
         pb.PutRequest(header=pb.PutHeader(session_id="n", spec=pb.KVSpec(kind="opaque"), size=1))]),
         grpc.StatusCode.INVALID_ARGUMENT),

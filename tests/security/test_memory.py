@@ -1,0 +1,121 @@
+"""The daemon's memory stays bounded whatever a client sends: token ids cost
+bytes, not Python objects; an unauthenticated request is refused before it
+is parsed; a flood of Puts costs each stream a bounded buffer.
+
+Peaks are read from the daemon's own counters: /proc/PID/clear_refs resets
+its peak resident set (VmHWM) to what it holds now, so VmHWM after a call
+is the call's peak.
+"""
+
+import hashlib
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from tierd.api.packed import encode, message_class
+from tierd.client import KVSpec, ResourceExhausted
+from tierd.testing import Daemon
+from tierd.v1 import tierd_pb2 as pb
+
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+OPAQUE = KVSpec.opaque("m", page_bytes=1 << 20)
+MiB = 1 << 20
+TOKEN = "alice-secret"
+
+
+def _status(pid, field):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def peak_growth(d, run):
+    """What run() added to the daemon's resident set at its peak."""
+    with open(f"/proc/{d.pid()}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _status(d.pid(), "VmRSS")
+    run()
+    return _status(d.pid(), "VmHWM") - before
+
+
+def lookup(d, ids, token):
+    raw = message_class("LookupRequest")(session_id="s", token_ids=ids).SerializeToString()
+    with grpc.insecure_channel("unix:" + d.socket) as ch:
+        call = ch.unary_unary("/tierd.v1.Tierd/Lookup", request_serializer=None,
+                              response_deserializer=pb.LookupResponse.FromString)
+        md = (("authorization", f"Bearer {token}"),) if token else ()
+        try:
+            return call(raw, metadata=md, timeout=60).num_tokens
+        except grpc.RpcError as err:
+            return err.code()
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mem")
+    (root / "tokens").write_text(f"alice:{hashlib.sha256(TOKEN.encode()).hexdigest()}\n")
+    d = Daemon(root, "--auth-tokens", str(root / "tokens"), "--writeback-idle", "off").start()
+    with d.client(token=TOKEN) as c:
+        ids = np.arange(64)
+        c.put("s", np.zeros(4 * SPEC.page_bytes, dtype=np.uint8), SPEC, 64, token_ids=ids)
+    yield d
+    d.close()
+
+
+def test_a_long_prompt_costs_bytes_not_python_objects(secured):
+    """Token ids used to cost ~26 times their wire size (a Python int each):
+    three 57 MiB Lookups took 4.5 GiB. A Lookup now decodes no more ids than
+    the snapshot holds tokens."""
+    ids = encode(np.concatenate([np.arange(64), np.random.default_rng(0).integers(0, 150_000, 4_000_000)]))
+    got = []
+    growth = peak_growth(secured, lambda: got.append(lookup(secured, ids, TOKEN)))
+    assert got == [64]  # the stored pages match the prompt's first 64 tokens
+    assert growth < 3 * len(ids) + 16 * MiB, f"{growth / MiB:.0f} MiB for {len(ids) / MiB:.0f} MiB of ids"
+
+
+def test_a_request_without_a_valid_token_is_refused_unparsed(secured):
+    """Before, a request was parsed in full, then refused (about 1 GiB for 57 MiB of ids)."""
+    ids = encode(np.random.default_rng(1).integers(0, 150_000, 4_000_000))
+    for token in (None, "wrong"):
+        got = []
+        growth = peak_growth(secured, lambda: got.append(lookup(secured, ids, token)))
+        assert got == [grpc.StatusCode.UNAUTHENTICATED]
+        assert growth < 2 * len(ids) + 16 * MiB, f"{growth / MiB:.0f} MiB for {len(ids) / MiB:.0f} MiB refused"
+
+
+def test_concurrent_puts_cost_each_stream_a_bounded_buffer(tmp_path):
+    """Each Put used to queue up to 16 chunks of its own in the daemon (200
+    Puts: 7.7 GiB beside the arena); a Put's chunks now go straight into the
+    host tier as they arrive."""
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--host-budget", "256MiB", "--host-slab", "auto").start()
+    try:
+        data = np.zeros(16 * MiB, dtype=np.uint8)
+        stored = []
+
+        def put(i):
+            with d.client(timeout=120) as c:
+                try:
+                    c.put(f"p{i}", data, OPAQUE, 1)
+                    stored.append(i)
+                except ResourceExhausted:
+                    pass
+
+        def flood():
+            threads = [threading.Thread(target=put, args=(i,)) for i in range(24)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        arena_before = _status(d.pid(), "RssShmem")
+        growth = peak_growth(d, flood)
+        arena = _status(d.pid(), "RssShmem") - arena_before
+        assert len(stored) >= 8  # what fits the host tier was stored
+        heap = growth - arena  # the peak beside the host tier's own pages
+        assert heap < 24 * 4 * MiB + 64 * MiB, f"{heap / MiB:.0f} MiB beside the arena for 24 streams"
+    finally:
+        d.close()
