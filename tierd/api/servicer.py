@@ -114,9 +114,11 @@ def _parse(cls: type, raw: bytes) -> Any:
     return msg
 
 
-def _unary(blocking: bool = False) -> Callable:
+def _unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
     """Wrap fn(self, request, caller) -> response as a timed async handler that
-    authenticates, then parses; blocking ones run on the RPC threads."""
+    authenticates, then parses; blocking ones run on the RPC threads. If the
+    call is cancelled while fn runs, undo(self, caller, response) takes back
+    what fn made for a client that will never hear of it."""
 
     def wrap(fn: Callable) -> Callable:
         cls = packed.message_class(SERVICE.methods_by_name[fn.__name__].input_type.name)
@@ -128,7 +130,8 @@ def _unary(blocking: bool = False) -> Callable:
                 caller = self.auth.identify(context.invocation_metadata())
                 req = _parse(cls, raw)
                 if blocking:
-                    return await self.blocking(caller.tenant, fn, self, req, caller)
+                    return await self.blocking(caller.tenant, fn, self, req, caller,
+                                               undo=undo and functools.partial(undo, self, caller))
                 return fn(self, req, caller)
             except Exception as exc:
                 await call.fail(context, exc)
@@ -210,12 +213,12 @@ class TierdServicer:
                 return await asyncio.wrap_future(job)
             except asyncio.CancelledError:
                 if undo is not None:
-                    job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or undo(f.result()))
+                    job.add_done_callback(functools.partial(_undo, undo))
                 raise
 
     # -- engine memory ---------------------------------------------------------
 
-    @_unary(blocking=True)
+    @_unary(blocking=True, undo=lambda self, caller, r: self.engines.unregister(caller.tenant, r.engine_id))
     def RegisterEngine(self, req: Any, caller: Caller) -> pb.RegisterEngineResponse:
         spec = spec_from_pb(req.spec)
         layout = _layout(req, spec)
@@ -276,7 +279,7 @@ class TierdServicer:
 
     # -- leases and lookup ------------------------------------------------------------
 
-    @_unary(blocking=True)
+    @_unary(blocking=True, undo=lambda self, caller, lease: self.store.abort_save(caller.tenant, lease.lease_id))
     def BeginSave(self, req: Any, caller: Caller) -> pb.Lease:
         lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
                                       req.start_token, _token_ids(req.token_ids, want=req.num_tokens),
@@ -293,7 +296,7 @@ class TierdServicer:
         self.store.abort_save(caller.tenant, req.lease_id)
         return pb.Empty()
 
-    @_unary(blocking=True)
+    @_unary(blocking=True, undo=lambda self, caller, lease: self.store.end_restore(caller.tenant, lease.lease_id))
     def BeginRestore(self, req: Any, caller: Caller) -> pb.Lease:
         key = make_key(caller.tenant, req.session_id)
         prompt = _token_ids(req.token_ids, limit=self.store.stat(key).num_tokens) if req.token_ids else None
@@ -503,6 +506,16 @@ class TierdServicer:
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
                                  recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)
+
+
+def _undo(undo: Callable[[Any], None], job: Any) -> None:
+    """Take back what a cancelled call's job made, once it is done (on the job's thread)."""
+    if job.cancelled() or job.exception() is not None:
+        return
+    try:
+        undo(job.result())
+    except TierdError:
+        pass  # ended some other way meanwhile (expired, say)
 
 
 def _token_ids(raw: bytes, want: int | None = None, limit: int | None = None) -> np.ndarray | None:
