@@ -24,7 +24,7 @@ from tierd.client import (
 from tierd.errors import TierdError
 from tierd.layout import EngineLayout
 from tierd.api.convert import spec_to_pb
-from tierd.api.wire import PUT_METHOD, _varint, chunk_message
+from tierd.api.wire import GET_METHOD, PUT_METHOD, _varint, chunk_message
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
@@ -67,6 +67,25 @@ def _raw_put(put, messages):
         put(iter(messages), timeout=30)
     except grpc.RpcError as err:
         return err.code()
+    return grpc.StatusCode.OK
+
+
+def _raw_unary(c, method, raw):
+    """A unary call whose request is raw bytes, whatever they are."""
+    with grpc.insecure_channel(c.address) as channel:
+        try:
+            channel.unary_unary(f"/tierd.v1.Tierd/{method}", request_serializer=None)(raw, timeout=30)
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+def _raw_get(c, raw):
+    with grpc.insecure_channel(c.address) as channel:
+        try:
+            list(channel.unary_stream(GET_METHOD, request_serializer=None)(raw, timeout=30))
+        except grpc.RpcError as err:
+            return err.code()
     return grpc.StatusCode.OK
 
 
@@ -146,6 +165,14 @@ CASES = {
         pb.PutRequest(header=pb.PutHeader(session_id="short", spec=pb.KVSpec(model_id="x", kind="opaque",
                                                                              opaque_page_bytes=4096), size=10)),
         pb.PutRequest(chunk=pb.Chunk(data=b"abc"))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "malformed protobuf": (lambda c, e, o, s: _raw_unary(c, "Stat", b"\xff\xff\xff\xff"),
+                           grpc.StatusCode.INVALID_ARGUMENT),
+    "a session id that is not UTF-8": (lambda c, e, o, s: _raw_unary(c, "Stat", b"\x0a\x02\xff\xfe"),
+                                       grpc.StatusCode.INVALID_ARGUMENT),
+    "a Get request that is not UTF-8": (lambda c, e, o, s: _raw_get(c, b"\x0a\x02\xc3\x28"),
+                                        grpc.StatusCode.INVALID_ARGUMENT),
+    "token ids sent unpacked": (lambda c, e, o, s: _raw_unary(c, "Lookup", b"\x0a\x02kv\x10\x01\x10\x02"),
+                                grpc.StatusCode.INVALID_ARGUMENT),
     "opaque pages of 1 byte": (lambda c, e, o, s: _raw_put(s.Put, [
         pb.PutRequest(header=pb.PutHeader(session_id="tiny", spec=pb.KVSpec(model_id="x", kind="opaque",
                                                                             opaque_page_bytes=1), size=16384))]),
