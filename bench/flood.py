@@ -30,7 +30,7 @@ import numpy as np
 
 from bench.common import Result, spread
 from tierd.api.convert import spec_to_pb
-from tierd.api.packed import encode, message_class
+from tierd.api.packed import encode, field
 from tierd.client import AsyncClient, KVSpec, ResourceExhausted
 from tierd.testing import Daemon
 from tierd.v1 import tierd_pb2 as pb
@@ -123,7 +123,7 @@ def put_flood(quick: bool) -> Result:
 
 
 def _lookup(socket: str, token: str | None, ids: bytes, out: list) -> None:
-    raw = message_class("LookupRequest")(session_id="s", token_ids=ids).SerializeToString()
+    raw = pb.LookupRequest(session_id="s").SerializeToString() + field(2, ids)
     with grpc.insecure_channel("unix:" + socket, options=[("grpc.max_send_message_length", 256 * MiB)]) as ch:
         call = ch.unary_unary("/tierd.v1.Tierd/Lookup", request_serializer=None,
                               response_deserializer=pb.LookupResponse.FromString)

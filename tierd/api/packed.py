@@ -2,15 +2,15 @@
 
 Runs in the servicer (on the event loop and the RPC threads) and in the
 clients. Protobuf turns a `repeated int64` field into one Python int per
-element: a prompt of 19 million token ids (57 MiB on the wire) cost about
-1.5 GB in the daemon. Here those fields are read through copies of the
-request messages in which they are declared `bytes`: their wire form, a
-packed repeated field, is the same length-delimited run of varints, which
-numpy decodes in blocks into one int64 array (8 bytes a token, plus the
-message itself). The public proto keeps `repeated int64`: every client
-encodes it packed, as proto3 asks. A client that sends the elements one by
-one (legal, and never seen) is refused with a clear message rather than
-read without its ids.
+element, and copies the field on its way in: a prompt of 19 million token
+ids (57 MiB on the wire) cost about 1.5 GB in the daemon. Here those fields
+are cut out of the request's bytes before protobuf parses the rest: each
+stays a view of the bytes received, a packed run of varints that numpy
+decodes in blocks into one int64 array (8 bytes an id), and only as far as
+the caller needs. The public proto keeps `repeated int64`, which every
+client encodes packed, as proto3 asks; a request that sends such a field
+one element at a time (legal, and never seen) is refused with a clear
+message rather than read without its ids.
 """
 
 from __future__ import annotations
@@ -18,17 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from google.protobuf import (
-    descriptor_pb2,
-    descriptor_pool,
-    message_factory,
-    unknown_fields,
-)
+from google.protobuf.message import DecodeError
 
 from tierd.errors import InvalidArgument
-from tierd.v1 import tierd_pb2 as pb
 
-# (message, field) of every repeated integer field that may be long.
+# The repeated integer fields that may be long, by message.
 FIELDS = {
     "SaveRequest": ("block_ids", "token_ids"),
     "RestoreRequest": ("block_ids",),
@@ -39,40 +33,98 @@ FIELDS = {
 }
 _SCAN = 1 << 20  # wire bytes decoded at a time: temporaries of about 16 MiB
 _BLOCK = 1 << 18  # values encoded at a time
+_LEN = 2  # wire type of length-delimited fields (a packed field is one)
 
 
-def _shadow_pool() -> descriptor_pool.DescriptorPool:
-    proto = descriptor_pb2.FileDescriptorProto()
-    pb.DESCRIPTOR.CopyToProto(proto)
-    proto.name = "tierd/v1/tierd_packed.proto"  # its own file in its own pool
-    for msg in proto.message_type:
-        for f in msg.field:
-            if f.name in FIELDS.get(msg.name, ()):
-                f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
-                f.label = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
-                f.ClearField("options")
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
-    return pool
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise DecodeError("truncated or over-long varint")
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
 
 
-_POOL = _shadow_pool()
+def fields(raw: bytes | memoryview) -> list[tuple[int, int, memoryview, memoryview]]:
+    """The top-level fields of a message's bytes: (number, wire type, the whole
+    field, its payload), views of raw. Raises DecodeError."""
+    buf = memoryview(raw)
+    out = []
+    pos = 0
+    while pos < len(buf):
+        tag, at = _varint(buf, pos)
+        number, kind = tag >> 3, tag & 7
+        if kind == 0:
+            end = _varint(buf, at)[1]
+        elif kind == 1:
+            end = at + 8
+        elif kind == 5:
+            end = at + 4
+        elif kind == _LEN:
+            size, at = _varint(buf, at)
+            end = at + size
+        else:
+            raise DecodeError(f"wire type {kind} (groups) is not used by this API")
+        if number == 0 or end > len(buf):
+            raise DecodeError("truncated message")
+        out.append((number, kind, buf[pos:end], buf[at:end]))
+        pos = end
+    return out
 
 
-def message_class(name: str) -> type:
-    """The request message `name` with its long repeated integer fields as bytes."""
-    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"tierd.v1.{name}"))
+class Request:
+    """A parsed request message and, apart, its long id fields as views of
+    the bytes received (empty when absent). Reads as the message otherwise."""
+
+    __slots__ = ("msg", "ids")
+
+    def __init__(self, msg: Any, ids: dict[str, memoryview]) -> None:
+        self.msg, self.ids = msg, ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.msg, name)
+
+    def id_field(self, name: str) -> memoryview:
+        return self.ids.get(name, memoryview(b""))
 
 
-def check_packed(msg: Any, path: str = "") -> None:
-    """Refuse a message whose long integer fields came unpacked (they would
-    land among its unknown fields, and the call would run without them)."""
-    fields = FIELDS.get(msg.DESCRIPTOR.name, ())
-    numbers = {msg.DESCRIPTOR.fields_by_name[f].number: f for f in fields}
-    for item in unknown_fields.UnknownFieldSet(msg):
-        if item.field_number in numbers:
-            name = path + numbers[item.field_number]
+def parse(cls: type, raw: bytes | memoryview) -> Request:
+    """Message `cls` from its bytes, its long id fields cut out first (kept
+    as views). Raises DecodeError, or InvalidArgument for an id field sent
+    unpacked."""
+    names = FIELDS.get(cls.DESCRIPTOR.name)
+    if not names:
+        return Request(cls.FromString(bytes(raw)), {})
+    numbers = {cls.DESCRIPTOR.fields_by_name[n].number: n for n in names}
+    keep: list[memoryview] = []
+    ids: dict[str, list[memoryview]] = {}
+    for number, kind, whole, payload in fields(raw):
+        name = numbers.get(number)
+        if name is None:
+            keep.append(whole)
+        elif kind != _LEN:
             raise InvalidArgument(f"{name} must be sent packed (proto3's default encoding)", field=name)
+        else:
+            ids.setdefault(name, []).append(payload)
+    views = {n: parts[0] if len(parts) == 1 else memoryview(b"".join(parts)) for n, parts in ids.items()}
+    return Request(cls.FromString(b"".join(keep)), views)
+
+
+def field(number: int, payload: bytes) -> bytes:
+    """One length-delimited field in wire form: appended to a serialized
+    message, it sets that field (ids encoded with encode(), say)."""
+    out = bytearray()
+    for n in ((number << 3) | _LEN, len(payload)):
+        while True:
+            low, n = n & 0x7F, n >> 7
+            out.append(low | (0x80 if n else 0))
+            if not n:
+                break
+    return bytes(out) + payload
 
 
 def count(raw: bytes) -> int:

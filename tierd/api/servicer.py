@@ -102,16 +102,15 @@ class _Call:
         await _abort(context, exc)
 
 
-def _parse(cls: type, raw: bytes) -> Any:
-    """A request message from its bytes; InvalidArgument (logged in one line) when it is not one."""
+def _parse(cls: type, raw: bytes | memoryview) -> packed.Request:
+    """A request message from its bytes, its long id fields apart
+    (api/packed.py); InvalidArgument (logged in one line) when it is not one."""
     try:
-        msg = cls.FromString(raw)
+        return packed.parse(cls, raw)
     except DecodeError as exc:
         log.info("%s: a malformed request was refused (%s)", cls.DESCRIPTOR.name, exc)
         raise InvalidArgument(f"the request is not a valid {cls.DESCRIPTOR.name} message "
                               "(malformed protobuf, or a string that is not UTF-8)") from None
-    packed.check_packed(msg)
-    return msg
 
 
 def _unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
@@ -121,7 +120,7 @@ def _unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | No
     what fn made for a client that will never hear of it."""
 
     def wrap(fn: Callable) -> Callable:
-        cls = packed.message_class(SERVICE.methods_by_name[fn.__name__].input_type.name)
+        cls = getattr(pb, SERVICE.methods_by_name[fn.__name__].input_type.name)
 
         @functools.wraps(fn)
         async def handler(self: TierdServicer, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
@@ -260,18 +259,18 @@ class TierdServicer:
     def Save(self, req: Any, caller: Caller) -> pb.SessionInfo:
         key = make_key(caller.tenant, req.session_id)
         with self.engines.use(caller.tenant, req.engine_id) as engine:
-            ids = _block_ids(req.block_ids, engine.memory.layout.num_blocks)
+            ids = _block_ids(req.id_field("block_ids"), engine.memory.layout.num_blocks)
             with self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 info = self.store.save(key, engine.memory, engine.spec, ids, req.num_tokens, req.start_token,
                                        req.tier or None, req.priority if req.HasField("priority") else None,
-                                       _token_ids(req.token_ids, want=req.num_tokens))
+                                       _token_ids(req.id_field("token_ids"), want=req.num_tokens))
         return info_to_pb(info)
 
     @_unary(blocking=True)
     def Restore(self, req: Any, caller: Caller) -> pb.RestoreResponse:
         key = make_key(caller.tenant, req.session_id)
         with self.engines.use(caller.tenant, req.engine_id) as engine:
-            ids = _block_ids(req.block_ids, engine.memory.layout.num_blocks)
+            ids = _block_ids(req.id_field("block_ids"), engine.memory.layout.num_blocks)
             with self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 r = self.store.restore(key, engine.memory, engine.spec, ids)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
@@ -282,7 +281,7 @@ class TierdServicer:
     @_unary(blocking=True, undo=lambda self, caller, lease: self.store.abort_save(caller.tenant, lease.lease_id))
     def BeginSave(self, req: Any, caller: Caller) -> pb.Lease:
         lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
-                                      req.start_token, _token_ids(req.token_ids, want=req.num_tokens),
+                                      req.start_token, _token_ids(req.id_field("token_ids"), want=req.num_tokens),
                                       req.priority if req.HasField("priority") else None,
                                       req.ttl_seconds or DEFAULT_LEASE_SECONDS)
         return lease_to_pb(lease)
@@ -299,7 +298,8 @@ class TierdServicer:
     @_unary(blocking=True, undo=lambda self, caller, lease: self.store.end_restore(caller.tenant, lease.lease_id))
     def BeginRestore(self, req: Any, caller: Caller) -> pb.Lease:
         key = make_key(caller.tenant, req.session_id)
-        prompt = _token_ids(req.token_ids, limit=self.store.stat(key).num_tokens) if req.token_ids else None
+        raw = req.id_field("token_ids")
+        prompt = _token_ids(raw, limit=self.store.stat(key).num_tokens) if raw else None
         lease = self.store.begin_restore(key, optional_spec_from_pb(req), req.num_pages,
                                          req.ttl_seconds or DEFAULT_LEASE_SECONDS, prompt)
         return lease_to_pb(lease)
@@ -313,7 +313,7 @@ class TierdServicer:
     def Lookup(self, req: Any, caller: Caller) -> pb.LookupResponse:
         # Only as many of the prompt's ids as the snapshot holds tokens can match: the rest stay undecoded.
         key = make_key(caller.tenant, req.session_id)
-        prompt = packed.decode(req.token_ids, limit=self.store.stat(key).num_tokens)
+        prompt = packed.decode(req.id_field("token_ids"), limit=self.store.stat(key).num_tokens)
         return lookup_to_pb(self.store.lookup(key, prompt, optional_spec_from_pb(req)))
 
     # -- bytes ---------------------------------------------------------------------
@@ -354,7 +354,7 @@ class TierdServicer:
                     write = await self.blocking(
                         caller.tenant, self.store.begin_put, key, spec, head.num_tokens, head.size,
                         head.priority if head.HasField("priority") else None, head.start_token,
-                        _token_ids(head.token_ids, want=head.num_tokens), undo=self.store.abort_write)
+                        _token_ids(head.id_field("token_ids"), want=head.num_tokens), undo=self.store.abort_write)
                     await context.send_initial_metadata((PUT_ACCEPTED,))  # the client sends its chunks now
                     n = 1
                     while (raw := await self._read(context)) is not grpc.aio.EOF:
@@ -518,7 +518,7 @@ def _undo(undo: Callable[[Any], None], job: Any) -> None:
         pass  # ended some other way meanwhile (expired, say)
 
 
-def _token_ids(raw: bytes, want: int | None = None, limit: int | None = None) -> np.ndarray | None:
+def _token_ids(raw: memoryview, want: int | None = None, limit: int | None = None) -> np.ndarray | None:
     """A packed token_ids field (None when empty: not known): exactly `want`
     ids, counted before any is decoded, or its first `limit` ids."""
     if not raw:
@@ -529,7 +529,7 @@ def _token_ids(raw: bytes, want: int | None = None, limit: int | None = None) ->
     return packed.decode(raw, limit=limit)
 
 
-def _block_ids(raw: bytes, num_blocks: int) -> np.ndarray:
+def _block_ids(raw: memoryview, num_blocks: int) -> np.ndarray:
     """A packed block_ids field; more ids than the engine has blocks are refused before decoding."""
     if (got := packed.count(raw)) > num_blocks:
         raise InvalidArgument(f"{got} block ids for an engine of {num_blocks} blocks", field="block_ids")
@@ -566,18 +566,15 @@ def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
-_PUT = packed.message_class("PutRequest")
-
-
-def _put_header(raw: Any) -> Any:
+def _put_header(raw: Any) -> packed.Request:
+    """The PutHeader that opens a Put stream (its token ids apart, uncopied)."""
     try:
-        msg = _PUT.FromString(raw) if isinstance(raw, bytes) else None
+        parts = packed.fields(raw) if isinstance(raw, bytes) else []
     except DecodeError:
-        msg = None
-    if msg is None or msg.WhichOneof("part") != "header":
+        parts = []
+    if len(parts) != 1 or parts[0][:2] != (pb.PutRequest.DESCRIPTOR.fields_by_name["header"].number, 2):
         raise InvalidArgument("a Put stream starts with its header", field="header")
-    packed.check_packed(msg.header, "header.")
-    return msg.header
+    return _parse(pb.PutHeader, parts[0][3])
 
 
 def _put_chunk(raw: bytes, n: int) -> tuple[memoryview, int]:
