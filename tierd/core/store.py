@@ -1012,8 +1012,9 @@ class Store:
 
     def scan(self) -> list[str]:
         """An integrity scan of the disk tier: every committed page reads back
-        with its checksum, pieces lie inside the slabs and never overlap, and
-        the index holds exactly the pieces in memory. Returns the problems."""
+        with its checksum, pieces lie inside the slabs and never overlap, the
+        index holds exactly the pieces in memory, and the accounting holds
+        (check_accounting). Returns the problems."""
         problems: list[str] = []
         if self.index is None:
             return problems
@@ -1039,9 +1040,30 @@ class Store:
         indexed = self.index.count()[1]
         if indexed != len(extents):
             problems.append(f"the index holds {indexed} pieces, the sessions {len(extents)}")
-        if disk.used != sum(disk.allocator.round(n) for _, n, _ in extents):
-            problems.append(f"the allocator holds {disk.used} bytes, the sessions' pieces "
-                            f"{sum(disk.allocator.round(n) for _, n, _ in extents)}")
+        return problems + self.check_accounting()
+
+    def check_accounting(self) -> list[str]:
+        """The accounting invariant: in every tier, the bytes its allocator
+        holds, in all and per tenant, are the bytes held by the sessions'
+        pieces and the open save leases, rounded as the allocator rounds.
+        Returns the differences; exact only while no call or move is in flight."""
+        held: dict[str, dict[str, int]] = {name: {} for name in self.tiers}
+        with self._lock:
+            holders = [(s.key.tenant, s.snap.placement) for s in self._sessions.values()]
+            holders += [(lease.key.tenant, {"host": lease.pieces}) for lease in self._leases.values()
+                        if isinstance(lease, _SaveLease)]
+            for tenant, placement in holders:
+                for tier, pieces in placement.items():
+                    rounded = sum(self.tiers[tier].allocator.round(p.alloc_bytes) for p in pieces)
+                    held[tier][tenant] = held[tier].get(tenant, 0) + rounded
+        problems = []
+        for name, tier in self.tiers.items():
+            if tier.used != sum(held[name].values()):
+                problems.append(f"the {name} tier's allocator holds {tier.used} bytes, its sessions and leases "
+                                f"{sum(held[name].values())}")
+            problems += [f"the {name} tier accounts {tier.used_by(tenant)} bytes to tenant {tenant!r}, its sessions "
+                         f"and leases hold {nbytes}" for tenant, nbytes in sorted(held[name].items())
+                         if tier.used_by(tenant) != nbytes]
         return problems
 
     def keys(self) -> list[SessionKey]:
