@@ -8,21 +8,32 @@ commits before their space is reused.
 A session row records a complete state of the snapshot whose every page is on
 disk: (num_tokens, num_pages, nbytes). Pieces past num_pages belong to a newer
 state that had not reached disk whole; recovery drops them.
+
+SQLite's failures (a full file system, an I/O error) come out as tierd errors,
+ResourceExhausted or Unavailable, with the transaction rolled back: callers
+write the index before they change anything in memory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from tierd.core import tokens
 from tierd.core.model import SessionKey
+from tierd.errors import ResourceExhausted, TierdError, Unavailable
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
+
+log = logging.getLogger("tierd.core.index")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -51,6 +62,7 @@ CREATE TABLE IF NOT EXISTS pieces (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
 FORMAT_VERSION = "2"  # 2: pieces record the token hashes of their pages (empty: not known)
+SQLITE_FULL = 13  # the primary result code of "database or disk is full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +93,15 @@ class DiskIndex:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        try:
+            self._db = self._connect(exclusive=False)
+        except sqlite3.OperationalError as exc:
+            # A full file system cannot hold the shared wal-index (index.db-shm).
+            # Kept in this process's memory instead, the database is ours alone
+            # while we run, as the data dir's lock already makes it.
+            self._db = self._connect(exclusive=True)
+            log.warning("disk index %s: no shared wal-index (%s); the index is held exclusively: other readers "
+                        "wait until tierd stops", path, exc)
         found = self._db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
         if found is None:
             self._db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT_VERSION,))
@@ -95,12 +112,42 @@ class DiskIndex:
             self._db.close()
             raise IndexFormatError(f"the index {path} has format {found[0]}; this tierd reads format {FORMAT_VERSION}")
 
+    def _connect(self, exclusive: bool) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            if exclusive:  # before the first access in WAL mode: the wal-index then lives in memory
+                db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(SCHEMA)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    def _failed(self, exc: sqlite3.Error, doing: str) -> TierdError:
+        """The tierd error for a failed SQLite call."""
+        code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11 on; before it, the message says
+        full = (code & 0xFF) == SQLITE_FULL if code is not None else "is full" in str(exc)
+        if full:
+            return ResourceExhausted(f"the disk index has no room to {doing} ({exc}): free space under "
+                                     f"{os.path.dirname(self.path)}; nothing was changed", path=self.path)
+        return Unavailable(f"the disk index could not {doing} ({exc}); nothing was changed, try again",
+                           path=self.path)
+
+    @contextmanager
+    def _sqlite(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise self._failed(exc, doing) from exc
+
     def _tx(self, statements: list[tuple[str, tuple]]) -> None:
-        with self._lock:
+        with self._lock, self._sqlite("record the change"):
             cur = self._db.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
@@ -108,7 +155,9 @@ class DiskIndex:
                     cur.execute(sql, args)
                 cur.execute("COMMIT")
             except BaseException:
-                cur.execute("ROLLBACK")
+                # SQLite rolls some failures back itself (a full disk, an I/O error).
+                if self._db.in_transaction:
+                    cur.execute("ROLLBACK")
                 raise
 
     @staticmethod
@@ -140,7 +189,7 @@ class DiskIndex:
         stmts: list[tuple[str, tuple]] = [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=? AND first_page>=?", (*key, n_pages)),
         ]
-        with self._lock:
+        with self._lock, self._sqlite("read the pieces to cut"):
             cut = self._db.execute(
                 "SELECT first_page, checksums, tokens FROM pieces WHERE tenant=? AND session_id=? "
                 "AND first_page<? AND first_page+n_pages>?", (*key, n_pages, n_pages)).fetchall()
@@ -219,7 +268,7 @@ class DiskIndex:
         return out, problems
 
     def count(self) -> tuple[int, int]:
-        with self._lock:
+        with self._lock, self._sqlite("count its rows"):
             s = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
             p = self._db.execute("SELECT COUNT(*) FROM pieces").fetchone()[0]
         return s, p

@@ -195,11 +195,15 @@ class Placement:
             snap.version += 1
         return freed
 
-    def forget(self, session: Session) -> None:
-        """Remove every copy: the index entry first, then the space."""
+    def unindex(self, session: Session) -> None:
+        """Remove the session's index entry, the first step of forgetting it:
+        if the index cannot be written, this raises and nothing has changed."""
         if self.index is not None and (session.row is not None or session.snap.pieces("disk")):
             self.index.delete(session.key)
             session.row = None
+
+    def forget(self, session: Session) -> None:
+        """Free every copy of a session already unindexed."""
         with self.lock:
             placement = dict(session.snap.placement)
             session.snap.placement.clear()

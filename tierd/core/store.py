@@ -371,7 +371,9 @@ class Store:
                  first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
                  nbytes: int, priority: int | None, hashes: np.ndarray | None = None) -> Session:
         """Complete a store: replace pages from first_page on with the new ones
-        (hashes: the token hashes of every page, if known)."""
+        (hashes: the token hashes of every page, if known). The index forgets
+        the replaced pages first: if it cannot, this raises before anything
+        changed, and the caller still owns `pieces`."""
         freed = self.placement.truncate(session, first_page) if session is not None else []
         now = self.clock.now()
         with self._changed:
@@ -430,11 +432,11 @@ class Store:
             spans = [Span(p.first_page, p.n_pages, tier, p.offset) for p in pieces]
             try:
                 sums = self.copier.gather(engine, ids, spans, geom, first_page)
+                session = self._publish(key, lock, session, spec, first_page, pieces, tier, sums, num_tokens,
+                                        n_pages * spec.page_bytes, priority, tok)
             except BaseException:
                 self.placement.free(tier, pieces)
                 raise
-            session = self._publish(key, lock, session, spec, first_page, pieces, tier, sums, num_tokens,
-                                    n_pages * spec.page_bytes, priority, tok)
             self.events.saved(tier, ids.size * spec.page_bytes, time.perf_counter() - t0)
             return self._info(session)
         finally:
@@ -514,11 +516,11 @@ class Store:
                     raise InvalidArgument(f"the stream carried {got} bytes, the header announced {nbytes}",
                                           field="size", want=nbytes, got=got)
                 sums = self.copier.checksums(spans, geom)
+                session = self._publish(key, lock, session, spec, first_page, pieces, "host", sums, num_tokens,
+                                        (first_page * spec.page_bytes) + nbytes, priority, tok)
             except BaseException:
                 self.placement.free("host", pieces)
                 raise
-            session = self._publish(key, lock, session, spec, first_page, pieces, "host", sums, num_tokens,
-                                    (first_page * spec.page_bytes) + nbytes, priority, tok)
             self.events.saved("host", nbytes, time.perf_counter() - t0)
             return self._info(session)
         finally:
@@ -642,8 +644,15 @@ class Store:
             except BaseException:
                 self.placement.free("host", lease.pieces)
                 raise
-            session = self._publish(key, lock, session, spec, lease.first_page, lease.pieces, "host", sums,
-                                    lease.num_tokens, n_pages * spec.page_bytes, lease.priority, lease.hashes)
+            try:
+                session = self._publish(key, lock, session, spec, lease.first_page, lease.pieces, "host", sums,
+                                        lease.num_tokens, n_pages * spec.page_bytes, lease.priority, lease.hashes)
+            except BaseException:
+                # The index could not forget the pages this replaces (a full disk, say):
+                # nothing changed, and the lease stays open to commit again or abort.
+                with self._lock:
+                    self._leases[lease.lease_id] = lease
+                raise
             self.events.saved("host", (n_pages - lease.first_page) * spec.page_bytes,
                               time.perf_counter() - lease.started)
             return self._info(session)
@@ -755,10 +764,14 @@ class Store:
             self._forget(session)
 
     def _forget(self, session: Session, reason: str = "drop") -> None:
-        """Remove a session whose op lock the caller holds."""
+        """Remove a session whose op lock the caller holds. Its index entry
+        goes first: if the index cannot be written, this raises and the
+        session is served as before."""
         with self._lock:
             if self._sessions.get(session.key) is not session:
                 return
+        self.placement.unindex(session)
+        with self._lock:
             del self._sessions[session.key]
             self._per_tenant[session.key.tenant] -= 1
             session.dropped = True
