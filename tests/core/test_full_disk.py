@@ -5,6 +5,7 @@ no byte is left held by no session; a restart on the full disk serves every
 durable session; once space frees, the refused calls go through."""
 
 import os
+import sqlite3
 import urllib.request
 
 import pytest
@@ -121,6 +122,33 @@ def test_the_index_opens_on_a_full_file_system(small_fs):
     store = h.open()
     assert stored(store, A) == (32, b"".join(eng.pages([0, 1])))
     assert store.check_accounting() == []
+    h.close()
+
+
+def test_repairs_that_cannot_be_written_at_start_are_written_before_anything_new(small_fs):
+    h = Harness(str(small_fs.path), disk_slab=2 * MiB)
+    store = h.open()
+    eng = HostEngine(seed=4)
+    for key, blocks in ((A, [0, 1]), (B, [2, 3])):
+        store.save(key, eng.memory, SPEC, blocks, 32)
+        store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+    h.close()
+    db = sqlite3.connect(os.path.join(h.root, "index.db"))
+    db.execute("UPDATE pieces SET checksums=x'00' WHERE session_id='b'")  # B's row is damaged
+    db.commit()
+    db.close()
+    small_fs.fill()
+    store = h.open()  # B is quarantined, but the index has no room to record it yet
+    assert sorted(store.keys()) == [A] and store.check_accounting() == []
+    small_fs.free()
+    store.tick()
+    # C takes the space B held; the repair commits before C's pages are recorded
+    store.save(C, eng.memory, SPEC, [4, 5], 32)
+    store.placement.demote(store._sessions[C], "disk", Priority.DEMOTION, "test")
+    store = h.reopen()
+    assert store.recovery_problems == [] and sorted(store.keys()) == [A, C]
+    assert stored(store, C) == (32, b"".join(eng.pages([4, 5])))
+    assert store.scan() == []
     h.close()
 
 

@@ -91,7 +91,7 @@ def test_missing_pieces_drop_the_session(tmp_path):
     idx = DiskIndex(str(tmp_path / "i.db"))
     idx.add_pieces(K, [piece(0, 4096, 0, 1)], row(2))
     recs, problems = idx.recover()
-    assert recs == [] and "cover 1 of 2" in problems[0]
+    assert recs == [] and "cover 1 of 2" in str(problems[0])
 
 
 def test_other_format_is_refused(tmp_path):

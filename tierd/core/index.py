@@ -21,7 +21,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -85,6 +85,75 @@ class Recovered:
     token_hashes: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What recovery found and removed from the index: a committed session it
+    cannot serve (quarantined), or what a crash left half-written (reclaimed)."""
+
+    key: SessionKey
+    reason: str  # one word, a metric label: bad_row, bad_spec, bad_checksums, ..., orphan, partial
+    detail: str
+    quarantined: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.key.tenant}/{self.key.session_id}: {self.detail}"
+
+
+class _Damaged(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _ints(*values: object) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def _size(blob: object) -> str:
+    return f"{len(blob)} bytes" if isinstance(blob, bytes) else f"a {type(blob).__name__}"
+
+
+def _parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
+    """A session from its row (spec, num_tokens, num_pages, nbytes, created,
+    last_access, priority) and its pieces' rows, checked against the format;
+    raises _Damaged."""
+    try:
+        spec = KVSpec.from_dict(json.loads(r[0]))
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
+        raise _Damaged("bad_spec", f"unreadable spec ({exc})") from None
+    num_tokens, num_pages, nbytes, created, last_access, priority = r[1:]
+    if not _ints(num_tokens, num_pages, nbytes, priority) or not all(
+            isinstance(v, (int, float)) for v in (created, last_access)):
+        raise _Damaged("bad_row", "a field of its row has the wrong type")
+    pb = spec.page_bytes
+    if num_pages < 1 or num_tokens < 0 or not (num_pages - 1) * pb < nbytes <= num_pages * pb or (
+            not spec.is_opaque and (nbytes != num_pages * pb or num_tokens > num_pages * spec.block_tokens)):
+        raise _Damaged("bad_row", f"{num_pages} pages, {nbytes} bytes and {num_tokens} tokens do not fit its spec")
+    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority)
+    pieces, sums, covered = [], np.empty(num_pages, dtype=np.uint64), 0
+    hashes = tokens.empty(num_pages)
+    for first, n, offset, alloc, blob, token_blob in recs:
+        if not _ints(first, n, offset, alloc) or n < 1:
+            raise _Damaged("bad_row", f"a piece row has the wrong type or no pages (page {first!r})")
+        if first != covered or covered >= num_pages:
+            break
+        if not isinstance(blob, bytes) or len(blob) != 8 * n:
+            raise _Damaged("bad_checksums", f"the piece at page {first} holds {_size(blob)} of checksums for "
+                                            f"{n} pages")
+        if not isinstance(token_blob, bytes) or len(token_blob) not in (0, tokens.HASH_BYTES * n):
+            raise _Damaged("bad_tokens", f"the piece at page {first} holds {_size(token_blob)} of token hashes "
+                                         f"for {n} pages")
+        keep = min(n, num_pages - first)
+        pieces.append(Piece(offset, alloc, first, keep))
+        sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
+        if token_blob:
+            hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]
+        covered += keep
+    if covered != num_pages:
+        raise _Damaged("missing_pieces", f"pieces cover {covered} of {num_pages} pages")
+    return Recovered(key, row, pieces, sums, hashes)
+
+
 class IndexFormatError(RuntimeError):
     pass
 
@@ -93,6 +162,7 @@ class DiskIndex:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._pending: list[tuple[str, tuple]] = []  # recovery's repairs not yet committed (repair)
         try:
             self._db = self._connect(exclusive=False)
         except sqlite3.OperationalError as exc:
@@ -147,17 +217,20 @@ class DiskIndex:
             raise self._failed(exc, doing) from exc
 
     def _tx(self, statements: list[tuple[str, tuple]]) -> None:
+        # No cursor is kept in a local: a traceback that outlives the call (a
+        # logged error) would keep its statement, and with it the database's
+        # locks, alive after close().
         with self._lock, self._sqlite("record the change"):
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
+            self._db.execute("BEGIN IMMEDIATE")
             try:
-                for sql, args in statements:
-                    cur.execute(sql, args)
-                cur.execute("COMMIT")
+                for sql, args in self._pending + statements:
+                    self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+                self._pending = []
             except BaseException:
                 # SQLite rolls some failures back itself (a full disk, an I/O error).
                 if self._db.in_transaction:
-                    cur.execute("ROLLBACK")
+                    self._db.execute("ROLLBACK")
                 raise
 
     @staticmethod
@@ -186,6 +259,9 @@ class DiskIndex:
     def truncate(self, key: SessionKey, n_pages: int, row: Row | None) -> None:
         """Forget pages from n_pages on. row is the state that remains complete
         on disk, or None when no complete state remains."""
+        self._tx(self._truncate_stmts(key, n_pages, row))
+
+    def _truncate_stmts(self, key: SessionKey, n_pages: int, row: Row | None) -> list[tuple[str, tuple]]:
         stmts: list[tuple[str, tuple]] = [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=? AND first_page>=?", (*key, n_pages)),
         ]
@@ -203,19 +279,26 @@ class DiskIndex:
             stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
         else:
             stmts.append(self._row_stmt(key, row))
-        self._tx(stmts)
+        return stmts
 
-    def delete(self, key: SessionKey) -> None:
-        self._tx([
+    @staticmethod
+    def _delete_stmts(key: SessionKey) -> list[tuple[str, tuple]]:
+        return [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=?", tuple(key)),
             ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),
-        ])
+        ]
 
-    def recover(self) -> tuple[list[Recovered], list[str]]:
-        """Every complete session on disk, after dropping what no complete state
-        points to. Returns (sessions, problems found and repaired)."""
-        problems: list[str] = []
-        with self._lock:
+    def delete(self, key: SessionKey) -> None:
+        self._tx(self._delete_stmts(key))
+
+    def recover(self, check: Callable[[list[Recovered]], list[Problem]] | None = None,
+                ) -> tuple[list[Recovered], list[Problem]]:
+        """Every complete session whose rows are sound (and pass `check`, which
+        returns the problems of the sessions it refuses), and the problems
+        found. Sessions with damaged rows are quarantined and what no complete
+        state points to is reclaimed: both leave the index in one transaction
+        (repair)."""
+        with self._lock, self._sqlite("read its rows"):
             rows = self._db.execute("SELECT * FROM sessions").fetchall()
             all_pieces = self._db.execute(
                 "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums, tokens FROM pieces "
@@ -223,49 +306,43 @@ class DiskIndex:
         by_key: dict[SessionKey, list[tuple]] = {}
         for rec in all_pieces:
             by_key.setdefault(SessionKey(rec[0], rec[1]), []).append(rec[2:])
-        out: list[Recovered] = []
-        row_keys = {SessionKey(r[0], r[1]) for r in rows}
-        orphans = [k for k in by_key if k not in row_keys]
-        broken: list[SessionKey] = []
-        trims: list[Recovered] = []
+        problems: list[Problem] = []
+        found: list[Recovered] = []
         for r in rows:
             key = SessionKey(r[0], r[1])
             try:
-                spec = KVSpec.from_dict(json.loads(r[2]))
-            except Exception as exc:  # a row this version cannot read
-                problems.append(f"{key}: unreadable spec ({exc}); dropped")
-                broken.append(key)
-                continue
-            row = Row(spec, r[3], r[4], r[5], r[6], r[7], r[8])
-            recs = by_key.get(key, [])
-            pieces, sums, covered = [], np.empty(row.num_pages, dtype=np.uint64), 0
-            hashes = tokens.empty(row.num_pages)
-            for first, n, offset, alloc, blob, token_blob in recs:
-                if first != covered or covered >= row.num_pages:
-                    break
-                keep = min(n, row.num_pages - first)
-                pieces.append(Piece(offset, alloc, first, keep))
-                sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
-                if len(token_blob) == tokens.HASH_BYTES * n:
-                    hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]
-                covered += keep
-            if covered != row.num_pages:
-                problems.append(f"{key}: pieces cover {covered} of {row.num_pages} pages; dropped")
-                broken.append(key)
-                continue
-            rec = Recovered(key, row, pieces, sums, hashes)
-            out.append(rec)
-            if any(first + n > row.num_pages for first, n, *_ in recs):
-                trims.append(rec)
-        for key in orphans:
-            problems.append(f"{key}: pieces with no complete state; reclaimed")
-            self.delete(key)
-        for key in broken:
-            self.delete(key)
-        for rec in trims:
-            problems.append(f"{rec.key}: pages past the last complete state; reclaimed")
-            self.truncate(rec.key, rec.row.num_pages, rec.row)
+                found.append(_parse(key, r[2:], by_key.get(key, [])))
+            except _Damaged as exc:
+                problems.append(Problem(key, exc.reason, exc.detail))
+        if check is not None:
+            problems += check(found)
+        refused = {p.key for p in problems}
+        out = [rec for rec in found if rec.key not in refused]
+        row_keys = {SessionKey(r[0], r[1]) for r in rows}
+        problems += [Problem(k, "orphan", "pieces with no complete state; reclaimed", quarantined=False)
+                     for k in by_key if k not in row_keys]
+        stmts = [stmt for p in problems for stmt in self._delete_stmts(p.key)]
+        for rec in out:
+            if any(first + n > rec.row.num_pages for first, n, *_ in by_key[rec.key]):
+                problems.append(Problem(rec.key, "partial", "pages past the last complete state; reclaimed",
+                                        quarantined=False))
+                stmts += self._truncate_stmts(rec.key, rec.row.num_pages, rec.row)
+        self.repair(stmts)
         return out, problems
+
+    def repair(self, stmts: list[tuple[str, tuple]]) -> None:
+        """Commit what recovery removes from the index now or, if the index
+        cannot be written (a full disk), first thing in the next transaction:
+        nothing new is recorded before it."""
+        if not stmts:
+            return
+        with self._lock:
+            self._pending = stmts
+        try:
+            self._tx([])
+        except TierdError as exc:
+            log.warning("disk index: cannot record what recovery repaired yet (%s); it is written before the "
+                        "next change", exc)
 
     def count(self) -> tuple[int, int]:
         with self._lock, self._sqlite("count its rows"):

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.clock import Clock, SystemClock
-from tierd.core import tokens
+from tierd.core import recovery, tokens
 from tierd.core.events import NullEvents, StoreEvents
-from tierd.core.index import DiskIndex
+from tierd.core.index import DiskIndex, Problem
 from tierd.core.model import Session, SessionInfo, SessionKey, Snapshot, TierStats
 from tierd.core.mover import Job, Mover
 from tierd.core.placement import Placement
@@ -195,19 +195,9 @@ class Store:
 
     # -- recovery ------------------------------------------------------------
 
-    def _recover(self) -> list[str]:
-        disk = self.tiers["disk"]
-        disk.open_existing()
+    def _recover(self) -> list[Problem]:
         assert self.index is not None
-        recovered, problems = self.index.recover()
-        kept = []
-        for rec in recovered:
-            if any(p.offset + p.alloc_bytes > disk.capacity for p in rec.pieces):
-                problems.append(f"{rec.key}: pieces past the end of the slab files; dropped")
-                self.index.delete(rec.key)
-                continue
-            kept.append(rec)
-        disk.reserve([(p, rec.key.tenant) for rec in kept for p in rec.pieces])
+        kept, problems = recovery.recover(self.index, self.tiers["disk"], self.events)
         now = self.clock.now()
         for rec in kept:
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces},
@@ -217,9 +207,6 @@ class Store:
             self._sessions[rec.key] = session
             self._key_locks[rec.key] = session.op
             self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1
-        for p in problems:
-            log.warning("recovery: %s", p)
-        log.info("recovered %d sessions from the disk index", len(kept))
         return problems
 
     # -- helpers -------------------------------------------------------------
