@@ -49,6 +49,10 @@ class FaultyOps(FileOps):
         self._tick("fallocate")
         super().fallocate(fd, offset, length)
 
+    def truncate(self, fd, length):
+        self._tick("truncate")
+        super().truncate(fd, length)
+
     def pread(self, fd, view, offset):
         self._tick("pread")
         return super().pread(fd, view, offset)

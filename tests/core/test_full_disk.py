@@ -152,6 +152,18 @@ def test_repairs_that_cannot_be_written_at_start_are_written_before_anything_new
     h.close()
 
 
+def test_a_write_back_that_finds_no_room_leaves_no_file_behind(full):
+    h, store, eng, _ = full
+    slabs = sorted(os.listdir(store.tiers["disk"].directory))
+    store.save(C, eng.memory, SPEC, list(range(64)), 64 * 16)  # a whole slab: needs a new one
+    with pytest.raises(StoreUnavailable, match="full"):
+        store.placement.write_disk(store._sessions[C], Priority.WRITEBACK)
+    assert sorted(os.listdir(store.tiers["disk"].directory)) == slabs
+    assert store.tiers["disk"].out_of_space and store.check_accounting() == []
+    store = h.reopen(flush=True)  # a clean stop that tries to flush C, and a start on the full disk
+    assert sorted(store.keys()) == [A, B] and store.scan() == [] and store.check_accounting() == []
+
+
 # -- a real daemon whose data dir is on the small file system ------------------------------
 
 OPAQUE = KVSpec.opaque("test/full", page_bytes=64 << 10)
@@ -178,14 +190,43 @@ def _write_back_failed(d, session_id):
     return f"of default/{session_id} to disk failed" in text
 
 
+def _kept_on_disk_then_full(c, fs):
+    """Put a session 'kept', wait until it is on disk only, then fill the file
+    system; returns its bytes."""
+    data = os.urandom(MiB)
+    c.put("kept", data, OPAQUE, num_tokens=1)
+    c.release("kept")
+    wait_for(lambda: c.stat("kept").tier_bytes.keys() == {"disk"}, what="kept on disk only")
+    fs.fill()
+    return data
+
+
+def test_a_daemon_stopped_on_a_full_disk_starts_and_serves(daemon_on):
+    d, fs = daemon_on
+    with d.start().client() as c:
+        data = _kept_on_disk_then_full(c, fs)
+        c.put("late", os.urandom(6 * MiB), OPAQUE, num_tokens=1)
+        c.release("late")
+        wait_for(lambda: _disk_full(d), what="the write-back of late finding the disk full")
+        wait_for(lambda: wire_accounting(c) == [], what="accounting")
+    assert d.stop() == 0  # the flush of late fails: logged, not fatal
+    d.start()  # on the full disk
+    with d.client() as c:
+        assert [s.session_id for s in c.list()] == ["kept"] and c.get("kept") == data
+        assert wire_accounting(c) == []
+        c.put("new", b"x" * 100_000, OPAQUE, num_tokens=1)
+        c.release("new")
+        wait_for(lambda: _write_back_failed(d, "new"), what="the write-back of new refused")
+        assert not c.stat("new").durable and wire_accounting(c) == []
+        fs.free()
+        wait_for(lambda: c.stat("new").durable, what="the write-back once space frees")
+        assert wire_accounting(c) == []
+
+
 def test_drop_and_overwrite_on_a_full_index_answer_and_change_nothing(daemon_on):
     d, fs = daemon_on
-    data = os.urandom(MiB)
     with d.start().client() as c:
-        c.put("kept", data, OPAQUE, num_tokens=1)
-        c.release("kept")
-        wait_for(lambda: c.stat("kept").tier_bytes.keys() == {"disk"}, what="kept on disk only")
-        fs.fill()
+        data = _kept_on_disk_then_full(c, fs)
         with pytest.raises(ResourceExhausted, match="index"):
             c.drop("kept")
         with pytest.raises(ResourceExhausted, match="index"):

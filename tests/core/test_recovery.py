@@ -55,6 +55,33 @@ def serves_exactly(store, content):
     assert store.scan() == [] and store.check_accounting() == []
 
 
+@pytest.mark.parametrize("damage", ["deleted", "cut short"])
+def test_a_lost_slab_costs_only_the_sessions_in_it(six, caplog, damage):
+    h, metrics, content, slab_of = six
+    path = os.path.join(h.root, "slabs", "slab-000001.bin")
+    if damage == "deleted":
+        os.unlink(path)  # the middle one of three
+    else:
+        os.truncate(path, MiB // 4)
+    with caplog.at_level(logging.WARNING, logger="tierd"):
+        store = h.open()
+    lost = sorted(k for k, s in slab_of.items() if s == 1)
+    assert len(lost) == 2
+    serves_exactly(store, {k: v for k, v in content.items() if k not in lost})
+    for key in lost:
+        assert f"quarantined default/{key.session_id}" in caplog.text
+    reason = "missing_slab" if damage == "deleted" else "truncated_slab"
+    assert quarantined(metrics, reason) == 2
+    # the space is usable again, and the quarantine is recorded: a second start finds nothing to repair
+    eng = HostEngine(num_blocks=64, seed=9)
+    store.save(lost[0], eng.memory, SPEC, list(range(2 * PAGES)), 2 * PAGES * SPEC.block_tokens)
+    store.placement.demote(store._sessions[lost[0]], "disk", Priority.DEMOTION, "test")
+    content[lost[0]] = b"".join(eng.pages(range(2 * PAGES)))
+    store = h.reopen()
+    assert store.recovery_problems == []
+    serves_exactly(store, {k: v for k, v in content.items() if k != lost[1]})
+
+
 def _sql(h, *statements):
     db = sqlite3.connect(os.path.join(h.root, "index.db"))
     for sql, args in statements:

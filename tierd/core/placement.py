@@ -60,7 +60,11 @@ class Placement:
         for attempt in range(3):
             got: list[Piece] = []
             for first, n in ranges:
-                pieces = t.alloc_pages(n, stride, owner=tenant)
+                try:
+                    pieces = t.alloc_pages(n, stride, owner=tenant)
+                except OSError as exc:
+                    self.free(tier, got)
+                    raise self.io_failed("allocation", exc, protect) from exc
                 if pieces is None:
                     break
                 got += [Piece(p.offset, p.alloc_bytes, p.first_page + first, p.n_pages) for p in pieces]
