@@ -33,9 +33,9 @@ from tierd.api.auth import Authenticator
 from tierd.api.servicer import TierdServicer, add_to_server
 from tierd.config import Config, default_runtime_dir, resolve_budgets
 from tierd.core.engines import EngineRegistry
-from tierd.core.index import IndexFormatError
+from tierd.core.index import IndexFormatError, IndexUnavailable
 from tierd.core.store import Store
-from tierd.errors import InvalidArgument
+from tierd.errors import InvalidArgument, TierdError
 from tierd.metrics import Metrics
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -229,7 +229,7 @@ def serve(cfg: Config) -> int:
 
         try:
             machine = factory.build(cfg)
-        except IndexFormatError as exc:
+        except (IndexFormatError, IndexUnavailable) as exc:
             raise StartupError(f"{exc}; nothing was changed") from None
         except factory.DiskIOUnavailable as exc:
             raise StartupError(str(exc)) from None
@@ -239,7 +239,7 @@ def serve(cfg: Config) -> int:
         try:
             store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
                           movers=cfg.movers)
-        except OSError as exc:
+        except (OSError, TierdError) as exc:
             raise StartupError(f"cannot open the disk tier under {cfg.data_dir}: {exc}") from None
         stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
         backends = machine.backends  # each tier's live backend is in its stats and tierd_tier_backend_info

@@ -7,13 +7,16 @@ byte-exact, and the accounting holds."""
 import logging
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
+from tierd.layout import KVSpec
 from tierd.metrics import Metrics
+from tierd.testing import Daemon
 from tierd.transfer.ioqueue import Priority
 
 MiB = 1 << 20
@@ -127,3 +130,50 @@ def test_a_damaged_row_quarantines_only_its_sessions(six, caplog, damage):
     assert store.index.count() == (len(KEYS) - len(victims),) * 2  # gone from the index too
     store = h.reopen()
     assert store.recovery_problems == []
+
+
+def _garble(path, how):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if how == "header":
+            f.write(os.urandom(100))
+        elif how == "pages":
+            f.seek(4096)
+            f.write(os.urandom(size - 4096))
+        else:
+            f.truncate(size // 2)
+
+
+@pytest.mark.parametrize("how", ["header", "pages", "cut"])
+def test_an_unreadable_index_is_moved_aside_and_rebuilt(six, caplog, how):
+    h = six[0]
+    index = Path(h.root) / "index.db"
+    _garble(index, how)
+    before = index.read_bytes()
+    with caplog.at_level(logging.ERROR, logger="tierd"):
+        store = h.open()
+    aside = [n for n in os.listdir(h.root) if n.startswith("index.db.damaged-")]
+    assert len(aside) == 1 and (Path(h.root) / aside[0]).read_bytes() == before
+    assert f"moved to {os.path.join(h.root, aside[0])}" in caplog.text
+    # a fresh index: the sessions it held are lost, their space is reused, new ones survive restarts
+    serves_exactly(store, {})
+    eng = HostEngine(seed=2)
+    store.save(KEYS[0], eng.memory, SPEC, [0, 1], 32)
+    store.placement.demote(store._sessions[KEYS[0]], "disk", Priority.DEMOTION, "test")
+    store = h.reopen()
+    serves_exactly(store, {KEYS[0]: b"".join(eng.pages([0, 1]))})
+
+
+def test_a_daemon_starts_on_a_garbled_index(tmp_path):
+    d = Daemon(tmp_path)
+    os.makedirs(d.data_dir, mode=0o700)
+    with open(os.path.join(d.data_dir, "index.db"), "wb") as f:
+        f.write(os.urandom(64 << 10))
+    try:
+        with d.start().client() as c:
+            assert c.list() == []
+            c.put("new", b"x" * 1000, KVSpec.opaque("m"), num_tokens=1)
+        assert "the disk index" in d.log() and "index.db.damaged-" in d.log()
+        assert "Traceback" not in d.log()
+    finally:
+        d.close()
