@@ -11,13 +11,14 @@ state that had not reached disk whole; recovery drops them.
 
 SQLite's failures (a full file system, an I/O error) come out as tierd errors,
 ResourceExhausted or Unavailable, with the transaction rolled back: callers
-write the index before they change anything in memory.
+write the index before they change anything in memory. At start, rows that
+do not parse are quarantined (recover), and a file that is not a sound
+database any more is moved aside for a fresh one.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import sqlite3
@@ -25,14 +26,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
 from tierd.core import tokens
 from tierd.core.model import SessionKey
+from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
 from tierd.errors import ResourceExhausted, TierdError, Unavailable
-from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
 
 log = logging.getLogger("tierd.core.index")
@@ -65,95 +65,6 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITH
 """
 FORMAT_VERSION = "2"  # 2: pieces record the token hashes of their pages (empty: not known)
 SQLITE_FULL = 13  # the primary result code of "database or disk is full"
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    spec: KVSpec
-    num_tokens: int
-    num_pages: int
-    nbytes: int
-    created: float
-    last_access: float
-    priority: int
-
-
-@dataclass(frozen=True, slots=True)
-class Recovered:
-    key: SessionKey
-    row: Row
-    pieces: list[Piece]
-    checksums: np.ndarray
-    token_hashes: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """What recovery found and removed from the index: a committed session it
-    cannot serve (quarantined), or what a crash left half-written (reclaimed)."""
-
-    key: SessionKey
-    reason: str  # one word, a metric label: bad_row, bad_spec, bad_checksums, ..., orphan, partial
-    detail: str
-    quarantined: bool = True
-
-    def __str__(self) -> str:
-        return f"{self.key.tenant}/{self.key.session_id}: {self.detail}"
-
-
-class _Damaged(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
-def _ints(*values: object) -> bool:
-    return all(isinstance(v, int) for v in values)
-
-
-def _size(blob: object) -> str:
-    return f"{len(blob)} bytes" if isinstance(blob, bytes) else f"a {type(blob).__name__}"
-
-
-def _parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
-    """A session from its row (spec, num_tokens, num_pages, nbytes, created,
-    last_access, priority) and its pieces' rows, checked against the format;
-    raises _Damaged."""
-    try:
-        spec = KVSpec.from_dict(json.loads(r[0]))
-    except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
-        raise _Damaged("bad_spec", f"unreadable spec ({exc})") from None
-    num_tokens, num_pages, nbytes, created, last_access, priority = r[1:]
-    if not _ints(num_tokens, num_pages, nbytes, priority) or not all(
-            isinstance(v, (int, float)) for v in (created, last_access)):
-        raise _Damaged("bad_row", "a field of its row has the wrong type")
-    pb = spec.page_bytes
-    if num_pages < 1 or num_tokens < 0 or not (num_pages - 1) * pb < nbytes <= num_pages * pb or (
-            not spec.is_opaque and (nbytes != num_pages * pb or num_tokens > num_pages * spec.block_tokens)):
-        raise _Damaged("bad_row", f"{num_pages} pages, {nbytes} bytes and {num_tokens} tokens do not fit its spec")
-    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority)
-    pieces, sums, covered = [], np.empty(num_pages, dtype=np.uint64), 0
-    hashes = tokens.empty(num_pages)
-    for first, n, offset, alloc, blob, token_blob in recs:
-        if not _ints(first, n, offset, alloc) or n < 1:
-            raise _Damaged("bad_row", f"a piece row has the wrong type or no pages (page {first!r})")
-        if first != covered or covered >= num_pages:
-            break
-        if not isinstance(blob, bytes) or len(blob) != 8 * n:
-            raise _Damaged("bad_checksums", f"the piece at page {first} holds {_size(blob)} of checksums for "
-                                            f"{n} pages")
-        if not isinstance(token_blob, bytes) or len(token_blob) not in (0, tokens.HASH_BYTES * n):
-            raise _Damaged("bad_tokens", f"the piece at page {first} holds {_size(token_blob)} of token hashes "
-                                         f"for {n} pages")
-        keep = min(n, num_pages - first)
-        pieces.append(Piece(offset, alloc, first, keep))
-        sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
-        if token_blob:
-            hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]
-        covered += keep
-    if covered != num_pages:
-        raise _Damaged("missing_pieces", f"pieces cover {covered} of {num_pages} pages")
-    return Recovered(key, row, pieces, sums, hashes)
 
 
 class IndexFormatError(RuntimeError):
@@ -191,7 +102,7 @@ class DiskIndex:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._pending: list[tuple[str, tuple]] = []  # recovery's repairs not yet committed (repair)
+        self._pending: list[tuple[str, tuple]] = []  # recovery's repairs not yet committed (_repair)
         self.set_aside: str | None = None  # where an unreadable index was moved at start
         try:
             self._open()
@@ -361,7 +272,7 @@ class DiskIndex:
         returns the problems of the sessions it refuses), and the problems
         found. Sessions with damaged rows are quarantined and what no complete
         state points to is reclaimed: both leave the index in one transaction
-        (repair)."""
+        (_repair)."""
         try:
             with self._lock:
                 rows = self._db.execute("SELECT * FROM sessions").fetchall()
@@ -389,8 +300,8 @@ class DiskIndex:
         for r in rows:
             key = SessionKey(r[0], r[1])
             try:
-                found.append(_parse(key, r[2:], by_key.get(key, [])))
-            except _Damaged as exc:
+                found.append(parse(key, r[2:], by_key.get(key, [])))
+            except Damaged as exc:
                 problems.append(Problem(key, exc.reason, exc.detail))
         if check is not None:
             problems += check(found)
@@ -405,10 +316,10 @@ class DiskIndex:
                 problems.append(Problem(rec.key, "partial", "pages past the last complete state; reclaimed",
                                         quarantined=False))
                 stmts += self._truncate_stmts(rec.key, rec.row.num_pages, rec.row)
-        self.repair(stmts)
+        self._repair(stmts)
         return out, problems
 
-    def repair(self, stmts: list[tuple[str, tuple]]) -> None:
+    def _repair(self, stmts: list[tuple[str, tuple]]) -> None:
         """Commit what recovery removes from the index now or, if the index
         cannot be written (a full disk), first thing in the next transaction:
         nothing new is recorded before it."""

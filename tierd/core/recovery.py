@@ -5,10 +5,9 @@ the slab files it finds (recreating a missing one, sparse), the index parses
 its rows and quarantines those it cannot read (DiskIndex.recover), and here
 each remaining session's pieces are checked against the slab files: aligned,
 inside one slab whose file was whole, and sharing no byte with another
-session's. A session
-that fails is quarantined too: one log line and one count in
-tierd_sessions_quarantined_total{reason} each, and it leaves the index. The
-rest are reserved in the disk tier and served.
+session's. A session that fails is quarantined too. Each quarantined session
+gets one log line and one count in tierd_sessions_quarantined_total{reason},
+and leaves the index; the rest are reserved in the disk tier and served.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ from __future__ import annotations
 import logging
 
 from tierd.core.events import StoreEvents
-from tierd.core.index import DiskIndex, Problem, Recovered
+from tierd.core.index import DiskIndex
 from tierd.core.model import SessionKey
+from tierd.core.rows import Problem, Recovered
 from tierd.tiers.disk import DiskTier
 from tierd.transfer.runs import page_stride
 

@@ -25,10 +25,11 @@ import numpy as np
 from tierd.clock import Clock, SystemClock
 from tierd.core import recovery, tokens
 from tierd.core.events import NullEvents, StoreEvents
-from tierd.core.index import DiskIndex, Problem
+from tierd.core.index import DiskIndex
 from tierd.core.model import Session, SessionInfo, SessionKey, Snapshot, TierStats
 from tierd.core.mover import Job, Mover
 from tierd.core.placement import Placement
+from tierd.core.rows import Problem
 from tierd.errors import (
     DataLoss,
     FailedPrecondition,
