@@ -8,6 +8,7 @@ that is one word, a metric label.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -61,6 +62,13 @@ class Damaged(Exception):
         self.reason, self.detail = reason, detail
 
 
+@functools.lru_cache(maxsize=1024)
+def _spec(text: str) -> KVSpec:
+    """A spec from its JSON. Sessions of one model share one text: parsing and
+    checking it once per text, not per row, was most of a large recovery."""
+    return KVSpec.from_dict(json.loads(text))
+
+
 def _ints(*values: object) -> bool:
     return all(isinstance(v, int) for v in values)
 
@@ -74,7 +82,7 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     last_access, priority) and its pieces' rows, checked against the format;
     raises Damaged."""
     try:
-        spec = KVSpec.from_dict(json.loads(r[0]))
+        spec = _spec(r[0])
     except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
         raise Damaged("bad_spec", f"unreadable spec ({exc})") from None
     num_tokens, num_pages, nbytes, created, last_access, priority = r[1:]
