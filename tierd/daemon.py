@@ -63,8 +63,13 @@ def _lock(path: str, what: str) -> int:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
         raise StartupError(f"{what} is in use by another tierd (pid {holder}); stop it or choose another") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        # The pid only makes a second daemon's message clearer; the lock is the
+        # flock. A full disk must not stop the start.
+        log.warning("cannot write the pid into %s: %s", path, exc)
     return fd
 
 

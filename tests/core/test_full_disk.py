@@ -223,6 +223,16 @@ def test_a_daemon_stopped_on_a_full_disk_starts_and_serves(daemon_on):
         assert wire_accounting(c) == []
 
 
+def test_a_daemon_starts_on_a_full_disk_that_lacks_its_lock_file(daemon_on):
+    d, fs = daemon_on
+    d.start().stop()
+    os.unlink(os.path.join(d.data_dir, "tierd.lock"))
+    fs.fill()
+    with d.start().client() as c:  # the lock file is created, its pid cannot be written
+        assert c.list() == []
+    assert "cannot write the pid" in d.log()
+
+
 def test_drop_and_overwrite_on_a_full_index_answer_and_change_nothing(daemon_on):
     d, fs = daemon_on
     with d.start().client() as c:
