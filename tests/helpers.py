@@ -1,11 +1,17 @@
-"""Shared test helpers: a store on a temporary data dir, and engine memory
-laid out the way real engines lay it out (numpy regions, real bytes)."""
+"""Shared test helpers: a store on a temporary data dir, engine memory laid
+out the way real engines lay it out (numpy regions, real bytes), and a small
+file system that fills up for real."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import subprocess
+import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +56,7 @@ class Harness:
     disk: bool = True
     disk_ops: object = None  # a FileOps for the disk tier (fault injection)
     movers: int = 2  # background move threads; 0 leaves every queued move queued
+    events: object = None  # what the store reports to (tierd.metrics.Metrics, say); None: nothing
     store: Store | None = None
     executor: PriorityExecutor | None = None
 
@@ -66,7 +73,8 @@ class Harness:
         if self.device_budget is not None:
             tiers["device"] = DeviceTier(self.device_budget, "cpu", 8 * MiB)
         self.store = Store(tiers, CopyEngine(tiers, window_bytes=4 * MiB, verify_tiers=self.verify), index,
-                           clock=self.clock, policy=self.policy, movers=self.movers, shm_prefix=prefix)
+                           clock=self.clock, policy=self.policy, events=self.events, movers=self.movers,
+                           shm_prefix=prefix)
         return self.store
 
     def close(self, flush: bool = False) -> None:
@@ -126,3 +134,70 @@ class HostEngine:
     def clear(self) -> None:
         for r in self.memory.regions:
             r[:] = 0
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "the condition"):
+    """Poll predicate until it returns something true; fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.02)
+
+
+class SmallFS:
+    """A tmpfs of a few MiB mounted at `path`: a file system that really fills
+    up. fill() takes every free byte with a plain file; free() deletes it."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self.size = size
+        self.filler = path / "filler"
+
+    def mount(self) -> str | None:
+        """Mount it; returns why it cannot be mounted here, or None."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
+                                 capture_output=True, text=True, timeout=30, check=False)
+        except FileNotFoundError:
+            return "there is no mount command"
+        return None if out.returncode == 0 else (out.stderr.strip() or f"mount exited with {out.returncode}")
+
+    def unmount(self) -> None:
+        if subprocess.run(["umount", str(self.path)], capture_output=True, timeout=30, check=False).returncode:
+            subprocess.run(["umount", "--lazy", str(self.path)], capture_output=True, timeout=30, check=False)
+
+    def fill(self) -> int:
+        """Write a plain file until the file system refuses more; returns its size."""
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for chunk in (MiB, 4096):
+                block = b"\0" * chunk
+                try:
+                    while True:
+                        os.write(fd, block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+        finally:
+            os.close(fd)
+        assert shutil.disk_usage(self.path).free < 4096, "the file system still has room"
+        return os.path.getsize(self.filler)
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+
+def wire_accounting(client) -> list[str]:
+    """What a client sees of the accounting invariant: per tier, the bytes the
+    daemon reports used are the sum of its sessions' bytes in that tier."""
+    used = {t.name: t.used for t in client.stats()["tiers"]}
+    held = dict.fromkeys(used, 0)
+    for info in client.list(all_tenants=True):
+        for tier, nbytes in info.tier_bytes.items():
+            held[tier] += nbytes
+    return [f"the {t} tier holds {used[t]} bytes, its sessions {held[t]}" for t in used if used[t] != held[t]]

@@ -35,9 +35,9 @@ from tierd.api.limits import TenantLimits
 from tierd.api.servicer import TierdServicer, add_to_server
 from tierd.config import Config, default_runtime_dir, resolve_budgets
 from tierd.core.engines import EngineRegistry
-from tierd.core.index import IndexFormatError
+from tierd.core.index import IndexFormatError, IndexUnavailable
 from tierd.core.store import Store
-from tierd.errors import InvalidArgument
+from tierd.errors import InvalidArgument, TierdError
 from tierd.metrics import Metrics
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -65,8 +65,13 @@ def _lock(path: str, what: str) -> int:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
         raise StartupError(f"{what} is in use by another tierd (pid {holder}); stop it or choose another") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        # The pid only makes a second daemon's message clearer; the lock is the
+        # flock. A full disk must not stop the start.
+        log.warning("cannot write the pid into %s: %s", path, exc)
     return fd
 
 
@@ -241,7 +246,7 @@ def serve(cfg: Config) -> int:
 
         try:
             machine = factory.build(cfg)
-        except IndexFormatError as exc:
+        except (IndexFormatError, IndexUnavailable) as exc:
             raise StartupError(f"{exc}; nothing was changed") from None
         except factory.DiskIOUnavailable as exc:
             raise StartupError(str(exc)) from None
@@ -251,7 +256,7 @@ def serve(cfg: Config) -> int:
         try:
             store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
                           movers=cfg.movers, shm_prefix=machine.shm_prefix)
-        except OSError as exc:
+        except (OSError, TierdError) as exc:
             raise StartupError(f"cannot open the disk tier under {cfg.data_dir}: {exc}") from None
         stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
         backends = machine.backends  # each tier's live backend is in its stats and tierd_tier_backend_info

@@ -50,6 +50,9 @@ class Metrics:
         self.disk_errors = Counter("tierd_disk_errors_total", "Disk I/O errors", ["op"], registry=registry)
         self.leases_expired = Counter("tierd_leases_expired_total", "Leases not ended in time (save, restore)",
                                       ["kind"], registry=registry)
+        self.quarantined_sessions = Counter("tierd_sessions_quarantined_total", "Sessions found damaged at start "
+                                            "(a bad index row, a lost slab) and not served", ["reason"],
+                                            registry=registry)
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
         self.info.info({"version": __version__})
@@ -90,6 +93,9 @@ class Metrics:
 
     def lease_expired(self, kind: str) -> None:
         self.leases_expired.labels(kind).inc()
+
+    def quarantined(self, reason: str) -> None:
+        self.quarantined_sessions.labels(reason).inc()
 
     # RPCs -----------------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class FaultyOps(FileOps):
         self._tick("fallocate")
         super().fallocate(fd, offset, length)
 
+    def truncate(self, fd, length):
+        self._tick("truncate")
+        super().truncate(fd, length)
+
     def pread(self, fd, view, offset):
         self._tick("pread")
         return super().pread(fd, view, offset)
@@ -123,6 +127,7 @@ def run(root, ops):
     eng, out = HostEngine(num_blocks=16, seed=1), HostEngine(num_blocks=16, seed=2)
     durable, current = workload(store, eng, out)
     calls, ops.fail_at = ops.calls, None  # the checks below read through a healthy disk
+    assert store.check_accounting() == []  # no byte held by no session
     # no failed store is visible: every live session holds what was last stored successfully
     assert sorted(store.keys()) == sorted(current)
     for key, pages in current.items():
@@ -172,6 +177,7 @@ def test_a_failed_sync_is_never_trusted(tmp_path):
     with pytest.raises(TierdError, match="fdatasync"):
         store.placement.write_disk(store._sessions[A], Priority.WRITEBACK)
     assert not store.stat(A).durable and store.stat(A).tier == "host" and disk.used == 0
+    assert store.check_accounting() == []
     with pytest.raises(OSError, match="may be lost"):
         disk.sync(epoch)  # ...is refused even though this fdatasync succeeds
     store.placement.write_disk(store._sessions[A], Priority.WRITEBACK)  # a fresh write and sync
@@ -192,6 +198,7 @@ def test_a_full_disk_pauses_demotion_and_it_resumes(tmp_path, caplog):
     assert store.tiers["disk"].out_of_space
     assert "is full" in caplog.text and "demotion to disk pauses" in caplog.text
     assert store.stat(A).tier == "host"  # still served from host
+    assert store.check_accounting() == []
     ops.fail_at = None  # space frees
     store.tick()  # the disk tier notices, and policy demotes again
     store.drain(10)

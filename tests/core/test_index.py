@@ -1,3 +1,4 @@
+import os
 import sqlite3
 
 import numpy as np
@@ -5,7 +6,7 @@ import pytest
 
 from tests.helpers import SPEC
 from tierd.core import tokens
-from tierd.core.index import SCHEMA, DiskIndex, IndexFormatError, Row
+from tierd.core.index import SCHEMA, DiskIndex, IndexFormatError, IndexUnavailable, Row
 from tierd.core.model import SessionKey
 from tierd.tiers.allocator import Piece
 
@@ -91,7 +92,7 @@ def test_missing_pieces_drop_the_session(tmp_path):
     idx = DiskIndex(str(tmp_path / "i.db"))
     idx.add_pieces(K, [piece(0, 4096, 0, 1)], row(2))
     recs, problems = idx.recover()
-    assert recs == [] and "cover 1 of 2" in problems[0]
+    assert recs == [] and "cover 1 of 2" in str(problems[0])
 
 
 def test_other_format_is_refused(tmp_path):
@@ -108,3 +109,23 @@ def test_other_format_is_refused(tmp_path):
 def test_wal_mode(tmp_path):
     DiskIndex(str(tmp_path / "i.db")).close()
     assert sqlite3.connect(str(tmp_path / "i.db")).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_tables_that_are_not_tierds_are_moved_aside(tmp_path):
+    path = str(tmp_path / "i.db")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE sessions (id TEXT PRIMARY KEY, blob BLOB)")
+    db.execute("INSERT INTO sessions VALUES ('x', x'00')")
+    db.commit()
+    db.close()
+    idx = DiskIndex(path)
+    assert idx.set_aside is not None and os.path.exists(idx.set_aside)
+    assert idx.recover() == ([], []) and idx.count() == (0, 0)
+
+
+def test_an_index_that_cannot_be_opened_is_not_moved_aside(tmp_path):
+    path = tmp_path / "i.db"
+    path.mkdir()  # SQLite cannot open it, and nothing says the data in it is damaged
+    with pytest.raises(IndexUnavailable, match="cannot open"):
+        DiskIndex(str(path))
+    assert os.listdir(tmp_path) == ["i.db"]

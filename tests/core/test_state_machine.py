@@ -176,6 +176,7 @@ class StoreMachine(RuleBasedStateMachine):
                            for p in s.snap.pieces(name))
             for (a, n), (b, _) in zip(spans, spans[1:]):
                 assert a + n <= b, f"{name}: pieces overlap"
+        assert self.store.check_accounting() == []  # per tenant, and with open leases, too
 
     @invariant()
     def sessions_match_the_model(self):

@@ -26,6 +26,8 @@ class StoreEvents(Protocol):
 
     def lease_expired(self, kind: str) -> None: ...
 
+    def quarantined(self, reason: str) -> None: ...
+
 
 class NullEvents:
     def moved(self, src: str, dst: str, reason: str, nbytes: int, seconds: float) -> None:
@@ -50,4 +52,7 @@ class NullEvents:
         pass
 
     def lease_expired(self, kind: str) -> None:
+        pass
+
+    def quarantined(self, reason: str) -> None:
         pass

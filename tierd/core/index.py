@@ -8,21 +8,34 @@ commits before their space is reused.
 A session row records a complete state of the snapshot whose every page is on
 disk: (num_tokens, num_pages, nbytes). Pieces past num_pages belong to a newer
 state that had not reached disk whole; recovery drops them.
+
+SQLite's failures (a full file system, an I/O error) come out as tierd errors,
+ResourceExhausted or Unavailable, with the transaction rolled back: callers
+write the index before they change anything in memory. At start, rows that
+do not parse are quarantined (recover), and a file that is not a sound
+database any more is moved aside for a fresh one.
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import logging
+import os
 import sqlite3
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
 from tierd.core import tokens
 from tierd.core.model import SessionKey
-from tierd.layout import KVSpec
+from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
+from tierd.errors import ResourceExhausted, TierdError, Unavailable
 from tierd.tiers.allocator import Piece
+
+log = logging.getLogger("tierd.core.index")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -51,40 +64,77 @@ CREATE TABLE IF NOT EXISTS pieces (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
 FORMAT_VERSION = "2"  # 2: pieces record the token hashes of their pages (empty: not known)
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    spec: KVSpec
-    num_tokens: int
-    num_pages: int
-    nbytes: int
-    created: float
-    last_access: float
-    priority: int
-
-
-@dataclass(frozen=True, slots=True)
-class Recovered:
-    key: SessionKey
-    row: Row
-    pieces: list[Piece]
-    checksums: np.ndarray
-    token_hashes: np.ndarray
+SQLITE_FULL = 13  # the primary result code of "database or disk is full"
 
 
 class IndexFormatError(RuntimeError):
     pass
 
 
+class IndexUnavailable(RuntimeError):
+    """The index cannot be opened for a reason other than damage (permissions,
+    a file system with no room for a new database): nothing was changed."""
+
+
+def _unsound(exc: sqlite3.Error) -> bool:
+    """Whether SQLite says the file is not a sound database. It raises bare
+    DatabaseError for that alone (SQLITE_CORRUPT, SQLITE_NOTADB), and
+    subclasses for I/O errors, a full disk, locks."""
+    return type(exc) is sqlite3.DatabaseError
+
+
+def _columns(db: sqlite3.Connection) -> dict[str, list[str]]:
+    return {t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in ("sessions", "pieces", "meta")}
+
+
+@functools.cache
+def _tierd_columns() -> dict[str, list[str]]:
+    """The tables' columns as this version writes them."""
+    db = sqlite3.connect(":memory:")
+    db.executescript(SCHEMA)
+    try:
+        return _columns(db)
+    finally:
+        db.close()
+
+
 class DiskIndex:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._pending: list[tuple[str, tuple]] = []  # recovery's repairs not yet committed (_repair)
+        self.set_aside: str | None = None  # where an unreadable index was moved at start
+        try:
+            self._open()
+        except sqlite3.Error as exc:
+            if not _unsound(exc):
+                raise IndexUnavailable(f"cannot open the disk index {path}: {exc}") from None
+            self._set_aside(str(exc))
+            try:
+                self._open()
+            except sqlite3.Error as again:
+                raise IndexUnavailable(f"cannot create a new disk index {path}: {again}") from None
+
+    def _open(self) -> None:
+        try:
+            self._db = self._connect(exclusive=False)
+        except sqlite3.OperationalError as exc:
+            # A full file system cannot hold the shared wal-index (index.db-shm).
+            # Kept in this process's memory instead, the database is ours alone
+            # while we run, as the data dir's lock already makes it.
+            self._db = self._connect(exclusive=True)
+            log.warning("disk index %s: no shared wal-index (%s); the index is held exclusively: other readers "
+                        "wait until tierd stops", self.path, exc)
+        try:
+            self._db.executescript(SCHEMA)
+            self._check_format()
+            if _columns(self._db) != _tierd_columns():
+                raise sqlite3.DatabaseError(f"its tables are not tierd's: {_columns(self._db)}")
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _check_format(self) -> None:
         found = self._db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
         if found is None:
             self._db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT_VERSION,))
@@ -92,23 +142,70 @@ class DiskIndex:
             self._tx([("ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''", ()),
                       ("UPDATE meta SET value=? WHERE key='format'", (FORMAT_VERSION,))])
         elif found[0] != FORMAT_VERSION:
-            self._db.close()
-            raise IndexFormatError(f"the index {path} has format {found[0]}; this tierd reads format {FORMAT_VERSION}")
+            raise IndexFormatError(f"the index {self.path} has format {found[0]}; this tierd reads format "
+                                   f"{FORMAT_VERSION}")
+
+    def _set_aside(self, why: str) -> None:
+        """Move an unreadable index, with its WAL and wal-index, out of the way
+        (a fresh one is opened next): never a start that fails over and over."""
+        aside = f"{self.path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        while os.path.lexists(aside):
+            aside += "+"
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.lexists(self.path + suffix):
+                os.replace(self.path + suffix, aside + suffix)
+        self.set_aside = aside
+        log.error("the disk index %s is unreadable (%s): moved to %s; starting with an empty index: the sessions "
+                  "it held are lost and their disk space is reused", self.path, why, aside)
+
+    def _connect(self, exclusive: bool) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            if exclusive:  # before the first access in WAL mode: the wal-index then lives in memory
+                db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    def _failed(self, exc: sqlite3.Error, doing: str) -> TierdError:
+        """The tierd error for a failed SQLite call."""
+        code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11 on; before it, the message says
+        full = (code & 0xFF) == SQLITE_FULL if code is not None else "is full" in str(exc)
+        if full:
+            return ResourceExhausted(f"the disk index has no room to {doing} ({exc}): free space under "
+                                     f"{os.path.dirname(self.path)}; nothing was changed", path=self.path)
+        return Unavailable(f"the disk index could not {doing} ({exc}); nothing was changed, try again",
+                           path=self.path)
+
+    @contextmanager
+    def _sqlite(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise self._failed(exc, doing) from exc
+
     def _tx(self, statements: list[tuple[str, tuple]]) -> None:
-        with self._lock:
-            cur = self._db.cursor()
-            cur.execute("BEGIN IMMEDIATE")
+        # No cursor is kept in a local: a traceback that outlives the call (a
+        # logged error) would keep its statement, and with it the database's
+        # locks, alive after close().
+        with self._lock, self._sqlite("record the change"):
+            self._db.execute("BEGIN IMMEDIATE")
             try:
-                for sql, args in statements:
-                    cur.execute(sql, args)
-                cur.execute("COMMIT")
+                for sql, args in self._pending + statements:
+                    self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+                self._pending = []
             except BaseException:
-                cur.execute("ROLLBACK")
+                # SQLite rolls some failures back itself (a full disk, an I/O error).
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
 
     @staticmethod
@@ -137,10 +234,13 @@ class DiskIndex:
     def truncate(self, key: SessionKey, n_pages: int, row: Row | None) -> None:
         """Forget pages from n_pages on. row is the state that remains complete
         on disk, or None when no complete state remains."""
+        self._tx(self._truncate_stmts(key, n_pages, row))
+
+    def _truncate_stmts(self, key: SessionKey, n_pages: int, row: Row | None) -> list[tuple[str, tuple]]:
         stmts: list[tuple[str, tuple]] = [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=? AND first_page>=?", (*key, n_pages)),
         ]
-        with self._lock:
+        with self._lock, self._sqlite("read the pieces to cut"):
             cut = self._db.execute(
                 "SELECT first_page, checksums, tokens FROM pieces WHERE tenant=? AND session_id=? "
                 "AND first_page<? AND first_page+n_pages>?", (*key, n_pages, n_pages)).fetchall()
@@ -154,72 +254,87 @@ class DiskIndex:
             stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
         else:
             stmts.append(self._row_stmt(key, row))
-        self._tx(stmts)
+        return stmts
 
-    def delete(self, key: SessionKey) -> None:
-        self._tx([
+    @staticmethod
+    def _delete_stmts(key: SessionKey) -> list[tuple[str, tuple]]:
+        return [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=?", tuple(key)),
             ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),
-        ])
+        ]
 
-    def recover(self) -> tuple[list[Recovered], list[str]]:
-        """Every complete session on disk, after dropping what no complete state
-        points to. Returns (sessions, problems found and repaired)."""
-        problems: list[str] = []
-        with self._lock:
-            rows = self._db.execute("SELECT * FROM sessions").fetchall()
-            all_pieces = self._db.execute(
-                "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums, tokens FROM pieces "
-                "ORDER BY tenant, session_id, first_page").fetchall()
+    def delete(self, key: SessionKey) -> None:
+        self._tx(self._delete_stmts(key))
+
+    def recover(self, check: Callable[[list[Recovered]], list[Problem]] | None = None,
+                ) -> tuple[list[Recovered], list[Problem]]:
+        """Every complete session whose rows are sound (and pass `check`, which
+        returns the problems of the sessions it refuses), and the problems
+        found. Sessions with damaged rows are quarantined and what no complete
+        state points to is reclaimed: both leave the index in one transaction
+        (_repair)."""
+        try:
+            with self._lock:
+                rows = self._db.execute("SELECT * FROM sessions").fetchall()
+                all_pieces = self._db.execute(
+                    "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums, tokens "
+                    "FROM pieces ORDER BY tenant, session_id, first_page").fetchall()
+                # After the reads, which leave the pages in the page cache: then
+                # it costs ~25 ms on a million pages; first, on a cold cache, its
+                # own order of reads took ~0.8 s.
+                verdict = self._db.execute("PRAGMA quick_check(3)").fetchall()
+            if verdict != [("ok",)]:
+                raise sqlite3.DatabaseError("quick_check: " + " ".join(str(r[0]).replace("\n", " ") for r in verdict))
+        except sqlite3.Error as exc:
+            if not _unsound(exc):
+                raise self._failed(exc, "read its rows") from exc
+            self._db.close()
+            self._set_aside(str(exc))  # before anything was written to it: as it was found
+            self._open()
+            return [], []
         by_key: dict[SessionKey, list[tuple]] = {}
         for rec in all_pieces:
             by_key.setdefault(SessionKey(rec[0], rec[1]), []).append(rec[2:])
-        out: list[Recovered] = []
-        row_keys = {SessionKey(r[0], r[1]) for r in rows}
-        orphans = [k for k in by_key if k not in row_keys]
-        broken: list[SessionKey] = []
-        trims: list[Recovered] = []
+        problems: list[Problem] = []
+        found: list[Recovered] = []
         for r in rows:
             key = SessionKey(r[0], r[1])
             try:
-                spec = KVSpec.from_dict(json.loads(r[2]))
-            except Exception as exc:  # a row this version cannot read
-                problems.append(f"{key}: unreadable spec ({exc}); dropped")
-                broken.append(key)
-                continue
-            row = Row(spec, r[3], r[4], r[5], r[6], r[7], r[8])
-            recs = by_key.get(key, [])
-            pieces, sums, covered = [], np.empty(row.num_pages, dtype=np.uint64), 0
-            hashes = tokens.empty(row.num_pages)
-            for first, n, offset, alloc, blob, token_blob in recs:
-                if first != covered or covered >= row.num_pages:
-                    break
-                keep = min(n, row.num_pages - first)
-                pieces.append(Piece(offset, alloc, first, keep))
-                sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
-                if len(token_blob) == tokens.HASH_BYTES * n:
-                    hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]
-                covered += keep
-            if covered != row.num_pages:
-                problems.append(f"{key}: pieces cover {covered} of {row.num_pages} pages; dropped")
-                broken.append(key)
-                continue
-            rec = Recovered(key, row, pieces, sums, hashes)
-            out.append(rec)
-            if any(first + n > row.num_pages for first, n, *_ in recs):
-                trims.append(rec)
-        for key in orphans:
-            problems.append(f"{key}: pieces with no complete state; reclaimed")
-            self.delete(key)
-        for key in broken:
-            self.delete(key)
-        for rec in trims:
-            problems.append(f"{rec.key}: pages past the last complete state; reclaimed")
-            self.truncate(rec.key, rec.row.num_pages, rec.row)
+                found.append(parse(key, r[2:], by_key.get(key, [])))
+            except Damaged as exc:
+                problems.append(Problem(key, exc.reason, exc.detail))
+        if check is not None:
+            problems += check(found)
+        refused = {p.key for p in problems}
+        out = [rec for rec in found if rec.key not in refused]
+        row_keys = {SessionKey(r[0], r[1]) for r in rows}
+        problems += [Problem(k, "orphan", "pieces with no complete state; reclaimed", quarantined=False)
+                     for k in by_key if k not in row_keys]
+        stmts = [stmt for p in problems for stmt in self._delete_stmts(p.key)]
+        for rec in out:
+            if any(first + n > rec.row.num_pages for first, n, *_ in by_key[rec.key]):
+                problems.append(Problem(rec.key, "partial", "pages past the last complete state; reclaimed",
+                                        quarantined=False))
+                stmts += self._truncate_stmts(rec.key, rec.row.num_pages, rec.row)
+        self._repair(stmts)
         return out, problems
 
-    def count(self) -> tuple[int, int]:
+    def _repair(self, stmts: list[tuple[str, tuple]]) -> None:
+        """Commit what recovery removes from the index now or, if the index
+        cannot be written (a full disk), first thing in the next transaction:
+        nothing new is recorded before it."""
+        if not stmts:
+            return
         with self._lock:
+            self._pending = stmts
+        try:
+            self._tx([])
+        except TierdError as exc:
+            log.warning("disk index: cannot record what recovery repaired yet (%s); it is written before the "
+                        "next change", exc)
+
+    def count(self) -> tuple[int, int]:
+        with self._lock, self._sqlite("count its rows"):
             s = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
             p = self._db.execute("SELECT COUNT(*) FROM pieces").fetchone()[0]
         return s, p

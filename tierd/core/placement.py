@@ -60,7 +60,11 @@ class Placement:
         for attempt in range(3):
             got: list[Piece] = []
             for first, n in ranges:
-                pieces = t.alloc_pages(n, stride, owner=tenant)
+                try:
+                    pieces = t.alloc_pages(n, stride, owner=tenant)
+                except OSError as exc:
+                    self.free(tier, got)
+                    raise self.io_failed("allocation", exc, protect) from exc
                 if pieces is None:
                     break
                 got += [Piece(p.offset, p.alloc_bytes, p.first_page + first, p.n_pages) for p in pieces]
@@ -215,11 +219,15 @@ class Placement:
             snap.version += 1
         return freed
 
-    def forget(self, session: Session) -> None:
-        """Remove every copy: the index entry first, then the space."""
+    def unindex(self, session: Session) -> None:
+        """Remove the session's index entry, the first step of forgetting it:
+        if the index cannot be written, this raises and nothing has changed."""
         if self.index is not None and (session.row is not None or session.snap.pieces("disk")):
             self.index.delete(session.key)
             session.row = None
+
+    def forget(self, session: Session) -> None:
+        """Free every copy of a session already unindexed."""
         with self.lock:
             placement = dict(session.snap.placement)
             session.snap.placement.clear()

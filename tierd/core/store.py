@@ -23,12 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.clock import Clock, SystemClock
-from tierd.core import tokens
+from tierd.core import recovery, tokens
 from tierd.core.events import NullEvents, StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.model import Session, SessionInfo, SessionKey, Snapshot, TierStats
 from tierd.core.mover import Job, Mover
 from tierd.core.placement import Placement
+from tierd.core.rows import Problem
 from tierd.errors import (
     DataLoss,
     FailedPrecondition,
@@ -37,6 +38,7 @@ from tierd.errors import (
     NotFound,
     ResourceExhausted,
     TierdError,
+    Unavailable,
 )
 from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import (
@@ -226,19 +228,9 @@ class Store:
 
     # -- recovery ------------------------------------------------------------
 
-    def _recover(self) -> list[str]:
-        disk = self.tiers["disk"]
-        disk.open_existing()
+    def _recover(self) -> list[Problem]:
         assert self.index is not None
-        recovered, problems = self.index.recover()
-        kept = []
-        for rec in recovered:
-            if any(p.offset + p.alloc_bytes > disk.capacity for p in rec.pieces):
-                problems.append(f"{rec.key}: pieces past the end of the slab files; dropped")
-                self.index.delete(rec.key)
-                continue
-            kept.append(rec)
-        disk.reserve([(p, rec.key.tenant) for rec in kept for p in rec.pieces])
+        kept, problems = recovery.recover(self.index, self.tiers["disk"], self.events)
         now = self.clock.now()
         for rec in kept:
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces},
@@ -248,9 +240,6 @@ class Store:
             self._sessions[rec.key] = session
             self._key_locks[rec.key] = session.op
             self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1
-        for p in problems:
-            log.warning("recovery: %s", p)
-        log.info("recovered %d sessions from the disk index", len(kept))
         return problems
 
     # -- helpers -------------------------------------------------------------
@@ -409,7 +398,9 @@ class Store:
                  first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
                  nbytes: int, priority: int | None, hashes: np.ndarray | None = None) -> Session:
         """Complete a store: replace pages from first_page on with the new ones
-        (hashes: the token hashes of every page, if known)."""
+        (hashes: the token hashes of every page, if known). The index forgets
+        the replaced pages first: if it cannot, this raises before anything
+        changed, and the caller still owns `pieces`."""
         freed = self.placement.truncate(session, first_page) if session is not None else []
         now = self.clock.now()
         with self._changed:
@@ -453,9 +444,11 @@ class Store:
         return PendingWrite(key, spec, tier, first_page, num_tokens, nbytes, geom, pieces, hashes, priority,
                             time.perf_counter())
 
-    def _commit_write(self, w: PendingWrite, sums: np.ndarray) -> SessionInfo:
+    def _commit_write(self, w: PendingWrite, sums: np.ndarray, keep: bool = False) -> SessionInfo:
         """Publish written pages (sums: their checksums), checked again under
-        the session's lock: it may have changed since the write began."""
+        the session's lock: it may have changed since the write began. A write
+        refused for want of room (the index's disk full, say) keeps its pages
+        with keep, to be committed again; else they go back."""
         lock, session = self._acquire(w.key)
         try:
             try:
@@ -463,6 +456,10 @@ class Store:
                                    w.hashes)
                 session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier, sums,
                                         w.num_tokens, w.nbytes, w.priority, w.hashes)
+            except (ResourceExhausted, Unavailable):
+                if not keep:
+                    self.abort_write(w)
+                raise
             except BaseException:
                 self.abort_write(w)
                 raise
@@ -757,9 +754,18 @@ class Store:
         try:
             memory = EngineMemory(EngineLayout.cross_layer(w.spec, count), [lease.segment.array])
             sums = self.copier.gather(memory, np.arange(count), w.spans, w.geom, w.first_page)
-            return self._commit_write(w, sums)
+            try:
+                return self._commit_write(w, sums, keep=True)
+            except (ResourceExhausted, Unavailable):
+                # Refused for want of room (the index could not forget the pages this replaces, on a
+                # full disk, say): nothing changed, and the lease stays open to commit again or abort.
+                with self._lock:
+                    self._leases[lease.lease_id] = lease
+                lease = None
+                raise
         finally:
-            self._end_lease(lease)
+            if lease is not None:
+                self._end_lease(lease)
 
     def abort_save(self, tenant: str, lease_id: str) -> None:
         self._end_lease(self._take_lease(tenant, lease_id, _SaveLease))
@@ -860,10 +866,14 @@ class Store:
             self._forget(session)
 
     def _forget(self, session: Session, reason: str = "drop") -> None:
-        """Remove a session whose op lock the caller holds."""
+        """Remove a session whose op lock the caller holds. Its index entry
+        goes first: if the index cannot be written, this raises and the
+        session is served as before."""
         with self._lock:
             if self._sessions.get(session.key) is not session:
                 return
+        self.placement.unindex(session)
+        with self._lock:
             del self._sessions[session.key]
             self._per_tenant[session.key.tenant] -= 1
             session.dropped = True
@@ -1121,8 +1131,9 @@ class Store:
 
     def scan(self) -> list[str]:
         """An integrity scan of the disk tier: every committed page reads back
-        with its checksum, pieces lie inside the slabs and never overlap, and
-        the index holds exactly the pieces in memory. Returns the problems."""
+        with its checksum, pieces lie inside the slabs and never overlap, the
+        index holds exactly the pieces in memory, and the accounting holds
+        (check_accounting). Returns the problems."""
         problems: list[str] = []
         if self.index is None:
             return problems
@@ -1148,9 +1159,31 @@ class Store:
         indexed = self.index.count()[1]
         if indexed != len(extents):
             problems.append(f"the index holds {indexed} pieces, the sessions {len(extents)}")
-        if disk.used != sum(disk.allocator.round(n) for _, n, _ in extents):
-            problems.append(f"the allocator holds {disk.used} bytes, the sessions' pieces "
-                            f"{sum(disk.allocator.round(n) for _, n, _ in extents)}")
+        return problems + self.check_accounting()
+
+    def check_accounting(self) -> list[str]:
+        """The accounting invariant: in every tier, the bytes its allocator
+        holds, in all and per tenant, are the bytes held by the sessions'
+        pieces and the open save leases, rounded as the allocator rounds.
+        Returns the differences; exact only while no call or move is in flight."""
+        held: dict[str, dict[str, int]] = {name: {} for name in self.tiers}
+        with self._lock:
+            holders = [(s.key.tenant, s.snap.placement) for s in self._sessions.values()]
+            holders += [(lease.key.tenant, {"host": lease.write.pieces}) for lease in self._leases.values()
+                        if isinstance(lease, _SaveLease)]
+            holders += [(s.key.tenant, {tier: [p]}) for s in self._sessions.values() for tier, p in s.deferred]
+            for tenant, placement in holders:
+                for tier, pieces in placement.items():
+                    rounded = sum(self.tiers[tier].allocator.round(p.alloc_bytes) for p in pieces)
+                    held[tier][tenant] = held[tier].get(tenant, 0) + rounded
+        problems = []
+        for name, tier in self.tiers.items():
+            if tier.used != sum(held[name].values()):
+                problems.append(f"the {name} tier's allocator holds {tier.used} bytes, its sessions and leases "
+                                f"{sum(held[name].values())}")
+            problems += [f"the {name} tier accounts {tier.used_by(tenant)} bytes to tenant {tenant!r}, its sessions "
+                         f"and leases hold {nbytes}" for tenant, nbytes in sorted(held[name].items())
+                         if tier.used_by(tenant) != nbytes]
         return problems
 
     def keys(self) -> list[SessionKey]:

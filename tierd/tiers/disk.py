@@ -1,11 +1,14 @@
-"""Disk tier: pages in extents inside preallocated slab files under the data dir.
+"""Disk tier: pages in extents inside slab files under the data dir.
 
 POSIX backend: O_DIRECT pread/pwrite of aligned buffers, cut into chunks that
 run on a prioritised thread pool; where the file system refuses O_DIRECT
 (tmpfs, some overlays) buffered I/O with fdatasync. The kvikio backend
 (GPUDirect Storage, or kvikio's compatibility mode) replaces the reads and
 writes when libcuda and kvikio are present and pass a self-test.
-Slab files are named by number only; what they hold lives in the index.
+Slab files are named by number only; what they hold lives in the index. They
+are sparse: room on the file system is taken where pages are allocated
+(fallocate of each piece), so opening them at start needs no free space, and
+a file system that is full fails the allocation, not the daemon.
 """
 
 from __future__ import annotations
@@ -14,18 +17,22 @@ import errno
 import logging
 import mmap
 import os
+import re
 import shutil
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
+from tierd.tiers.allocator import Piece
 from tierd.tiers.slabs import SlabTier
 from tierd.transfer.ioqueue import Priority, PriorityExecutor, wait_all
 
 log = logging.getLogger("tierd.tiers.disk")
 ALIGN = 4096
 IO_CHUNK = 4 << 20
+SLAB_FILE = re.compile(r"slab-(\d{6})\.bin")
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FileOps:
@@ -45,6 +52,9 @@ class FileOps:
 
     def fallocate(self, fd: int, offset: int, length: int) -> None:
         os.posix_fallocate(fd, offset, length)
+
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
 
     def pread(self, fd: int, view: np.ndarray, offset: int) -> int:
         return os.preadv(fd, [view], offset)
@@ -103,31 +113,62 @@ class DiskTier(SlabTier):
     def slab_path(self, index: int) -> str:
         return os.path.join(self.directory, f"slab-{index:06d}.bin")
 
-    def existing_slabs(self) -> int:
-        """How many slab files a previous run left, counted from 0 without gaps."""
-        n = 0
-        while os.path.exists(self.slab_path(n)):
-            n += 1
-        return n
-
-    def open_existing(self) -> None:
-        """Map the slabs on disk into the address space (before recovery)."""
+    def open_existing(self) -> dict[int, int | None]:
+        """Map the slab files a previous run left into the address space
+        (before recovery): slabs 0 to the highest-numbered file. A file that
+        is missing or short is made whole again, sparse; returns how many bytes
+        each of those held (None: no file), so that recovery drops the
+        sessions whose pages were there, and only those."""
+        sizes = {int(m.group(1)): entry.stat(follow_symlinks=False).st_size for entry in os.scandir(self.directory)
+                 if (m := SLAB_FILE.fullmatch(entry.name))}
+        lost: dict[int, int | None] = {}
         with self._lock:
-            for _ in range(self.existing_slabs()):
-                self._open_slab(self.allocator.add_slab())
+            for index in range(max(sizes, default=-1) + 1):
+                self.allocator.add_slab()
+                if sizes.get(index, 0) < self.slab_bytes:
+                    lost[index] = sizes.get(index)
+                try:
+                    self._open_slab(index)
+                except OSError as exc:
+                    # Its sessions stay indexed (a read answers UNAVAILABLE); an
+                    # allocation in it tries the file again (_on_alloc).
+                    log.error("disk tier: cannot open %s: %s", self.slab_path(index), exc)
+        return lost
 
     def _open_slab(self, index: int) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
-        fd = self.ops.open(self.slab_path(index), flags, 0o600)
+        """Open slab file `index`, creating it if there is none. A new file is
+        removed again if it cannot be sized, so a failure leaves nothing behind."""
+        path = self.slab_path(index)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0)
+        created = not os.path.lexists(path)
+        fd = self.ops.open(path, flags | (os.O_CREAT | os.O_EXCL if created else 0), 0o600)
         try:
             if os.fstat(fd).st_size < self.slab_bytes:
-                self.ops.fallocate(fd, 0, self.slab_bytes)
+                self.ops.truncate(fd, self.slab_bytes)  # sparse: no room is taken yet
         except OSError as exc:
             self.ops.close(fd)
-            if exc.errno == errno.ENOSPC:
-                self._set_full(f"no room for slab file {index} ({self.slab_bytes} bytes)")
+            if created:
+                os.unlink(path)
+            if exc.errno in NO_ROOM:
+                self._set_full(f"no room for slab file {index}")
             raise
         self._fds[index] = fd
+
+    def _on_alloc(self, piece: Piece) -> bool:
+        """Take the file system's room for a new piece, so that writing its
+        pages cannot find the disk full; False where there is none. Room
+        already taken (a freed piece's) costs nothing more."""
+        slab, off = self.locate(piece.offset)
+        try:
+            if slab not in self._fds:
+                self._open_slab(slab)  # its file could not be opened at start
+            self.ops.fallocate(self._fds[slab], off, piece.alloc_bytes)
+        except OSError as exc:
+            if exc.errno not in NO_ROOM:
+                raise  # an I/O error: evicting sessions to make room would not help
+            self._set_full(f"no room for {piece.alloc_bytes} bytes in slab file {slab}")
+            return False
+        return True
 
     def _set_full(self, why: str) -> None:
         if not self.out_of_space:
@@ -136,7 +177,7 @@ class DiskTier(SlabTier):
         self.out_of_space = True
 
     def maintain(self) -> int:
-        """Resume once the file system has room for a slab again."""
+        """Resume once the file system has a slab's worth of room again."""
         if self.out_of_space and shutil.disk_usage(self.directory).free >= self.slab_bytes:
             self.out_of_space = False
             log.info("disk tier: space freed under %s; demotion resumes", self.directory)
@@ -164,7 +205,9 @@ class DiskTier(SlabTier):
     def _spans(self, offset: int, nbytes: int) -> list[tuple[int, int, int, int]]:
         """(fd, file offset, buffer offset, length) chunks of at most IO_CHUNK."""
         slab, off = self.locate(offset, nbytes)
-        fd = self._fds[slab]
+        fd = self._fds.get(slab)
+        if fd is None:
+            raise OSError(errno.ENOENT, f"slab file {slab} could not be opened")
         return [(fd, off + pos, pos, min(IO_CHUNK, nbytes - pos)) for pos in range(0, nbytes, IO_CHUNK)]
 
     @property

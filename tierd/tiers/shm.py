@@ -50,13 +50,25 @@ def claim_prefix(data_dir: str, shm_dir: str = SHM_DIR) -> str:
             log.info("host arena: removed %d shared-memory files left by an earlier run", removed)
     prefix = new_prefix()
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, prefix.encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, prefix.encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk, say: the start goes on
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if old is not None:
+            log.warning("cannot record a new shared-memory prefix in %s (%s): keeping the last one", data_dir,
+                        exc.strerror)
+            return old  # recorded already, and as unguessable: its files were just removed
+        log.warning("cannot record the shared-memory prefix in %s (%s): if this daemon is killed, its shared "
+                    "memory stays until removed by hand (%s.*)", data_dir, exc.strerror, prefix)
     return prefix
 
 

@@ -39,7 +39,9 @@ class SlabTier:
         raise NotImplementedError
 
     def _on_alloc(self, piece: Piece) -> bool:
-        """Back the piece with real memory or space; False if that failed."""
+        """Back the piece with real memory or space: False where there is no
+        room (making room may help); raises OSError where the system failed
+        otherwise (it would not)."""
         return True
 
     def _on_free(self, piece: Piece) -> None:
@@ -63,12 +65,15 @@ class SlabTier:
         return -(-self.budget // self.slab_bytes)
 
     def alloc_pages(self, n_pages: int, page_bytes: int, owner: str = "") -> list[Piece] | None:
-        """Room for n_pages pages within the budget, accounted to owner; None if there is none."""
+        """Room for n_pages pages within the budget, accounted to owner; None if
+        there is none. Raises OSError where backing it failed otherwise; either
+        way a failure leaves the tier as it was."""
         if n_pages <= 0:
             return []
         with self._lock:
             if self.used + self.allocator.round(n_pages * page_bytes) > self.budget:
                 return None
+            slabs = self.allocator.num_slabs  # slabs opened for this call close again if it fails
             while True:
                 pieces = self.allocator.alloc_pages(n_pages, page_bytes)
                 if pieces is not None or self.allocator.num_slabs >= self.max_slabs():
@@ -79,18 +84,26 @@ class SlabTier:
                 except OSError as exc:
                     self.allocator.remove_last_slab()
                     log.warning("%s tier: cannot open slab %d: %s", self.name, index, exc)
-                    return None
-            if pieces is None:
-                return None
+                    break
             backed: list[Piece] = []
-            for p in pieces:
-                if not self._on_alloc(p):
-                    for q in backed:
-                        self._on_free(q)
-                    for q in pieces:
-                        self.allocator.free(q.offset, q.alloc_bytes)
-                    return None
+            failure: OSError | None = None
+            for p in pieces or []:
+                try:
+                    if not self._on_alloc(p):
+                        break
+                except OSError as exc:
+                    failure = exc
+                    break
                 backed.append(p)
+            if pieces is None or len(backed) < len(pieces):
+                for q in backed:
+                    self._on_free(q)
+                for q in pieces or []:
+                    self.allocator.free(q.offset, q.alloc_bytes)
+                self._close_free_slabs(slabs)
+                if failure is not None:
+                    raise failure
+                return None
             for p in pieces:
                 self._own(p.offset, p.alloc_bytes, owner)
             return pieces
@@ -126,10 +139,14 @@ class SlabTier:
         slabs left empty past the new budget are closed."""
         with self._lock:
             self.budget = nbytes
-            while self.allocator.num_slabs > self.max_slabs() and self.allocator.slab_is_free(self.allocator.num_slabs - 1):
-                index = self.allocator.num_slabs - 1
-                self.allocator.remove_last_slab()
-                self._close_slab(index)
+            self._close_free_slabs(self.max_slabs())
+
+    def _close_free_slabs(self, keep: int) -> None:
+        """Close the last slabs, past the first `keep`, while they hold nothing."""
+        while self.allocator.num_slabs > keep and self.allocator.slab_is_free(self.allocator.num_slabs - 1):
+            index = self.allocator.num_slabs - 1
+            self.allocator.remove_last_slab()
+            self._close_slab(index)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,257 @@
+"""A data dir on a file system that is really full (a small tmpfs, filled with
+a plain file). Each call that needs room on it either succeeds or answers
+RESOURCE_EXHAUSTED or UNAVAILABLE and changes nothing, in memory or on disk;
+no byte is left held by no session; a restart on the full disk serves every
+durable session; once space frees, the refused calls go through."""
+
+import os
+import sqlite3
+import urllib.request
+
+import pytest
+
+from tests.helpers import SPEC, Harness, HostEngine, wait_for, wire_accounting
+from tierd.client import KVSpec, ResourceExhausted
+from tierd.core.store import make_key
+from tierd.errors import ResourceExhausted as StoreResourceExhausted
+from tierd.errors import Unavailable as StoreUnavailable
+from tierd.testing import Daemon
+from tierd.transfer.ioqueue import Priority
+
+MiB = 1 << 20
+A, B, C = (make_key("default", n) for n in "abc")
+REFUSED = (StoreResourceExhausted, StoreUnavailable)
+
+
+def stored(store, key):
+    info, reader = store.get(key)
+    return info.num_tokens, b"".join(bytes(c) for c in reader)
+
+
+def state(store):
+    """Everything a client can see of every session: (durable, bytes per tier, content)."""
+    return {key: (store.stat(key).durable, store.stat(key).tier_bytes, stored(store, key))
+            for key in sorted(store.keys())}
+
+
+def durable_content(store):
+    return {key: content for key, (durable, _, content) in state(store).items() if durable}
+
+
+@pytest.fixture
+def full(small_fs):
+    """A store on the small file system: A durable on disk only, B in host and
+    on disk, C in host only; then the file system is filled."""
+    h = Harness(str(small_fs.path), host_budget=16 * MiB, disk_budget=64 * MiB, disk_slab=2 * MiB)
+    store = h.open()
+    eng = HostEngine(seed=1)
+    store.save(A, eng.memory, SPEC, [0, 1, 2, 3], 64)
+    store.placement.demote(store._sessions[A], "disk", Priority.DEMOTION, "test")
+    store.save(B, eng.memory, SPEC, [4, 5], 32)
+    store.placement.write_disk(store._sessions[B], Priority.WRITEBACK)
+    store.save(C, eng.memory, SPEC, [6, 7, 8], 48)
+    small_fs.fill()
+    yield h, store, eng, small_fs
+    h.close()
+
+
+def _lease_kept(store, eng):
+    """A commit refused for want of room leaves the lease open: it commits once space frees."""
+    lease = store.begin_save(A, SPEC, 32)
+    try:
+        store.commit_save("default", lease.lease_id)
+    except REFUSED:
+        assert lease.lease_id in store._leases
+        store.abort_save("default", lease.lease_id)
+        raise
+
+
+CALLS = {
+    "drop a durable session": lambda s, e: s.drop(A),
+    "overwrite it by put": lambda s, e: s.put(A, SPEC, 16, SPEC.page_bytes, [bytes(SPEC.page_bytes)]),
+    "overwrite it by save": lambda s, e: s.save(A, e.memory, SPEC, [9], 16),
+    "cut it by save": lambda s, e: s.save(A, e.memory, SPEC, [9], 32, start_token=16),
+    "overwrite it by lease": _lease_kept,
+    "write back a session": lambda s, e: s.placement.write_disk(s._sessions[C], Priority.WRITEBACK),
+    "demote a session to disk": lambda s, e: s.placement.demote(s._sessions[C], "disk", Priority.DEMOTION, "t"),
+    "drop a session on disk and in host": lambda s, e: s.drop(B),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_call_that_needs_room_on_a_full_disk_is_refused_and_changes_nothing(full, call):
+    h, store, eng, fs = full
+    before = state(store)
+    with pytest.raises(REFUSED):
+        CALLS[call](store, eng)
+    # nothing changed, in memory...
+    assert state(store) == before
+    assert store.check_accounting() == []
+    durable = durable_content(store)
+    # ...or on disk: a restart on the full disk serves the same durable sessions
+    store = h.reopen()
+    assert durable_content(store) == durable and sorted(store.keys()) == [A, B]
+    assert store.check_accounting() == [] and store.scan() == []
+    # once space frees, the call goes through
+    fs.free()
+    store.tick()  # the disk tier notices the room
+    store.save(C, eng.memory, SPEC, [6, 7, 8], 48)
+    CALLS[call](store, eng)
+    assert store.check_accounting() == [] and store.scan() == []
+
+
+def test_calls_that_need_no_room_still_work_on_a_full_disk(full):
+    _, store, eng, _ = full
+    store.drop(C)  # in host only: no index entry to remove
+    store.save(C, eng.memory, SPEC, [9], 16)  # lands in host
+    store.save(A, eng.memory, SPEC, [9], 80, start_token=64)  # an append forgets nothing on disk
+    assert stored(store, A)[0] == 80
+    store.restore(B, HostEngine(seed=2).memory, SPEC, [0, 1])
+    assert store.check_accounting() == []
+
+
+def test_the_index_opens_on_a_full_file_system(small_fs):
+    h = Harness(str(small_fs.path), disk_slab=2 * MiB)
+    store = h.open()
+    eng = HostEngine(seed=3)
+    store.save(A, eng.memory, SPEC, [0, 1], 32)
+    store.placement.demote(store._sessions[A], "disk", Priority.DEMOTION, "test")
+    h.close()
+    assert not os.path.exists(os.path.join(h.root, "index.db-shm"))  # a clean close removes the wal-index
+    small_fs.fill()  # so the next start has no room for a new one
+    store = h.open()
+    assert stored(store, A) == (32, b"".join(eng.pages([0, 1])))
+    assert store.check_accounting() == []
+    h.close()
+
+
+def test_repairs_that_cannot_be_written_at_start_are_written_before_anything_new(small_fs):
+    h = Harness(str(small_fs.path), disk_slab=2 * MiB)
+    store = h.open()
+    eng = HostEngine(seed=4)
+    for key, blocks in ((A, [0, 1]), (B, [2, 3])):
+        store.save(key, eng.memory, SPEC, blocks, 32)
+        store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+    h.close()
+    db = sqlite3.connect(os.path.join(h.root, "index.db"))
+    db.execute("UPDATE pieces SET checksums=x'00' WHERE session_id='b'")  # B's row is damaged
+    db.commit()
+    db.close()
+    small_fs.fill()
+    store = h.open()  # B is quarantined, but the index has no room to record it yet
+    assert sorted(store.keys()) == [A] and store.check_accounting() == []
+    small_fs.free()
+    store.tick()
+    # C takes the space B held; the repair commits before C's pages are recorded
+    store.save(C, eng.memory, SPEC, [4, 5], 32)
+    store.placement.demote(store._sessions[C], "disk", Priority.DEMOTION, "test")
+    store = h.reopen()
+    assert store.recovery_problems == [] and sorted(store.keys()) == [A, C]
+    assert stored(store, C) == (32, b"".join(eng.pages([4, 5])))
+    assert store.scan() == []
+    h.close()
+
+
+def test_a_write_back_that_finds_no_room_leaves_no_file_behind(full):
+    h, store, eng, _ = full
+    slabs = sorted(os.listdir(store.tiers["disk"].directory))
+    store.save(C, eng.memory, SPEC, list(range(64)), 64 * 16)  # a whole slab: needs a new one
+    with pytest.raises(StoreUnavailable, match="full"):
+        store.placement.write_disk(store._sessions[C], Priority.WRITEBACK)
+    assert sorted(os.listdir(store.tiers["disk"].directory)) == slabs
+    assert store.tiers["disk"].out_of_space and store.check_accounting() == []
+    store = h.reopen(flush=True)  # a clean stop that tries to flush C, and a start on the full disk
+    assert sorted(store.keys()) == [A, B] and store.scan() == [] and store.check_accounting() == []
+
+
+# -- a real daemon whose data dir is on the small file system ------------------------------
+
+OPAQUE = KVSpec.opaque("test/full", page_bytes=64 << 10)
+
+
+@pytest.fixture
+def daemon_on(small_fs, tmp_path):
+    """A daemon whose data dir is on the small file system (its socket and log are not)."""
+    d = Daemon(tmp_path / "d", "--host-idle", "1", "--writeback-idle", "0.2", "--disk-slab", "2MiB",
+               "--disk-budget", "64MiB")
+    d.data_dir = str(small_fs.path / "data")
+    yield d, small_fs
+    d.close()
+
+
+def _disk_full(d):
+    text = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+    return 'tierd_tier_out_of_space{tier="disk"} 1.0' in text
+
+
+def _write_back_failed(d, session_id):
+    """The daemon's log since its last start says a write-back of the session failed."""
+    text = d.log().split(f"--- start {d.starts}\n")[-1]
+    return f"of default/{session_id} to disk failed" in text
+
+
+def _kept_on_disk_then_full(c, fs):
+    """Put a session 'kept', wait until it is on disk only, then fill the file
+    system; returns its bytes."""
+    data = os.urandom(MiB)
+    c.put("kept", data, OPAQUE, num_tokens=1)
+    c.release("kept")
+    wait_for(lambda: c.stat("kept").tier_bytes.keys() == {"disk"}, what="kept on disk only")
+    fs.fill()
+    return data
+
+
+def test_a_daemon_stopped_on_a_full_disk_starts_and_serves(daemon_on):
+    d, fs = daemon_on
+    with d.start().client() as c:
+        data = _kept_on_disk_then_full(c, fs)
+        c.put("late", os.urandom(6 * MiB), OPAQUE, num_tokens=1)
+        c.release("late")
+        wait_for(lambda: _disk_full(d), what="the write-back of late finding the disk full")
+        wait_for(lambda: wire_accounting(c) == [], what="accounting")
+    assert d.stop() == 0  # the flush of late fails: logged, not fatal
+    d.start()  # on the full disk
+    with d.client() as c:
+        assert [s.session_id for s in c.list()] == ["kept"] and c.get("kept") == data
+        assert wire_accounting(c) == []
+        c.put("new", b"x" * 100_000, OPAQUE, num_tokens=1)
+        c.release("new")
+        wait_for(lambda: _write_back_failed(d, "new"), what="the write-back of new refused")
+        assert not c.stat("new").durable and wire_accounting(c) == []
+        fs.free()
+        wait_for(lambda: c.stat("new").durable, what="the write-back once space frees")
+        assert wire_accounting(c) == []
+
+
+def test_a_daemon_starts_on_a_full_disk_that_lacks_its_lock_file(daemon_on):
+    d, fs = daemon_on
+    d.start().stop()
+    os.unlink(os.path.join(d.data_dir, "tierd.lock"))
+    fs.fill()
+    with d.start().client() as c:  # the lock file is created, its pid cannot be written
+        assert c.list() == []
+    assert "cannot write the pid" in d.log()
+
+
+def test_drop_and_overwrite_on_a_full_index_answer_and_change_nothing(daemon_on):
+    d, fs = daemon_on
+    with d.start().client() as c:
+        data = _kept_on_disk_then_full(c, fs)
+        with pytest.raises(ResourceExhausted, match="index"):
+            c.drop("kept")
+        with pytest.raises(ResourceExhausted, match="index"):
+            c.put("kept", b"y" * 1000, OPAQUE, num_tokens=1)
+        assert [s.session_id for s in c.list()] == ["kept"] and c.get("kept") == data
+        assert c.stat("kept").durable
+        assert wire_accounting(c) == []
+    assert d.stop() == 0
+    d.start()
+    with d.client() as c:
+        assert [s.session_id for s in c.list()] == ["kept"] and c.get("kept") == data
+        fs.free()
+        c.drop("kept")
+        assert c.list() == [] and wire_accounting(c) == []
+    assert d.stop() == 0
+    with d.start().client() as c:
+        assert c.list() == []
+

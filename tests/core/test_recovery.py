@@ -1,0 +1,179 @@
+"""Start-up over a damaged data dir: a missing or cut slab file, damaged index
+rows, an index that is not a database any more. The store always opens; only
+the sessions whose bytes or rows are damaged are lost (quarantined: one log
+line and a metric each, removed from the index); every other session serves
+byte-exact, and the accounting holds."""
+
+import logging
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tests.helpers import SPEC, Harness, HostEngine
+from tierd.core.store import make_key
+from tierd.layout import KVSpec
+from tierd.metrics import Metrics
+from tierd.testing import Daemon
+from tierd.transfer.ioqueue import Priority
+
+MiB = 1 << 20
+KEYS = [make_key("default", f"s{i}") for i in range(6)]
+PAGES = 16  # 512 KiB a session: two sessions a 1 MiB slab
+
+
+def quarantined(metrics, reason):
+    return metrics.registry.get_sample_value("tierd_sessions_quarantined_total", {"reason": reason}) or 0
+
+
+@pytest.fixture
+def six(tmp_path):
+    """Six durable sessions on disk only, two in each of three slab files."""
+    metrics = Metrics(CollectorRegistry())
+    h = Harness(str(tmp_path), disk_slab=MiB, events=metrics)
+    store = h.open()
+    eng = HostEngine(num_blocks=PAGES * len(KEYS), seed=1)
+    content = {}
+    for i, key in enumerate(KEYS):
+        blocks = list(range(i * PAGES, (i + 1) * PAGES))
+        store.save(key, eng.memory, SPEC, blocks, PAGES * SPEC.block_tokens)
+        store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+        content[key] = b"".join(eng.pages(blocks))
+    # one piece each, in order: s0 and s1 fill slab 0, s2 and s3 slab 1, s4 and s5 slab 2
+    offsets = [[p.offset for p in store._sessions[key].snap.pieces("disk")] for key in KEYS]
+    assert offsets == [[i * PAGES * SPEC.page_bytes] for i in range(len(KEYS))]
+    h.close()
+    yield h, metrics, content, {key: i // 2 for i, key in enumerate(KEYS)}
+    h.close()
+
+
+def serves_exactly(store, content):
+    """The store holds exactly these sessions, each byte-exact, and nothing else."""
+    assert sorted(store.keys()) == sorted(content)
+    for key, data in content.items():
+        _, reader = store.get(key)
+        assert b"".join(bytes(c) for c in reader) == data, f"{key.session_id} changed"
+    assert store.scan() == [] and store.check_accounting() == []
+
+
+@pytest.mark.parametrize("damage", ["deleted", "cut short"])
+def test_a_lost_slab_costs_only_the_sessions_in_it(six, caplog, damage):
+    h, metrics, content, slab_of = six
+    path = os.path.join(h.root, "slabs", "slab-000001.bin")
+    if damage == "deleted":
+        os.unlink(path)  # the middle one of three
+    else:
+        os.truncate(path, MiB // 4)
+    with caplog.at_level(logging.WARNING, logger="tierd"):
+        store = h.open()
+    lost = sorted(k for k, s in slab_of.items() if s == 1)
+    assert len(lost) == 2
+    serves_exactly(store, {k: v for k, v in content.items() if k not in lost})
+    for key in lost:
+        assert f"quarantined default/{key.session_id}" in caplog.text
+    reason = "missing_slab" if damage == "deleted" else "truncated_slab"
+    assert quarantined(metrics, reason) == 2
+    # the space is usable again, and the quarantine is recorded: a second start finds nothing to repair
+    eng = HostEngine(num_blocks=64, seed=9)
+    store.save(lost[0], eng.memory, SPEC, list(range(2 * PAGES)), 2 * PAGES * SPEC.block_tokens)
+    store.placement.demote(store._sessions[lost[0]], "disk", Priority.DEMOTION, "test")
+    content[lost[0]] = b"".join(eng.pages(range(2 * PAGES)))
+    store = h.reopen()
+    assert store.recovery_problems == []
+    serves_exactly(store, {k: v for k, v in content.items() if k != lost[1]})
+
+
+def _sql(h, *statements):
+    db = sqlite3.connect(os.path.join(h.root, "index.db"))
+    for sql, args in statements:
+        db.execute(sql, args)
+    db.commit()
+    db.close()
+
+
+PIECE = "UPDATE pieces SET {} WHERE session_id=?"
+ROW = "UPDATE sessions SET {} WHERE session_id=?"
+DAMAGE = {
+    # name: (statements on the victims' rows, reason, victims beside s0)
+    "short checksum blob": ([(PIECE.format("checksums=substr(checksums, 1, 8)"), ("s0",))], "bad_checksums", []),
+    "token hashes cut": ([(PIECE.format("tokens=x'0102'"), ("s0",))], "bad_tokens", []),
+    "two rows on one extent": ([(PIECE.format("offset=(SELECT offset FROM pieces WHERE session_id='s1')"),
+                                 ("s0",))], "overlap", ["s1"]),
+    "extents that share a page": ([(PIECE.format("offset=(SELECT offset - 8192 FROM pieces WHERE session_id='s1')"),
+                                    ("s0",))], "overlap", ["s1"]),
+    "unaligned offset": ([(PIECE.format("offset=offset + 512"), ("s0",))], "bad_extent", []),
+    "extent smaller than its pages": ([(PIECE.format("alloc_bytes=4096"), ("s0",))], "bad_extent", []),
+    "extent across two slabs": ([(PIECE.format("offset=offset + 786432"), ("s0",))], "bad_extent", []),
+    "offset past the slab files": ([(PIECE.format("offset=1099511627776"), ("s0",))], "past_end", []),
+    "text where a number belongs": ([(PIECE.format("offset='x'"), ("s0",))], "bad_row", []),
+    "spec that does not parse": ([(ROW.format("spec='{not json'"), ("s0",))], "bad_spec", []),
+    "negative page count": ([(ROW.format("num_pages=-3"), ("s0",))], "bad_row", []),
+    "size that is not its pages": ([(ROW.format("nbytes=nbytes * 3"), ("s0",))], "bad_row", []),
+    "a page missing": ([("DELETE FROM pieces WHERE session_id=?", ("s0",))], "missing_pieces", []),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_row_quarantines_only_its_sessions(six, caplog, damage):
+    h, metrics, content, _ = six
+    statements, reason, others = DAMAGE[damage]
+    _sql(h, *statements)
+    with caplog.at_level(logging.WARNING, logger="tierd"):
+        store = h.open()
+    victims = {make_key("default", n) for n in ["s0", *others]}
+    serves_exactly(store, {k: v for k, v in content.items() if k not in victims})
+    for key in victims:
+        assert f"quarantined default/{key.session_id}" in caplog.text
+    assert quarantined(metrics, reason) == len(victims)
+    assert store.index.count() == (len(KEYS) - len(victims),) * 2  # gone from the index too
+    store = h.reopen()
+    assert store.recovery_problems == []
+
+
+def _garble(path, how):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if how == "header":
+            f.write(os.urandom(100))
+        elif how == "pages":
+            f.seek(4096)
+            f.write(os.urandom(size - 4096))
+        else:
+            f.truncate(size // 2)
+
+
+@pytest.mark.parametrize("how", ["header", "pages", "cut"])
+def test_an_unreadable_index_is_moved_aside_and_rebuilt(six, caplog, how):
+    h = six[0]
+    index = Path(h.root) / "index.db"
+    _garble(index, how)
+    before = index.read_bytes()
+    with caplog.at_level(logging.ERROR, logger="tierd"):
+        store = h.open()
+    aside = [n for n in os.listdir(h.root) if n.startswith("index.db.damaged-")]
+    assert len(aside) == 1 and (Path(h.root) / aside[0]).read_bytes() == before
+    assert f"moved to {os.path.join(h.root, aside[0])}" in caplog.text
+    # a fresh index: the sessions it held are lost, their space is reused, new ones survive restarts
+    serves_exactly(store, {})
+    eng = HostEngine(seed=2)
+    store.save(KEYS[0], eng.memory, SPEC, [0, 1], 32)
+    store.placement.demote(store._sessions[KEYS[0]], "disk", Priority.DEMOTION, "test")
+    store = h.reopen()
+    serves_exactly(store, {KEYS[0]: b"".join(eng.pages([0, 1]))})
+
+
+def test_a_daemon_starts_on_a_garbled_index(tmp_path):
+    d = Daemon(tmp_path)
+    os.makedirs(d.data_dir, mode=0o700)
+    with open(os.path.join(d.data_dir, "index.db"), "wb") as f:
+        f.write(os.urandom(64 << 10))
+    try:
+        with d.start().client() as c:
+            assert c.list() == []
+            c.put("new", b"x" * 1000, KVSpec.opaque("m"), num_tokens=1)
+        assert "the disk index" in d.log() and "index.db.damaged-" in d.log()
+        assert "Traceback" not in d.log()
+    finally:
+        d.close()

@@ -1,0 +1,81 @@
+"""Recovery: what the store serves after a start, from the disk index and the slab files.
+
+Runs once in the store's constructor, before any call. The disk tier opens
+the slab files it finds (recreating a missing one, sparse), the index parses
+its rows and quarantines those it cannot read (DiskIndex.recover), and here
+each remaining session's pieces are checked against the slab files: aligned,
+inside one slab whose file was whole, and sharing no byte with another
+session's. A session that fails is quarantined too. Each quarantined session
+gets one log line and one count in tierd_sessions_quarantined_total{reason},
+and leaves the index; the rest are reserved in the disk tier and served.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tierd.core.events import StoreEvents
+from tierd.core.index import DiskIndex
+from tierd.core.model import SessionKey
+from tierd.core.rows import Problem, Recovered
+from tierd.tiers.disk import DiskTier
+from tierd.transfer.runs import page_stride
+
+log = logging.getLogger("tierd.core.recovery")
+
+
+def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents) -> tuple[list[Recovered], list[Problem]]:
+    """The sessions to serve, reserved in the disk tier, and what was repaired."""
+    lost = disk.open_existing()
+    found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
+    disk.reserve([(p, rec.key.tenant) for rec in found for p in rec.pieces])
+    for problem in problems:
+        if problem.quarantined:
+            log.error("recovery: quarantined %s/%s (%s): %s; it is not served and its disk space is reused",
+                      problem.key.tenant, problem.key.session_id, problem.reason, problem.detail)
+            events.quarantined(problem.reason)
+        else:
+            log.warning("recovery: %s", problem)
+    log.info("recovered %d sessions from the disk index", len(found))
+    return found, problems
+
+
+def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int | None]) -> list[Problem]:
+    """The sessions whose pieces the slab files cannot hold: unaligned, too
+    small for their pages or across a slab boundary; past the last slab; in a
+    slab file that was missing or cut short (`lost`: the bytes such files held,
+    None for none); or sharing bytes with another piece (every session
+    involved)."""
+    slab_bytes, granule = disk.slab_bytes, disk.allocator.granule
+    bad: dict[SessionKey, Problem] = {}
+    extents: list[tuple[int, int, SessionKey]] = []
+    for rec in found:
+        stride = page_stride(rec.row.spec.page_bytes)
+        for p in rec.pieces:
+            slab, off = divmod(p.offset, slab_bytes)
+            survived = lost.get(slab, slab_bytes)  # bytes of the slab's file that were there at start
+            where = f"the piece at page {p.first_page} ([{p.offset}, {p.offset + p.alloc_bytes}))"
+            if p.offset < 0 or p.offset % granule or p.alloc_bytes % granule or p.alloc_bytes < p.n_pages * stride \
+                    or off + p.alloc_bytes > slab_bytes:
+                problem = Problem(rec.key, "bad_extent", f"{where} is unaligned, smaller than its pages or crosses "
+                                                         "a slab boundary")
+            elif slab >= disk.allocator.num_slabs:
+                problem = Problem(rec.key, "past_end", f"{where} lies past the last slab file")
+            elif survived is None:
+                problem = Problem(rec.key, "missing_slab", f"{where} was in slab file {slab}, which is missing")
+            elif survived < off + p.n_pages * stride:
+                problem = Problem(rec.key, "truncated_slab", f"{where} lay past the end of slab file {slab}, "
+                                                             f"cut to {survived} bytes")
+            else:
+                extents.append((p.offset, p.offset + p.alloc_bytes, rec.key))
+                continue
+            bad.setdefault(rec.key, problem)
+    reach, holder = -1, None
+    for start, end, key in sorted((e for e in extents if e[2] not in bad), key=lambda e: e[:2]):
+        if start < reach and holder is not None:
+            for k, other in ((key, holder), (holder, key)):
+                bad.setdefault(k, Problem(k, "overlap", f"its pieces share bytes at {start} with those of "
+                                                        f"{other.tenant}/{other.session_id}"))
+        if end > reach:
+            reach, holder = end, key
+    return list(bad.values())

@@ -1,0 +1,118 @@
+"""What the disk index's rows mean: a session's complete state (Row), what
+recovery reads back (Recovered), and the checks a row must pass to be served.
+
+Runs inside the index at start (DiskIndex.recover). A row that fails a check
+raises Damaged, and its session becomes a Problem: quarantined, with a reason
+that is one word, a metric label.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierd.core import tokens
+from tierd.core.model import SessionKey
+from tierd.layout import KVSpec
+from tierd.tiers.allocator import Piece
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    spec: KVSpec
+    num_tokens: int
+    num_pages: int
+    nbytes: int
+    created: float
+    last_access: float
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    key: SessionKey
+    row: Row
+    pieces: list[Piece]
+    checksums: np.ndarray
+    token_hashes: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What recovery found and removed from the index: a committed session it
+    cannot serve (quarantined), or what a crash left half-written (reclaimed)."""
+
+    key: SessionKey
+    reason: str  # one word, a metric label: bad_row, bad_spec, bad_checksums, ..., orphan, partial
+    detail: str
+    quarantined: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.key.tenant}/{self.key.session_id}: {self.detail}"
+
+
+class Damaged(Exception):
+    """A row that cannot be served: reason (a metric label) and detail."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(text: str) -> KVSpec:
+    """A spec from its JSON. Sessions of one model share one text: parsing and
+    checking it once per text, not per row, was most of a large recovery."""
+    return KVSpec.from_dict(json.loads(text))
+
+
+def _ints(*values: object) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def _size(blob: object) -> str:
+    return f"{len(blob)} bytes" if isinstance(blob, bytes) else f"a {type(blob).__name__}"
+
+
+def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
+    """A session from its row (spec, num_tokens, num_pages, nbytes, created,
+    last_access, priority) and its pieces' rows, checked against the format;
+    raises Damaged."""
+    try:
+        spec = _spec(r[0])
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
+        raise Damaged("bad_spec", f"unreadable spec ({exc})") from None
+    num_tokens, num_pages, nbytes, created, last_access, priority = r[1:]
+    if not _ints(num_tokens, num_pages, nbytes, priority) or not all(
+            isinstance(v, (int, float)) for v in (created, last_access)):
+        raise Damaged("bad_row", "a field of its row has the wrong type")
+    pb = spec.page_bytes
+    if num_pages < 1 or num_tokens < 0 or not (num_pages - 1) * pb < nbytes <= num_pages * pb or (
+            not spec.is_opaque and (nbytes != num_pages * pb or num_tokens > num_pages * spec.block_tokens)):
+        raise Damaged("bad_row", f"{num_pages} pages, {nbytes} bytes and {num_tokens} tokens do not fit its spec")
+    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority)
+    pieces, sums, covered = [], np.empty(num_pages, dtype=np.uint64), 0
+    hashes = tokens.empty(num_pages)
+    for first, n, offset, alloc, blob, token_blob in recs:
+        if not _ints(first, n, offset, alloc) or n < 1:
+            raise Damaged("bad_row", f"a piece row has the wrong type or no pages (page {first!r})")
+        if first != covered or covered >= num_pages:
+            break
+        if not isinstance(blob, bytes) or len(blob) != 8 * n:
+            raise Damaged("bad_checksums", f"the piece at page {first} holds {_size(blob)} of checksums for "
+                                            f"{n} pages")
+        if not isinstance(token_blob, bytes) or len(token_blob) not in (0, tokens.HASH_BYTES * n):
+            raise Damaged("bad_tokens", f"the piece at page {first} holds {_size(token_blob)} of token hashes "
+                                         f"for {n} pages")
+        keep = min(n, num_pages - first)
+        pieces.append(Piece(offset, alloc, first, keep))
+        sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
+        if token_blob:
+            hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]
+        covered += keep
+    if covered != num_pages:
+        raise Damaged("missing_pieces", f"pieces cover {covered} of {num_pages} pages")
+    return Recovered(key, row, pieces, sums, hashes)
