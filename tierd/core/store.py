@@ -10,6 +10,7 @@ it; the store lock guards metadata and is never held across a copy.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import re
 import secrets
@@ -46,6 +47,7 @@ from tierd.policy import (
     SessionView,
     advise,
     budget_moves,
+    idle_due,
     idle_moves,
     plan_eviction,
     pressure_moves,
@@ -63,6 +65,7 @@ DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
 MAX_PRIORITY = 1000
 DEFAULT_LEASE_SECONDS = 60.0
 MAX_LEASE_SECONDS = 3600.0
+CHECKS_PER_LOCK = 256  # sessions the tick looks at per hold of the store lock (~5 ms)
 REPLANS = 8  # eviction plans tried when their sessions got busy before they could be moved
 
 
@@ -189,6 +192,9 @@ class Store:
         self.placement.quota = self.policy.quota
         self._per_tenant: dict[str, int] = {}  # sessions held by each tenant
         self._leases: dict[str, _Lease] = {}
+        # (time, key): when the tick next looks at each released session, so that a
+        # tick costs what is due, not what is stored (see _schedule).
+        self._checks: list[tuple[float, SessionKey]] = []
         self.recovery_problems = self._recover() if index is not None else []
         self.mover = Mover(self._run_job, movers)
         self._closed = False
@@ -217,6 +223,7 @@ class Store:
             self._sessions[rec.key] = session
             self._key_locks[rec.key] = session.op
             self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1
+            self._schedule(session)
         for p in problems:
             log.warning("recovery: %s", p)
         log.info("recovered %d sessions from the disk index", len(kept))
@@ -732,6 +739,7 @@ class Store:
         session = self._get(key)
         with self._lock:
             session.released_at = session.last_access = self.clock.now()
+            self._schedule(session)
             return self._info(session)
 
     def pin(self, key: SessionKey) -> SessionInfo:
@@ -746,6 +754,7 @@ class Store:
             if session.pins == 0:
                 raise FailedPrecondition(f"session {key.session_id!r} is not pinned", session_id=key.session_id)
             session.pins -= 1
+            self._schedule(session)
             return self._info(session)
 
     def drop(self, key: SessionKey) -> None:
@@ -794,6 +803,7 @@ class Store:
             session.last_access, session.awaited = now, True
             if session.released_at is not None:
                 session.released_at = now
+                self._schedule(session)  # promoted: an earlier threshold may apply
         return now
 
     def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
@@ -880,11 +890,39 @@ class Store:
         with self._lock:
             sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
         busy = self.mover.busy_keys(queued=queued_busy)
-        return [
-            SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0,
-                        s.op.locked() or s.key in busy, s.durable, s.awaited)
-            for s in sessions
-        ]
+        return [self._view(s, busy) for s in sessions]
+
+    @staticmethod
+    def _view(s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
+        return SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0,
+                           s.op.locked() or s.key in busy, s.durable, s.awaited)
+
+    def _schedule(self, session: Session, at: float | None = None) -> None:
+        """Have the tick look at a session at `at`, or else when policy says its
+        next idle move is due; a check already scheduled earlier stands (it
+        reschedules). Called with the store lock held, wherever a session
+        becomes released, unpinned or promoted: nothing else brings a move
+        due sooner (demotions and write-backs only put it off)."""
+        if session.dropped:
+            return
+        if at is None:
+            at = idle_due(self._view(session), self.policy, self.tiers)
+        if at is None or (session.idle_check is not None and session.idle_check <= at):
+            return
+        session.idle_check = at
+        heapq.heappush(self._checks, (at, session.key))
+
+    def _due(self, now: float) -> list[Session]:
+        """The sessions whose scheduled check has come (each is unscheduled)."""
+        due = []
+        with self._lock:
+            while self._checks and self._checks[0][0] <= now:
+                at, key = heapq.heappop(self._checks)
+                session = self._sessions.get(key)
+                if session is not None and session.idle_check == at:  # else rescheduled, or dropped
+                    session.idle_check = None
+                    due.append(session)
+        return due
 
     def _execute(self, moves: list[Move], klass: Priority) -> int:
         """Carry out eviction moves now, skipping sessions busy by then."""
@@ -925,16 +963,24 @@ class Store:
         for tier in self.tiers.values():
             tier.maintain()
         now = self.clock.now()
-        # Only released sessions can be due for an idle move; one that is durable and
-        # only on disk is done, unless a TTL may drop it. Skipping those keeps a tick
-        # cheap with many sessions on disk.
-        ttl = self.policy.disk_ttl is not None
-
-        def may_move(s: Session) -> bool:
-            return s.released_at is not None and (ttl or not s.durable or any(
-                pieces for t, pieces in s.snap.placement.items() if t != "disk"))
-
-        moves = idle_moves(self._views(keep=may_move), now, self.policy, self.tiers)
+        # Only sessions whose check has come are looked at: with many sessions
+        # stored, looking at each every tick held the store lock (and the GIL)
+        # for tens of ms, and every call waited behind it.
+        due = self._due(now)
+        busy = self.mover.busy_keys()
+        moves: list[Move] = []
+        for i in range(0, len(due), CHECKS_PER_LOCK):  # the lock is let go between batches
+            batch = due[i : i + CHECKS_PER_LOCK]
+            with self._lock:
+                views = [self._view(s, busy) for s in batch]
+            batch_moves = idle_moves(views, now, self.policy, self.tiers)
+            moved = {mv.key for mv in batch_moves}
+            with self._lock:
+                for s, v in zip(batch, views):
+                    # A session given a move, or busy, is looked at again next tick: the
+                    # move may be skipped (busy by then) or fail, or leave another due.
+                    self._schedule(s, now if v.key in moved or v.busy else None)
+            moves += batch_moves
         for name, tier in self.tiers.items():
             if tier.used > self.policy.high_watermark * tier.budget:
                 views = self._views(keep=lambda s, name=name: bool(s.snap.placement.get(name)))
