@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierd.core.cuda_ipc import IpcCache, IpcRegion
-from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, shown
 from tierd.layout import EngineLayout, KVSpec
 from tierd.transfer.copier import EngineMemory
 
 log = logging.getLogger("tierd.core.engines")
 SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+_SHM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
 MAX_ENGINES_PER_TENANT = 64
 
 
@@ -109,22 +109,24 @@ def process_alive(identity: tuple[int, int]) -> bool:
 
 def map_shm(name: str, size: int, shm_dir: str = SHM_DIR) -> mmap.mmap:
     """Map /dev/shm/<name> read-write; it must be a regular file of at least size bytes."""
-    if not isinstance(name, str) or not _SHM_NAME.match(name) or ".." in name:
-        raise InvalidArgument(f"shared-memory name {name!r} must be a plain file name in {shm_dir}", field="regions")
+    if not isinstance(name, str) or not _SHM_NAME.fullmatch(name) or ".." in name:
+        raise InvalidArgument(f"shared-memory name {shown(name)} must be a plain file name in {shm_dir}",
+                              field="regions")
     if size <= 0:
-        raise InvalidArgument(f"region {name!r} needs a positive size", field="regions")
+        raise InvalidArgument(f"region {shown(name)} needs a positive size", field="regions")
     try:
         fd = os.open(os.path.join(shm_dir, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise NotFound(f"shared-memory region {name!r} does not exist", field="regions") from None
+        raise NotFound(f"shared-memory region {shown(name)} does not exist", field="regions") from None
     except OSError as exc:
-        raise InvalidArgument(f"cannot open shared-memory region {name!r}: {exc.strerror}", field="regions") from None
+        raise InvalidArgument(f"cannot open shared-memory region {shown(name)}: {exc.strerror}",
+                              field="regions") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgument(f"shared-memory region {name!r} is not a regular file", field="regions")
+            raise InvalidArgument(f"shared-memory region {shown(name)} is not a regular file", field="regions")
         if st.st_size < size:
-            raise InvalidArgument(f"region {name!r} holds {st.st_size} bytes, fewer than the {size} declared",
+            raise InvalidArgument(f"region {shown(name)} holds {st.st_size} bytes, fewer than the {size} declared",
                                   field="regions")
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -189,7 +191,7 @@ class EngineRegistry:
         with self._lock:
             engine = self._engines.get(engine_id)
         if engine is None or engine.tenant != tenant:
-            raise NotFound(f"engine {engine_id!r} is not registered", field="engine_id")
+            raise NotFound(f"engine {shown(engine_id)} is not registered", field="engine_id")
         return engine
 
     @contextlib.contextmanager
@@ -197,7 +199,7 @@ class EngineRegistry:
         """The engine, kept open until the block ends."""
         engine = self.get(tenant, engine_id)
         if not engine.enter():
-            raise NotFound(f"engine {engine_id!r} is being unregistered", field="engine_id")
+            raise NotFound(f"engine {shown(engine_id)} is being unregistered", field="engine_id")
         try:
             yield engine
         finally:

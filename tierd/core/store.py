@@ -38,6 +38,7 @@ from tierd.errors import (
     NotFound,
     ResourceExhausted,
     TierdError,
+    shown,
 )
 from tierd.layout import KVSpec
 from tierd.policy import (
@@ -59,7 +60,7 @@ from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Geometry, Span
 
 log = logging.getLogger("tierd.core.store")
-_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}$")
+_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}")
 # Used by advise() until a route has been measured (bytes/s).
 DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
 MAX_PRIORITY = 1000
@@ -70,10 +71,10 @@ REPLANS = 8  # eviction plans tried when their sessions got busy before they cou
 
 
 def check_id(name: str, value: object) -> str:
-    if not isinstance(value, str) or not _ID.match(value) or ".." in value:
+    if not isinstance(value, str) or not _ID.fullmatch(value) or ".." in value:
         raise InvalidArgument(
             f"{name} must be 1-256 characters of letters, digits and ._:@+=~- , not starting with '.' "
-            f"or '-' and without '..', got {value!r}",
+            f"or '-' and without '..', got {shown(value)}",
             field=name,
             value=value,
         )
@@ -87,8 +88,8 @@ def make_key(tenant: str, session_id: str) -> SessionKey:
 def _check_priority(priority: int | None) -> None:
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
                                  or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
-        raise InvalidArgument(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority!r}",
-                              field="priority", value=priority)
+        raise InvalidArgument(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
+                              f"got {shown(priority)}", field="priority", value=priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +255,7 @@ class Store:
         lock, session = self._acquire(key)
         try:
             if session is None:
-                raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+                raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
             yield session
         finally:
             lock.release()
@@ -263,7 +264,7 @@ class Store:
         with self._lock:
             session = self._sessions.get(key)
         if session is None:
-            raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+            raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
         return session
 
     def _notify(self) -> None:
@@ -281,7 +282,7 @@ class Store:
         if have.fingerprint != spec.fingerprint:
             fields = sorted(k for k, v in have.to_dict().items() if spec.to_dict().get(k) != v)
             raise IdentityMismatch(
-                f"session {session.key.session_id!r} was saved by {have.model_id!r} with another identity "
+                f"session {shown(session.key.session_id)} was saved by {shown(have.model_id)} with another identity "
                 f"(differs in {', '.join(fields)})",
                 want=have.fingerprint, got=spec.fingerprint, fields=fields)
 
@@ -291,7 +292,7 @@ class Store:
         bt = spec.block_tokens
         if isinstance(start_token, bool) or not isinstance(start_token, int) or start_token < 0 or start_token % bt:
             raise InvalidArgument(f"start_token must be a non-negative multiple of block_tokens ({bt}), "
-                                  f"got {start_token!r}", field="start_token", value=start_token)
+                                  f"got {shown(start_token)}", field="start_token", value=start_token)
         if start_token and spec.is_opaque:
             raise InvalidArgument("opaque snapshots are replaced whole: start_token must be 0", field="start_token")
         return start_token // bt
@@ -305,7 +306,7 @@ class Store:
         first_page = cls._check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= start_token:
             raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}), "
-                                  f"got {num_tokens!r}", field="num_tokens", value=num_tokens)
+                                  f"got {shown(num_tokens)}", field="num_tokens", value=num_tokens)
         return first_page
 
     def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int,
@@ -315,22 +316,23 @@ class Store:
         a new session must fit the tenant's session quota."""
         limit = self.policy.tenant_sessions
         if session is None and limit and self._per_tenant.get(key.tenant, 0) >= limit:
-            raise ResourceExhausted(f"tenant {key.tenant!r} may hold {limit} sessions; drop some first",
+            raise ResourceExhausted(f"tenant {shown(key.tenant)} may hold {limit} sessions; drop some first",
                                     tenant=key.tenant, quota=limit)
         if not start_token:
             return
         if session is None:
-            raise NotFound(f"session {key.session_id!r} not found: nothing to append to", session_id=key.session_id)
+            raise NotFound(f"session {shown(key.session_id)} not found: nothing to append to",
+                           session_id=key.session_id)
         self._check_identity(session, spec)
         if session.damaged:
-            raise FailedPrecondition(f"session {key.session_id!r} is damaged: store it again from token 0")
+            raise FailedPrecondition(f"session {shown(key.session_id)} is damaged: store it again from token 0")
         if start_token > session.snap.num_tokens:
             raise FailedPrecondition(f"start_token {start_token} is past the {session.snap.num_tokens} tokens stored",
                                      field="start_token", have=session.snap.num_tokens)
         kept = session.snap.token_hashes[: start_token // spec.block_tokens]
         if hashes is not None and tokens.known(kept) and not np.array_equal(kept, hashes[: len(kept)]):
-            raise FailedPrecondition(f"session {key.session_id!r} holds other tokens before start_token {start_token}: "
-                                     "store it from token 0", field="token_ids")
+            raise FailedPrecondition(f"session {shown(key.session_id)} holds other tokens before start_token "
+                                     f"{start_token}: store it from token 0", field="token_ids")
 
     @staticmethod
     def _check_blocks(block_ids: Iterable[int], num_blocks: int) -> np.ndarray:
@@ -361,9 +363,10 @@ class Store:
     @staticmethod
     def _check_readable(key: SessionKey, session: Session | None, verb: str) -> None:
         if session is None:
-            raise NotFound(f"session {key.session_id!r} not found", session_id=key.session_id)
+            raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
         if session.damaged:
-            raise DataLoss(f"session {key.session_id!r} is damaged and cannot be {verb}", session_id=key.session_id)
+            raise DataLoss(f"session {shown(key.session_id)} is damaged and cannot be {verb}",
+                           session_id=key.session_id)
 
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
@@ -418,7 +421,7 @@ class Store:
         pages, and refuses an append onto pages that hold other tokens."""
         _check_priority(priority)
         if tier is not None and (tier not in self.tiers or tier == "disk"):
-            raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {tier!r}", field="tier")
+            raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {shown(tier)}", field="tier")
         first_page = self._check_blocks_range(spec, start_token, num_tokens)
         ids = self._check_blocks(block_ids, engine.layout.num_blocks)
         tok = self._token_hashes(spec, token_ids, num_tokens)
@@ -466,7 +469,8 @@ class Store:
                 self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums)
             except DataLoss as exc:
                 self.placement.mark_damaged(session, exc)
-                raise DataLoss(f"session {key.session_id!r}: {exc}", session_id=key.session_id, **exc.details) from None
+                raise DataLoss(f"session {shown(key.session_id)}: {exc}", session_id=key.session_id,
+                               **exc.details) from None
             except OSError as exc:
                 raise self.placement.io_failed("read", exc, key) from None
             seconds = time.perf_counter() - t0
@@ -486,10 +490,11 @@ class Store:
         _check_priority(priority)
         first_page = self._check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidArgument(f"num_tokens must be a non-negative integer, got {num_tokens!r}", field="num_tokens")
+            raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
+                                  field="num_tokens")
         if spec.is_opaque:
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-                raise InvalidArgument(f"size must be a positive number of bytes, got {nbytes!r}", field="size")
+                raise InvalidArgument(f"size must be a positive number of bytes, got {shown(nbytes)}", field="size")
             n_pages = -(-nbytes // spec.page_bytes)
             last = nbytes - (n_pages - 1) * spec.page_bytes
         else:
@@ -535,7 +540,7 @@ class Store:
         """The snapshot's info and a reader of its bytes. The session stays
         locked (no move starts) until the reader is exhausted or closed."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
-            raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {chunk_bytes!r}", field="chunk_bytes")
+            raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {shown(chunk_bytes)}", field="chunk_bytes")
         lock, session = self._acquire(key)
         try:
             self._check_readable(key, session, "read")
@@ -552,7 +557,7 @@ class Store:
             yield from self.copier.read_stream(snap.best_spans(), snap.geometry, snap.checksums, chunk_bytes)
         except DataLoss as exc:
             self.placement.mark_damaged(session, exc)
-            raise DataLoss(f"session {session.key.session_id!r}: {exc}", **exc.details) from None
+            raise DataLoss(f"session {shown(session.key.session_id)}: {exc}", **exc.details) from None
         except OSError as exc:
             raise self.placement.io_failed("read", exc, session.key) from None
         with self._lock:
@@ -584,8 +589,8 @@ class Store:
     @staticmethod
     def _check_ttl(ttl: float) -> float:
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl <= MAX_LEASE_SECONDS:
-            raise InvalidArgument(f"a lease lasts more than 0 and at most {MAX_LEASE_SECONDS:g} seconds, got {ttl!r}",
-                                  field="ttl_seconds", value=ttl)
+            raise InvalidArgument(f"a lease lasts more than 0 and at most {MAX_LEASE_SECONDS:g} seconds, "
+                                  f"got {shown(ttl)}", field="ttl_seconds", value=ttl)
         return float(ttl)
 
     def _slots(self, pieces: list, stride: int, end: int) -> list[Slot]:
@@ -603,7 +608,7 @@ class Store:
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.key.tenant != tenant or not isinstance(lease, kind):
-                raise NotFound(f"no open {kind.what} lease {lease_id!r}: it ended, expired or never was",
+                raise NotFound(f"no open {kind.what} lease {shown(lease_id)}: it ended, expired or never was",
                                lease_id=lease_id)
             del self._leases[lease_id]
         return lease
@@ -671,7 +676,8 @@ class Store:
         ttl = self._check_ttl(ttl)
         request = tokens.check_ids(token_ids) if token_ids is not None else None
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise InvalidArgument(f"num_pages must be a non-negative integer, got {num_pages!r}", field="num_pages")
+            raise InvalidArgument(f"num_pages must be a non-negative integer, got {shown(num_pages)}",
+                                  field="num_pages")
         lock, session = self._acquire(key)
         try:
             self._check_readable(key, session, "restored")
@@ -684,8 +690,8 @@ class Store:
                                       f"not {num_pages}", field="num_pages", have=snap.n_pages)
             bt = snap.spec.block_tokens
             if request is not None and tokens.matched_pages(snap.token_hashes[:n], snap.num_tokens, bt, request) < n:
-                raise FailedPrecondition(f"the first {n} pages of session {key.session_id!r} hold other tokens than "
-                                         "the request's: look it up again", field="token_ids")
+                raise FailedPrecondition(f"the first {n} pages of session {shown(key.session_id)} hold other tokens "
+                                         "than the request's: look it up again", field="token_ids")
             started = time.perf_counter()
             spans = [sp for sp in snap.best_spans() if sp.first_page < n]
             source = max((sp.tier for sp in spans), key=tier_rank)
@@ -752,7 +758,7 @@ class Store:
         session = self._get(key)
         with self._lock:
             if session.pins == 0:
-                raise FailedPrecondition(f"session {key.session_id!r} is not pinned", session_id=key.session_id)
+                raise FailedPrecondition(f"session {shown(key.session_id)} is not pinned", session_id=key.session_id)
             session.pins -= 1
             self._schedule(session)
             return self._info(session)
@@ -782,12 +788,12 @@ class Store:
         """Start promoting the session toward `tier`; returns "ready" if it is
         there already, else "queued". Never waits for the move."""
         if tier not in ("device", "host"):
-            raise InvalidArgument(f"prefetch goes to 'host' or 'device', not {tier!r}", field="tier", value=tier)
+            raise InvalidArgument(f"prefetch goes to 'host' or 'device', not {shown(tier)}", field="tier", value=tier)
         if tier not in self.tiers:
             raise FailedPrecondition(f"there is no {tier} tier on this machine", field="tier", value=tier)
         session = self._get(key)
         if session.damaged:
-            raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
+            raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)
         if tier_rank(session.snap.slowest_tier() or "device") <= tier_rank(tier):
             self._expect(session)
             self.events.prefetch_outcome("ready")
@@ -810,13 +816,13 @@ class Store:
         """Wait until the whole session is in `tier` or faster; returns
         (ready, the tier it is in)."""
         if tier not in TIER_ORDER:
-            raise InvalidArgument(f"unknown tier {tier!r}", field="tier", value=tier)
+            raise InvalidArgument(f"unknown tier {shown(tier)}", field="tier", value=tier)
         end = time.monotonic() + max(0.0, timeout)
         with self._changed:
             while True:
                 session = self._get(key)
                 if session.damaged:
-                    raise DataLoss(f"session {key.session_id!r} is damaged", session_id=key.session_id)
+                    raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)
                 where = session.snap.slowest_tier()
                 if where is not None and tier_rank(where) <= tier_rank(tier):
                     return True, where
@@ -1009,7 +1015,7 @@ class Store:
         """Sessions ordered by (tenant, id), after the page token; returns the
         page and the token of the next page ("" when done)."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise InvalidArgument(f"limit must be 1 to 10000, got {limit!r}", field="limit")
+            raise InvalidArgument(f"limit must be 1 to 10000, got {shown(limit)}", field="limit")
         with self._lock:
             keys = sorted(k for k in self._sessions if tenant is None or k.tenant == tenant)
             if after:
@@ -1030,9 +1036,10 @@ class Store:
     def set_budget(self, tier: str, nbytes: int) -> BudgetResult:
         """Change a tier's budget at run time; shrinking demotes the overflow now."""
         if tier not in self.tiers:
-            raise InvalidArgument(f"no {tier!r} tier here; tiers are {sorted(self.tiers)}", field="tier", value=tier)
+            raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier",
+                                  value=tier)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidArgument(f"budget must be a non-negative number of bytes, got {nbytes!r}", field="budget")
+            raise InvalidArgument(f"budget must be a non-negative number of bytes, got {shown(nbytes)}", field="budget")
         t = self.tiers[tier]
         t0, used0, old = time.perf_counter(), t.used, t.budget
         plan = budget_moves(self._views(queued_busy=False), tier, t.used, nbytes, self.policy, self.tiers)
