@@ -192,6 +192,24 @@ CASES = {
                                                 InvalidArgument),
     "restore lease with another identity": (lambda c, e, o, s: c.begin_restore("kv", OTHER), IdentityMismatch),
     "restore lease of an opaque blob's missing session": (lambda c, e, o, s: c.begin_restore("nope"), NotFound),
+    # values protobuf refuses are the client's InvalidArgument, in a Put's stream as in a unary call
+    "put with a negative token count": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, num_tokens=-1), InvalidArgument),
+    "put with a priority past int32": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, 1, priority=2**40),
+                                       InvalidArgument),
+    "put from a negative token": (lambda c, e, o, s: c.put("new", b"x" * 16384, SPEC, 32, start_token=-16),
+                                  InvalidArgument),
+    "put of a str": (lambda c, e, o, s: c.put("new", "not bytes", OPAQUE, 1), InvalidArgument),
+    "put in chunks of 0 bytes": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, 1, chunk_bytes=0), InvalidArgument),
+    "put with a session id that is not text": (lambda c, e, o, s: c.put(7, b"x", OPAQUE, 1), InvalidArgument),
+    "stat with a session id that is not text": (lambda c, e, o, s: c.stat(7), InvalidArgument),
+    "get in chunks of -1 bytes": (lambda c, e, o, s: c.get("kv", chunk_bytes=-1), InvalidArgument),
+    "prefetch with a priority past int32": (lambda c, e, o, s: c.prefetch("kv", priority=2**40), InvalidArgument),
+    "wait with a timeout that is not a number": (lambda c, e, o, s: c.wait_ready("kv", timeout="soon"),
+                                                 InvalidArgument),
+    "save lease with a negative token count": (lambda c, e, o, s: c.begin_save("new", SPEC, -16), InvalidArgument),
+    "save with a negative token count": (lambda c, e, o, s: e.save("new", [0], -16), InvalidArgument),
+    "list with a negative limit": (lambda c, e, o, s: c.list_page(limit=-1), InvalidArgument),
+    "lookup with a token id past int64": (lambda c, e, o, s: c.lookup("kv", [2**70]), InvalidArgument),
 }
 
 

@@ -4,12 +4,15 @@ AsyncClient. Put and Get stream, so each client has its own."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from tierd.api.convert import info_from_pb, lease_from_pb, lookup_from_pb, optional_spec_to_pb, spec_to_pb
 from tierd.api.status import from_rpc_error
@@ -17,15 +20,67 @@ from tierd.api.wire import GET_METHOD, PUT_METHOD, chunk_message, read_chunk, re
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
 from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
-from tierd.errors import DataLoss, InvalidArgument
+from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import Advice
-from tierd.v1 import tierd_pb2 as pb
+from tierd.v1 import tierd_pb2
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
 DEFAULT_CHUNK = 1 << 20
 MAX_MESSAGE = 64 << 20
 _OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+_HOLDS = {FieldDescriptor.TYPE_UINT32: "integers from 0 to 2**32-1",
+          FieldDescriptor.TYPE_UINT64: "integers from 0 to 2**64-1",
+          FieldDescriptor.TYPE_INT32: "integers from -2**31 to 2**31-1",
+          FieldDescriptor.TYPE_INT64: "integers from -2**63 to 2**63-1",
+          FieldDescriptor.TYPE_DOUBLE: "numbers", FieldDescriptor.TYPE_STRING: "text",
+          FieldDescriptor.TYPE_BOOL: "true or false", FieldDescriptor.TYPE_BYTES: "bytes"}
+
+
+class _Checked:
+    """A message class whose constructor turns protobuf's refusal of a value
+    (a negative count, an integer past its field's range, text where a number
+    goes: a bare ValueError or TypeError) into the InvalidArgument the daemon
+    gives for a bad value, naming the field."""
+
+    def __init__(self, cls: type) -> None:
+        self._cls = cls
+
+    def __call__(self, **fields: Any) -> Any:
+        try:
+            return self._cls(**fields)
+        except (TypeError, ValueError) as exc:
+            name, value = next(((k, v) for k, v in fields.items() if not self._takes(k, v)), (None, None))
+            if name is None:
+                raise InvalidArgument(f"{self._cls.__name__}: {exc}") from None
+            holds = _HOLDS.get(self._cls.DESCRIPTOR.fields_by_name[name].type, "values of another type")
+            raise InvalidArgument(f"{name} cannot be {shown(value)}: it holds {holds}", field=name,
+                                  value=value) from None
+
+    def _takes(self, name: str, value: Any) -> bool:
+        try:
+            self._cls(**{name: value})
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cls, name)
+
+
+class _Messages:
+    """tierd_pb2 with every message class _Checked: the clients build each
+    request from a caller's values through it."""
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(tierd_pb2, name)
+        if isinstance(attr, type) and issubclass(attr, Message):
+            attr = _Checked(attr)
+        setattr(self, name, attr)  # looked up once
+        return attr
+
+
+pb: Any = _Messages()
 
 
 def default_address() -> str:
@@ -91,13 +146,17 @@ def cuda_region(tensor: Any) -> pb.Region:
 
 def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
                   priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest | bytes]:
-    """The header message, then the chunks in wire format (see tierd.api.wire)."""
+    """The header message, then the chunks in wire format (see tierd.api.wire).
+    The arguments are checked and the header built before the stream starts:
+    gRPC reports an error raised while it iterates the requests only as
+    "Exception iterating requests!" (the async client, as a cancellation)."""
     view = as_bytes(data)
-    yield pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
-                                            size=len(view), priority=priority, start_token=start_token,
-                                            token_ids=_ids(token_ids)))
-    for i in range(0, len(view), chunk):
-        yield chunk_message(view[i : i + chunk])
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise InvalidArgument(f"chunk_bytes must be a positive integer, got {shown(chunk)}", field="chunk_bytes")
+    header = pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
+                                               size=len(view), priority=priority, start_token=start_token,
+                                               token_ids=_ids(token_ids)))
+    return itertools.chain([header], (chunk_message(view[i : i + chunk]) for i in range(0, len(view), chunk)))
 
 
 def _serialize(msg: pb.PutRequest | bytes) -> bytes:
