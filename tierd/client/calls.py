@@ -1,6 +1,9 @@
-"""The clients. Every unary call is written once, in _Calls, and returns
-whatever the client's _call returns: a value for Client, an awaitable for
-AsyncClient. Put and Get stream, so each client has its own."""
+"""The clients, run in the caller's process (engines, adapters, the CLI).
+Every unary call is written once, in _Calls, and returns whatever the
+client's _call returns: a value for Client, an awaitable for AsyncClient.
+Put and Get stream, so each client has its own. Requests are built through
+`pb`, which refuses a caller's bad value as InvalidArgument; both clients'
+channels take _OPTIONS (message sizes, reconnecting)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,17 @@ from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
 DEFAULT_CHUNK = 1 << 20
 MAX_MESSAGE = 64 << 20
-_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+RECONNECT_MS = 500
+# Both clients' channels. gRPC waits 1 s after a failed connection attempt and
+# 1.6 times longer after each next one, up to 120 s: after a 30 s outage a
+# client found the restarted daemon ~10 s late. The daemon is local, or one
+# hop away, so a client tries every RECONNECT_MS (+-20% jitter) while it is
+# down, whatever the outage lasted. (grpc.min_reconnect_backoff_ms is not a
+# backoff but how long one attempt may take; its 20 s stays.) Calls do not
+# wait_for_ready: while the daemon is down they fail at once with
+# UNAVAILABLE, and the caller (the vLLM connector: recompute) decides.
+_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS), ("grpc.max_reconnect_backoff_ms", RECONNECT_MS)]
 _HOLDS = {FieldDescriptor.TYPE_UINT32: "integers from 0 to 2**32-1",
           FieldDescriptor.TYPE_UINT64: "integers from 0 to 2**64-1",
           FieldDescriptor.TYPE_INT32: "integers from -2**31 to 2**31-1",
