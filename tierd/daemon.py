@@ -1,7 +1,8 @@
 """`tierd serve`: the daemon's life from start to a graceful stop.
 
-Start: take the socket's and the data dir's lock files (a second daemon on
-either fails with a clear message), probe the machine and build the tiers,
+Start: set the umask to 077 (what the daemon creates is its user's alone),
+take the socket's and the data dir's lock files (a second daemon on either
+fails with a clear message), probe the machine and build the tiers,
 recover the disk index, serve gRPC (with health and reflection) and metrics,
 and run policy every tick. Stop (SIGTERM or SIGINT): refuse new calls, let
 in-flight ones finish within the grace period, flush to disk what must
@@ -129,12 +130,8 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     endpoints = []
     if cfg.socket:
-        old = os.umask(0o077)  # the socket file is created 0600
-        try:
-            if server.add_insecure_port(f"unix:{cfg.socket}") == 0:
-                raise StartupError(f"cannot listen on {cfg.socket}")
-        finally:
-            os.umask(old)
+        if server.add_insecure_port(f"unix:{cfg.socket}") == 0:  # 0600, by the umask serve() set
+            raise StartupError(f"cannot listen on {cfg.socket}")
         endpoints.append(f"unix:{cfg.socket}")
     if cfg.listen:
         if cfg.tls_cert:
@@ -205,6 +202,10 @@ def tune_malloc() -> Callable[[], object] | None:
 
 def serve(cfg: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    # Before anything is created: every file and directory the daemon makes (the
+    # socket, the index and its -wal and -shm, which SQLite creates 0644 less the
+    # umask, lock and slab files, shared memory) is its user's alone.
+    os.umask(0o077)
     trim = tune_malloc()  # before the daemon's threads start: they take their heaps from the first malloc on
     if trim is None:
         log.info("malloc: not glibc; freed memory goes back to the system by the C library's own policy")
