@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from tierd import __version__
 from tierd.api.auth import Authenticator
 from tierd.api.servicer import TierdServicer, add_to_server
-from tierd.config import Config, default_runtime_dir, resolve_budgets
+from tierd.config import Config, resolve_budgets
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError
 from tierd.core.store import Store
@@ -86,13 +86,26 @@ def _check_data_dir(path: str) -> None:
 
 
 def _private_dir(path: str) -> None:
-    """Create the socket's directory 0700; refuse one that others can write to."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid == os.getuid() and path == default_runtime_dir():
-        os.chmod(path, 0o700)
-    elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise StartupError(f"{path} is writable by anyone; put the socket in a private directory")
+    """Create the socket's directory 0700 where it is missing; refuse one that
+    is not a directory of the daemon's own user with mode 0700 (a symbolic
+    link is refused, not followed). Whoever else owns or can write to it can
+    swap the socket for their own and receive every client's token and KV: a
+    local user can create /tmp/tierd-UID before the daemon first starts."""
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    advice = "remove it, or choose another --socket"
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise StartupError(f"the socket directory {path} is {what}; {advice}")
+    if st.st_uid != os.geteuid():
+        raise StartupError(f"the socket directory {path} belongs to uid {st.st_uid}, not to this daemon's user "
+                           f"(uid {os.geteuid()}), who could replace the socket; {advice}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise StartupError(f"the socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0700: "
+                           f"others could replace the socket; chmod 700 it, or choose another --socket")
 
 
 def _read(path: str, what: str) -> bytes:

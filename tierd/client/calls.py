@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from tierd.api.wire import GET_METHOD, PUT_METHOD, chunk_message, read_chunk, re
 from tierd.config import default_runtime_dir
 from tierd.core.model import SessionInfo, TierStats
 from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
-from tierd.errors import DataLoss, InvalidArgument, shown
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import EngineLayout, KVSpec
 from tierd.policy import Advice
 from tierd.v1 import tierd_pb2
@@ -97,14 +98,45 @@ pb: Any = _Messages()
 
 
 def default_address() -> str:
-    """TIERD_SOCKET if set, else the daemon's default socket."""
+    """TIERD_SOCKET if set, else the daemon's default socket. A client given no
+    address connects here only through a directory of its own user."""
     path = os.environ.get("TIERD_SOCKET") or os.path.join(default_runtime_dir(), "tierd.sock")
     return "unix:" + os.path.abspath(path)
 
 
+def _private_socket_dir(directory: str) -> None:
+    """Refuse to connect through a socket directory that another user owns or
+    can write to: they could stand in for the daemon and receive this client's
+    token and KV (a local user can create /tmp/tierd-UID before the daemon
+    first starts). Where it is missing, claim it (0700) as the daemon would:
+    nobody else can make it later, and this user's daemon accepts it."""
+    try:
+        os.mkdir(directory, 0o700)
+    except (FileExistsError, FileNotFoundError, PermissionError):
+        pass  # there already, or a parent is missing or not ours to write: no one else's either
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    uid = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+    elif st.st_uid != uid:
+        problem = f"belongs to uid {st.st_uid}, not to you (uid {uid})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    else:
+        return
+    raise FailedPrecondition(f"the socket directory {directory} {problem}: whoever else controls it could stand in "
+                             "for the daemon and receive your calls. Remove it if you do not know why it is there, "
+                             "or give the daemon's address explicitly", directory=directory)
+
+
 def _target(address: str | None) -> str:
     if address is None:
-        return default_address()
+        target = default_address()
+        _private_socket_dir(os.path.dirname(target[len("unix:"):]))
+        return target
     if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or (":" in address and not address.startswith("/")):
         return address
     return "unix:" + os.path.abspath(address)
