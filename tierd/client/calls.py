@@ -324,7 +324,9 @@ class _Calls:
         return self._call("Drop", pb.SessionRequest(session_id=session_id), lambda r: None)
 
     def stats(self) -> dict[str, Any]:
-        """Tiers, bandwidth per route, bytes moved, backends and version."""
+        """Tiers (budget, bytes used, sessions), backends and version; for an
+        admin token (or none needed), the whole daemon's with bandwidth and
+        bytes moved per route, else this tenant's own, without the routes."""
         return self._call("Stats", pb.StatsRequest(), _stats)
 
     def set_budget(self, tier: str, size: int | str) -> BudgetResult:

@@ -76,8 +76,8 @@ class Placement:
             need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
             if total > t.budget or not self.make_room(tier, need, protect, klass, None):
                 break
-        raise ResourceExhausted(
-            f"the {tier} tier has no room for {total} bytes (budget {t.budget}, used {t.used})",
+        raise ResourceExhausted(  # bytes used are every tenant's: in the details, not the caller's message
+            f"the {tier} tier has no room for {total} bytes (budget {t.budget})",
             tier=tier, need=total, budget=t.budget, used=t.used)
 
     def free(self, tier: str, pieces: list[Piece]) -> None:
