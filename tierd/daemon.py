@@ -1,7 +1,8 @@
 """`tierd serve`: the daemon's life from start to a graceful stop.
 
-Start: take the socket's and the data dir's lock files (a second daemon on
-either fails with a clear message), probe the machine and build the tiers,
+Start: set the umask to 077 (what the daemon creates is its user's alone),
+take the socket's and the data dir's lock files (a second daemon on either
+fails with a clear message), probe the machine and build the tiers,
 recover the disk index, serve gRPC (with health and reflection) and metrics,
 and run policy every tick. Stop (SIGTERM or SIGINT): refuse new calls, let
 in-flight ones finish within the grace period, flush to disk what must
@@ -33,7 +34,7 @@ from tierd.api.auth import Authenticator
 from tierd.api.fds import FdIntake, intake_path
 from tierd.api.limits import TenantLimits
 from tierd.api.servicer import TierdServicer, add_to_server
-from tierd.config import Config, default_runtime_dir, resolve_budgets
+from tierd.config import Config, resolve_budgets
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError, IndexUnavailable
 from tierd.core.store import Store
@@ -92,13 +93,26 @@ def _check_data_dir(path: str) -> None:
 
 
 def _private_dir(path: str) -> None:
-    """Create the socket's directory 0700; refuse one that others can write to."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid == os.getuid() and path == default_runtime_dir():
-        os.chmod(path, 0o700)
-    elif st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise StartupError(f"{path} is writable by anyone; put the socket in a private directory")
+    """Create the socket's directory 0700 where it is missing; refuse one that
+    is not a directory of the daemon's own user with mode 0700 (a symbolic
+    link is refused, not followed). Whoever else owns or can write to it can
+    swap the socket for their own and receive every client's token and KV: a
+    local user can create /tmp/tierd-UID before the daemon first starts."""
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    advice = "remove it, or choose another --socket"
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise StartupError(f"the socket directory {path} is {what}; {advice}")
+    if st.st_uid != os.geteuid():
+        raise StartupError(f"the socket directory {path} belongs to uid {st.st_uid}, not to this daemon's user "
+                           f"(uid {os.geteuid()}), who could replace the socket; {advice}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise StartupError(f"the socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0700: "
+                           f"others could replace the socket; chmod 700 it, or choose another --socket")
 
 
 def _read(path: str, what: str) -> bytes:
@@ -139,12 +153,8 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     endpoints = []
     if cfg.socket:
-        old = os.umask(0o077)  # the socket file is created 0600
-        try:
-            if server.add_insecure_port(f"unix:{cfg.socket}") == 0:
-                raise StartupError(f"cannot listen on {cfg.socket}")
-        finally:
-            os.umask(old)
+        if server.add_insecure_port(f"unix:{cfg.socket}") == 0:  # 0600, by the umask serve() set
+            raise StartupError(f"cannot listen on {cfg.socket}")
         endpoints.append(f"unix:{cfg.socket}")
     if cfg.listen:
         if cfg.tls_cert:
@@ -222,6 +232,10 @@ def tune_malloc() -> Callable[[], object] | None:
 
 def serve(cfg: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    # Before anything is created: every file and directory the daemon makes (the
+    # socket, the index and its -wal and -shm, which SQLite creates 0644 less the
+    # umask, lock and slab files, shared memory) is its user's alone.
+    os.umask(0o077)
     trim = tune_malloc()  # before the daemon's threads start: they take their heaps from the first malloc on
     if trim is None:
         log.info("malloc: not glibc; freed memory goes back to the system by the C library's own policy")

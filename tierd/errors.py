@@ -7,6 +7,19 @@ Errors keep the offending values as attributes.
 
 from __future__ import annotations
 
+SHOWN_CHARS = 64  # of a value a message echoes
+
+
+def shown(value: object) -> str:
+    """A value for an error message: its repr, cut to SHOWN_CHARS. Messages
+    echo what a request held, and gRPC sends the message as metadata (8 KiB
+    at most by default): a long value echoed whole turned the error into
+    RESOURCE_EXHAUSTED, and flooded logs."""
+    if isinstance(value, (str, bytes)) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
 
 class TierdError(Exception):
     """Base of every error tierd raises on purpose."""

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 
-from tierd.errors import InvalidArgument
+from tierd.errors import InvalidArgument, shown
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -32,19 +32,19 @@ MAX_PAGE_BYTES = 1 << 30
 # Every page takes at least one 4 KiB granule of a tier (and its own checksum
 # and token hash): smaller pages would let a few bytes hold a granule each.
 MIN_PAGE_BYTES = 4096
-_NAME = re.compile(r"^[\x21-\x7e]{1,256}$")
+_NAME = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidArgument(f"{name} must be an integer in [{lo}, {hi}], got {value!r}", field=name, value=value)
+        raise InvalidArgument(f"{name} must be an integer in [{lo}, {hi}], got {shown(value)}", field=name, value=value)
 
 
 def _check_text(name: str, value: object, *, empty_ok: bool) -> None:
-    if not isinstance(value, str) or (value == "" and not empty_ok) or (value and not _NAME.match(value)):
+    if not isinstance(value, str) or (value == "" and not empty_ok) or (value and not _NAME.fullmatch(value)):
         raise InvalidArgument(
             f"{name} must be {'' if empty_ok else 'a non-empty '}printable ASCII text without spaces, "
-            f"at most 256 characters, got {value!r}",
+            f"at most 256 characters, got {shown(value)}",
             field=name,
             value=value,
         )
@@ -83,7 +83,7 @@ class KVSpec:
             _check_int("block_tokens", self.block_tokens, 1, 1 << 20)
             if self.dtype not in DTYPE_BYTES:
                 raise InvalidArgument(
-                    f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}", field="dtype", value=self.dtype
+                    f"dtype {shown(self.dtype)} is not one of {sorted(DTYPE_BYTES)}", field="dtype", value=self.dtype
                 )
             if self.opaque_page_bytes:
                 raise InvalidArgument("opaque_page_bytes is only for opaque specs", field="opaque_page_bytes")
@@ -106,7 +106,8 @@ class KVSpec:
             if (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.block_tokens) != (0, 0, 0, "uint8", 1):
                 raise InvalidArgument("an opaque spec has no layers, heads, head_dim, dtype or block_tokens", field="kind")
         else:
-            raise InvalidArgument(f"kind must be 'kv' or 'opaque', got {self.kind!r}", field="kind", value=self.kind)
+            raise InvalidArgument(f"kind must be 'kv' or 'opaque', got {shown(self.kind)}", field="kind",
+                                  value=self.kind)
         # Stable across processes and versions of tierd: a hash of every field. Computed once.
         object.__setattr__(self, "_fingerprint", hashlib.sha256(self.to_json().encode()).hexdigest()[:32])
 

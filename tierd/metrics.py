@@ -145,5 +145,5 @@ class _StoreCollector:
             bw.add_metric([route], value)
         yield bw
         sessions = GaugeMetricFamily("tierd_sessions", "Sessions held")
-        sessions.add_metric([], len(self.store.keys()))
+        sessions.add_metric([], self.store.count())
         yield sessions

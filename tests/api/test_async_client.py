@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tierd.client import AsyncClient, IdentityMismatch, KVSpec, NotFound, SharedKVCache
+from tierd.client import AsyncClient, IdentityMismatch, InvalidArgument, KVSpec, NotFound, SharedKVCache
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 
@@ -41,5 +41,23 @@ def test_async_client_round_trip(daemon):
             # many calls in flight at once on one channel
             infos = await asyncio.gather(*[c.stat("kv") for _ in range(50)])
             assert {i.num_tokens for i in infos} == {20}
+
+    asyncio.run(main())
+
+
+def test_async_client_refuses_bad_values_as_invalid_argument(daemon):
+    """Regression: a Put whose header protobuf refused failed with a bare
+    TierdError in the blocking client and a CancelledError here."""
+    async def main():
+        async with AsyncClient(daemon.socket) as c:
+            with pytest.raises(InvalidArgument, match="num_tokens cannot be -1"):
+                await c.put("a", b"x", KVSpec.opaque("m"), num_tokens=-1)
+            with pytest.raises(InvalidArgument, match="priority"):
+                await c.put("a", b"x", KVSpec.opaque("m"), num_tokens=1, priority=2**40)
+            with pytest.raises(InvalidArgument, match="session_id"):
+                await c.stat(7)
+            with pytest.raises(InvalidArgument, match="chunk_bytes"):
+                await c.get("a", chunk_bytes=-1)
+            assert await c.list() == []
 
     asyncio.run(main())

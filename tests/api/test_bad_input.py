@@ -138,6 +138,16 @@ CASES = {
     "id with dot-dot": (lambda c, e, o, s: e.save("..", [0], 16), InvalidArgument),
     "id with NUL": (lambda c, e, o, s: c.stat("a\x00b"), InvalidArgument),
     "id too long": (lambda c, e, o, s: c.stat("x" * 300), InvalidArgument),
+    # a 100 KB id echoed whole in the error made it RESOURCE_EXHAUSTED (over gRPC's metadata limit)
+    "id of 100 KB": (lambda c, e, o, s: c.stat("x" * 100_000), InvalidArgument),
+    # re's `$` matches before a trailing newline: ids, names and engine memory names are matched whole
+    "id with a trailing newline": (lambda c, e, o, s: c.put("abc\n", b"x", OPAQUE, 1), InvalidArgument),
+    "model id with a trailing newline": (lambda c, e, o, s: _raw_put(s.Put, [
+        pb.PutRequest(header=pb.PutHeader(session_id="nl", spec=pb.KVSpec(model_id="m\n", kind="opaque",
+                                                                          opaque_page_bytes=4096), size=1)),
+        pb.PutRequest(chunk=pb.Chunk(data=b"x"))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "region name with a trailing newline": (lambda c, e, o, s: c.register_engine(
+        SPEC, [("region\n", 1 << 20)], EngineLayout.cross_layer(SPEC, 4)), InvalidArgument),
     "huge put size": (lambda c, e, o, s: _raw_put(s.Put, [pb.PutRequest(header=pb.PutHeader(
         session_id="huge", spec=pb.KVSpec(model_id="x", kind="opaque", opaque_page_bytes=1 << 20), size=1 << 62))]),
         grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -221,6 +231,24 @@ CASES = {
                                                 InvalidArgument),
     "restore lease with another identity": (lambda c, e, o, s: c.begin_restore("kv", OTHER), IdentityMismatch),
     "restore lease of an opaque blob's missing session": (lambda c, e, o, s: c.begin_restore("nope"), NotFound),
+    # values protobuf refuses are the client's InvalidArgument, in a Put's stream as in a unary call
+    "put with a negative token count": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, num_tokens=-1), InvalidArgument),
+    "put with a priority past int32": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, 1, priority=2**40),
+                                       InvalidArgument),
+    "put from a negative token": (lambda c, e, o, s: c.put("new", b"x" * 16384, SPEC, 32, start_token=-16),
+                                  InvalidArgument),
+    "put of a str": (lambda c, e, o, s: c.put("new", "not bytes", OPAQUE, 1), InvalidArgument),
+    "put in chunks of 0 bytes": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, 1, chunk_bytes=0), InvalidArgument),
+    "put with a session id that is not text": (lambda c, e, o, s: c.put(7, b"x", OPAQUE, 1), InvalidArgument),
+    "stat with a session id that is not text": (lambda c, e, o, s: c.stat(7), InvalidArgument),
+    "get in chunks of -1 bytes": (lambda c, e, o, s: c.get("kv", chunk_bytes=-1), InvalidArgument),
+    "prefetch with a priority past int32": (lambda c, e, o, s: c.prefetch("kv", priority=2**40), InvalidArgument),
+    "wait with a timeout that is not a number": (lambda c, e, o, s: c.wait_ready("kv", timeout="soon"),
+                                                 InvalidArgument),
+    "save lease with a negative token count": (lambda c, e, o, s: c.begin_save("new", SPEC, -16), InvalidArgument),
+    "save with a negative token count": (lambda c, e, o, s: e.save("new", [0], -16), InvalidArgument),
+    "list with a negative limit": (lambda c, e, o, s: c.list_page(limit=-1), InvalidArgument),
+    "lookup with a token id past int64": (lambda c, e, o, s: c.lookup("kv", [2**70]), InvalidArgument),
 }
 
 
@@ -284,3 +312,37 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tierd", "serve", "--host-budget", "lots", "--data-dir",
                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "host_budget" in out.stderr and "cannot read size" in out.stderr
+
+
+LONG = "y" * 100_000
+
+
+ECHOES = {
+    # name: (call(stub), status); each request holds a 100 KB value where the message names it
+    "session id": (lambda s: s.Stat(pb.SessionRequest(session_id=LONG)), grpc.StatusCode.INVALID_ARGUMENT),
+    "tier": (lambda s: s.Prefetch(pb.PrefetchRequest(session_id="kv", tier=LONG)), grpc.StatusCode.INVALID_ARGUMENT),
+    "tier to wait for": (lambda s: s.WaitReady(pb.WaitReadyRequest(session_id="kv", tier=LONG)),
+                         grpc.StatusCode.INVALID_ARGUMENT),
+    "tier of a budget": (lambda s: s.SetBudget(pb.SetBudgetRequest(tier=LONG, budget=1)),
+                         grpc.StatusCode.INVALID_ARGUMENT),
+    "lease id": (lambda s: s.CommitSave(pb.LeaseRequest(lease_id=LONG)), grpc.StatusCode.NOT_FOUND),
+    "engine id": (lambda s: s.Restore(pb.RestoreRequest(engine_id=LONG, session_id="kv", block_ids=[0])),
+                  grpc.StatusCode.NOT_FOUND),
+    "model id": (lambda s: s.Lookup(pb.LookupRequest(session_id="kv", token_ids=[1], spec=pb.KVSpec(model_id=LONG))),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+    "dtype": (lambda s: s.Lookup(pb.LookupRequest(session_id="kv", token_ids=[1], spec=pb.KVSpec(
+        model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype=LONG, block_tokens=16))),
+        grpc.StatusCode.INVALID_ARGUMENT),
+}
+
+
+@pytest.mark.parametrize("name", list(ECHOES))
+def test_errors_echo_only_a_prefix_of_what_was_sent(world, name):
+    """Whatever a request holds, its error names a short prefix of it: a
+    100 KB value echoed whole went past gRPC's metadata limit and came back
+    as RESOURCE_EXHAUSTED instead of the call's own status."""
+    call, code = ECHOES[name]
+    with pytest.raises(grpc.RpcError) as info:
+        call(world[4])
+    assert info.value.code() == code, (info.value.code(), info.value.details()[:200])
+    assert "yyyy" in info.value.details() and len(info.value.details()) < 400, info.value.details()

@@ -99,7 +99,9 @@ def test_the_pod_shares_socket_and_shared_memory_and_probes_health():
     assert volumes["shm"]["emptyDir"]["medium"] == "Memory" and volumes["shm"]["emptyDir"]["sizeLimit"]
     assert "nvme" in mounts["tierd"] and mounts["tierd"]["nvme"] == "/var/lib/tierd"
     env = {e["name"]: e["value"] for e in tierd["env"]}
-    assert env["TIERD_SOCKET"] == "/run/tierd/tierd.sock" == {e["name"]: e["value"] for e in engine["env"]}["TIERD_SOCKET"]
+    # in a directory tierd makes inside the shared volume (an emptyDir is world-writable: refused as the socket's)
+    engine_env = {e["name"]: e["value"] for e in engine["env"]}
+    assert env["TIERD_SOCKET"] == "/run/tierd/sock/tierd.sock" == engine_env["TIERD_SOCKET"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert tierd[probe]["exec"]["command"] == ["tierd", "health"]
     annotations = pod["metadata"]["annotations"]

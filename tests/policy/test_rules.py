@@ -7,6 +7,7 @@ from tierd.policy import (
     advise,
     budget_moves,
     eviction_order,
+    idle_due,
     idle_moves,
     plan_eviction,
     pressure_moves,
@@ -98,3 +99,19 @@ def test_sessions_awaited_after_a_prefetch_are_evicted_last():
     views = [view("awaited-old", {"host": 1}, last=10, awaited=True), view("recent", {"host": 1}, last=500),
              view("old", {"host": 1}, last=20)]
     assert [v.key.session_id for v in eviction_order(views, "host", CFG)] == ["old", "recent", "awaited-old"]
+
+
+@pytest.mark.parametrize("cfg", [CFG, PolicyConfig(disk_ttl=300, writeback_idle=None)])
+@pytest.mark.parametrize("present", [ALL, ("host", "disk"), ("host",)])
+def test_idle_due_is_when_idle_moves_first_moves(cfg, present):
+    """The store looks at a released session only when idle_due says: it must
+    never be later than the first move idle_moves would make."""
+    views = [view(f"{tiers}-{durable}-{pinned}", {t: 1 for t in tiers}, released=1000.0, durable=durable,
+                  pinned=pinned)
+             for tiers in (("device",), ("host",), ("disk",), ("device", "disk"), ("host", "disk"))
+             for durable in (False, True) for pinned in (False, True)]
+    views.append(view("active", {"host": 1}, released=None))
+    for v in views:
+        due = idle_due(v, cfg, present)
+        moves_at = [t for t in (1000.0 + s for s in range(0, 2000, 1)) if idle_moves([v], t, cfg, present)]
+        assert due == (moves_at[0] if moves_at else None), v

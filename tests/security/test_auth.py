@@ -120,3 +120,40 @@ def test_a_bad_tokens_file_is_refused_before_anything_starts(tmp_path, content, 
                           "--metrics", "off"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and words in out.stderr
     assert not (tmp_path / "data").exists()  # refused before touching anything
+
+
+def test_stats_show_a_tenant_its_own_activity_and_admins_the_daemon(secured):
+    """Regression: Stats showed any tenant every tenant's sessions, bytes per
+    tier and traffic. A tenant sees its own sessions and bytes in each tier,
+    the budgets and backends; bandwidth, bytes moved and copies per route
+    are every tenant's doing, shown to admins only."""
+    alice, bob, ops = client(secured, "alice"), client(secured, "bob"), client(secured, "ops")
+
+    def host(stats):
+        return {t.name: t for t in stats["tiers"]}["host"]
+
+    before = {"alice": alice.stats(), "bob": bob.stats(), "ops": ops.stats()}
+    # alice stores 3 sessions of 64 KiB (in host) and reads one back; bob does nothing
+    for i in range(3):
+        alice.put(f"stats-{i}", b"a" * (64 << 10), KVSpec.opaque("m", page_bytes=4096), num_tokens=1)
+    assert alice.get("stats-0") == b"a" * (64 << 10)
+    mine, his, daemon = alice.stats(), bob.stats(), ops.stats()
+    # alice sees her own sessions and bytes; bob sees nothing of hers
+    assert mine["sessions"] == before["alice"]["sessions"] + 3 == len(alice.list())
+    assert host(mine).used == host(before["alice"]).used + 3 * (64 << 10)
+    assert host(mine).sessions == host(before["alice"]).sessions + 3
+    assert his == before["bob"]
+    # traffic is not a tenant's to see, nor the tiers' mapped bytes; budgets and backends are
+    for stats in (mine, his):
+        assert (stats["bandwidth"], stats["moved_bytes"], stats["copy_ops"]) == ({}, {}, 0)
+        assert all(t.capacity == 0 for t in stats["tiers"])
+        assert [t.budget for t in stats["tiers"]] == [t.budget for t in daemon["tiers"]]
+        assert stats["backends"] == daemon["backends"]
+    # an admin sees the whole daemon: every tenant's sessions and bytes, and alice's traffic
+    assert daemon["sessions"] == len(ops.list(all_tenants=True)) >= mine["sessions"] + his["sessions"]
+    assert host(daemon).used >= host(mine).used + host(his).used
+    assert daemon["moved_bytes"]["client->host"] >= before["ops"]["moved_bytes"].get("client->host", 0) + 3 * (64 << 10)
+    assert daemon["bandwidth"]["client->host"] > 0
+    alice.close()
+    bob.close()
+    ops.close()

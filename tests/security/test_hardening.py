@@ -1,9 +1,12 @@
 """Quotas, admission by bytes in flight, and a data dir that is checked at start."""
 
+import glob
 import hashlib
 import os
+import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from tierd.api.inflight import InflightBytes
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.testing import ROOT, Daemon
+from tierd.tiers import shm
 
 KiB, MiB = 1 << 10, 1 << 20
 OPAQUE = KVSpec.opaque("m", page_bytes=64 * KiB)
@@ -49,6 +53,46 @@ def test_a_symlinked_slab_file_is_refused(tmp_path):
     os.symlink(tmp_path / "outside.bin", slab)
     with pytest.raises(RuntimeError, match="symbolic link"):
         d.start()
+
+
+def _tree(*roots):
+    """Every path under these directories (themselves included)."""
+    for root in roots:
+        yield root
+        for parent, dirs, files in os.walk(root):
+            yield from (os.path.join(parent, n) for n in dirs + files)
+
+
+def test_every_file_the_daemon_creates_is_private(tmp_path):
+    """Regression: the index (index.db, -wal, -shm) was created by SQLite
+    under the process umask, 0644 where the umask is 022. The daemon sets
+    its umask to 077 before it creates anything: whatever it creates is its
+    user's alone, under any umask it was started with."""
+    old = os.umask(0)  # the widest the daemon can inherit
+    try:
+        d = Daemon(tmp_path, "--writeback-idle", "0").start()
+    finally:
+        os.umask(old)
+    try:
+        with d.client() as c:
+            c.put("s", np.ones(200 * KiB, dtype=np.uint8), OPAQUE, num_tokens=1)
+            c.release("s")
+            deadline = time.monotonic() + 30
+            while not c.stat("s").durable:  # the write-back has run: slab file, index rows
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            # while it serves: the index's -wal and -shm exist as well
+            paths = list(_tree(d.data_dir, os.path.dirname(d.socket)))
+            paths += glob.glob(os.path.join("/dev/shm", glob.escape(shm.read_prefix(d.data_dir)) + ".*"))
+        names = {os.path.relpath(p, tmp_path) if p.startswith(str(tmp_path)) else "/dev/shm/arena" for p in paths}
+        assert {"data/index.db", "data/index.db-wal", "data/index.db-shm", "data/tierd.lock", "data/shm-prefix",
+                "data/slabs/slab-000000.bin", "run/tierd.sock", "run/tierd.sock.lock", "run/tierd.sock.fds",
+                "/dev/shm/arena"} <= names
+        modes = {p: stat.S_IMODE(os.lstat(p).st_mode) for p in paths}
+        assert {p: oct(m) for p, m in modes.items() if m & 0o077} == {}
+        assert all(modes[p] == 0o700 for p in paths if os.path.isdir(p))
+    finally:
+        d.close()
 
 
 def test_tenant_quotas_per_tier_and_sessions(tmp_path):

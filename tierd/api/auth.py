@@ -21,7 +21,7 @@ from tierd.core.store import check_id
 from tierd.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 DEFAULT_TENANT = "default"
-_LINE = re.compile(r"^([^:]+):([0-9a-fA-F]{64})(?::(admin))?$")
+_LINE = re.compile(r"([^:]+):([0-9a-fA-F]{64})(?::(admin))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class Authenticator:
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
-            m = _LINE.match(line)
+            m = _LINE.fullmatch(line)
             if not m:
                 raise InvalidArgument(f"{source}:{n}: expected TENANT:SHA256_HEX (64 hex digits), optionally "
                                       f"followed by :admin")

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tierd.errors import ResourceExhausted
+from tierd.errors import ResourceExhausted, shown
 
 
 class InflightBytes:
@@ -27,8 +27,8 @@ class InflightBytes:
             now = self._held.get(tenant, 0)
             if self.cap and now and now + nbytes > self.cap:
                 raise ResourceExhausted(
-                    f"tenant {tenant!r} has {now} bytes in flight; {nbytes} more would pass the cap of {self.cap}: "
-                    "try again when calls finish", tenant=tenant, cap=self.cap, inflight=now)
+                    f"tenant {shown(tenant)} has {now} bytes in flight; {nbytes} more would pass the cap of "
+                    f"{self.cap}: try again when calls finish", tenant=tenant, cap=self.cap, inflight=now)
             self._held[tenant] = now + nbytes
         try:
             yield

@@ -483,14 +483,22 @@ class TierdServicer:
                                       limit=req.limit or 100)
         return pb.ListResponse(sessions=[info_to_pb(i) for i in page], next_page_token=token)
 
-    @_unary()
+    @_unary(blocking=True)  # counts sessions per tier: O(sessions), off the event loop
     def Stats(self, req: Any, caller: Caller) -> pb.StatsResponse:
-        copier = self.store.copier
-        return pb.StatsResponse(
-            tiers=[pb.TierStats(name=t.name, budget=t.budget, used=t.used, capacity=t.capacity, sessions=t.sessions,
-                                backend=t.backend) for t in self.store.stats()],
-            bandwidth=dict(copier.bandwidth), moved_bytes=dict(copier.moved_bytes), copy_ops=copier.copy_ops,
-            version=__version__, backends=self.backends, sessions=len(self.store.keys()))
+        # A tenant sees its own sessions and bytes per tier, budgets and backends.
+        # Traffic per route (bandwidth, bytes moved, copies) and the tiers' mapped
+        # bytes are every tenant's doing: admins only.
+        tenant = None if caller.admin else caller.tenant
+        tiers = [pb.TierStats(name=t.name, budget=t.budget, used=t.used, capacity=t.capacity, sessions=t.sessions,
+                              backend=t.backend) for t in self.store.stats(tenant)]
+        reply = pb.StatsResponse(tiers=tiers, version=__version__, backends=self.backends,
+                                 sessions=self.store.count(tenant))
+        if tenant is None:
+            copier = self.store.copier
+            reply.bandwidth.update(copier.bandwidth)
+            reply.moved_bytes.update(copier.moved_bytes)
+            reply.copy_ops = copier.copy_ops
+        return reply
 
     @_unary(blocking=True)
     def SetBudget(self, req: Any, caller: Caller) -> pb.SetBudgetResponse:

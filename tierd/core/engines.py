@@ -26,12 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierd.core.cuda_ipc import IpcCache, IpcRegion
-from tierd.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, shown
 from tierd.layout import EngineLayout, KVSpec
 from tierd.transfer.copier import EngineMemory
 
@@ -185,7 +180,7 @@ class EngineRegistry:
         with self._lock:
             engine = self._engines.get(engine_id)
         if engine is None or engine.tenant != tenant:
-            raise NotFound(f"engine {engine_id!r} is not registered", field="engine_id")
+            raise NotFound(f"engine {shown(engine_id)} is not registered", field="engine_id")
         return engine
 
     @contextlib.contextmanager
@@ -193,7 +188,7 @@ class EngineRegistry:
         """The engine, kept open until the block ends."""
         engine = self.get(tenant, engine_id)
         if not engine.enter():
-            raise NotFound(f"engine {engine_id!r} is being unregistered", field="engine_id")
+            raise NotFound(f"engine {shown(engine_id)} is being unregistered", field="engine_id")
         try:
             yield engine
         finally:

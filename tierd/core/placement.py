@@ -17,7 +17,7 @@ from collections.abc import Callable
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session, SessionKey
-from tierd.errors import DataLoss, ResourceExhausted, Unavailable
+from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.transfer.copier import CopyEngine
@@ -55,7 +55,7 @@ class Placement:
             if total > quota or not self.make_room(tier, over, protect, klass, tenant) or \
                     t.used_by(tenant) + total > quota:
                 raise ResourceExhausted(
-                    f"tenant {tenant!r} may hold {quota} bytes of the {tier} tier; it holds {t.used_by(tenant)} "
+                    f"tenant {shown(tenant)} may hold {quota} bytes of the {tier} tier; it holds {t.used_by(tenant)} "
                     f"and this needs {total} more", tier=tier, quota=quota, used=t.used_by(tenant), need=total)
         for attempt in range(3):
             got: list[Piece] = []
@@ -80,8 +80,8 @@ class Placement:
             need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
             if total > t.budget or not self.make_room(tier, need, protect, klass, None):
                 break
-        raise ResourceExhausted(
-            f"the {tier} tier has no room for {total} bytes (budget {t.budget}, used {t.used})",
+        raise ResourceExhausted(  # bytes used are every tenant's: in the details, not the caller's message
+            f"the {tier} tier has no room for {total} bytes (budget {t.budget})",
             tier=tier, need=total, budget=t.budget, used=t.used)
 
     def free(self, tier: str, pieces: list[Piece]) -> None:
@@ -238,7 +238,7 @@ class Placement:
         retryable (nothing was served or changed; the old copies stay authoritative)."""
         self.events.disk_error(op)
         log.error("disk %s for %s/%s failed: %s", op, key.tenant, key.session_id, exc)
-        return Unavailable(f"a disk {op} for session {key.session_id!r} failed ({exc.strerror or exc}); "
+        return Unavailable(f"a disk {op} for session {shown(key.session_id)} failed ({exc.strerror or exc}); "
                            "nothing was changed, try again", op=op, session_id=key.session_id)
 
     def mark_damaged(self, session: Session, exc: DataLoss) -> None:

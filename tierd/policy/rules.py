@@ -1,5 +1,6 @@
-"""What to move and when: idle demotion, watermarks, eviction order, budget
-changes, TTL, and the restore-or-recompute estimate."""
+"""What to move and when: idle demotion (and when it is next due),
+watermarks, eviction order, budget changes, TTL, and the
+restore-or-recompute estimate."""
 
 from __future__ import annotations
 
@@ -96,6 +97,22 @@ def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: I
     return moves if freed >= need else None
 
 
+def _idle_rules(v: SessionView, cfg: PolicyConfig, present: set[str]) -> list[tuple[float, Move]]:
+    """The idle moves that apply to a released session, first to last in
+    precedence, each with the seconds idle it waits for."""
+    held = {t for t, n in v.tier_bytes.items() if n}
+    rules = []
+    if cfg.disk_ttl is not None:
+        rules.append((cfg.disk_ttl, Move(v.key, DROP, "ttl")))
+    if "disk" in present and held & {"device", "host"}:
+        rules.append((cfg.host_idle, Move(v.key, "disk", "idle")))
+    if "host" in present and "device" in held:
+        rules.append((cfg.device_idle, Move(v.key, "host", "idle")))
+    if "disk" in present and not v.durable and cfg.writeback_idle is not None:
+        rules.append((cfg.writeback_idle, Move(v.key, "disk", "writeback", keep=True)))
+    return rules
+
+
 def idle_moves(views: Iterable[SessionView], now: float, cfg: PolicyConfig, present: Iterable[str]) -> list[Move]:
     """Demotions, write-backs and TTL drops due for released sessions."""
     present = set(present)
@@ -104,17 +121,19 @@ def idle_moves(views: Iterable[SessionView], now: float, cfg: PolicyConfig, pres
         if v.released_at is None or v.pinned or v.busy:
             continue
         idle = now - v.released_at
-        held = {t for t, n in v.tier_bytes.items() if n}
-        if cfg.disk_ttl is not None and idle >= cfg.disk_ttl:
-            moves.append(Move(v.key, DROP, "ttl"))
-        elif "disk" in present and held & {"device", "host"} and idle >= cfg.host_idle:
-            moves.append(Move(v.key, "disk", "idle"))
-        elif "host" in present and "device" in held and idle >= cfg.device_idle:
-            moves.append(Move(v.key, "host", "idle"))
-        elif ("disk" in present and not v.durable and cfg.writeback_idle is not None
-              and idle >= cfg.writeback_idle):
-            moves.append(Move(v.key, "disk", "writeback", keep=True))
+        moves += [move for after, move in _idle_rules(v, cfg, present) if idle >= after][:1]
     return moves
+
+
+def idle_due(v: SessionView, cfg: PolicyConfig, present: Iterable[str]) -> float | None:
+    """When idle_moves first has a move for this session if nothing about it
+    changes but the clock; None if it never will (in use, pinned, or where
+    nothing applies: durable, on disk only, no TTL). Busy is not looked at:
+    a busy session is due again as soon as it is not."""
+    if v.released_at is None or v.pinned:
+        return None
+    rules = _idle_rules(v, cfg, set(present))
+    return v.released_at + min(after for after, _ in rules) if rules else None
 
 
 def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: int, cfg: PolicyConfig,
