@@ -149,7 +149,8 @@ class Config:
     stream_idle_seconds: float = _opt(_seconds, "a Put or Get stream that makes no progress this long is ended", 30.0)
     metrics: str = _opt(_host_port, "Prometheus HOST:PORT (off to disable)", "127.0.0.1:9464")
     log_level: str = _opt(_choice("debug", "info", "warning", "error"), "log level", "info")
-    verify: str = _opt(_choice("disk", "all"), "verify checksums on reads from: disk, or all tiers", "disk")
+    verify: str = _opt(_choice("disk", "all"), "verify checksums on moves out of: disk, or all tiers (pages leaving "
+                                               "the daemon are always checked)", "disk")
     host_slab: int | str = _opt(_size_or_auto, "host arena slab size (auto: the whole budget in one)", AUTO)
     disk_slab: int = _opt(parse_size, "disk slab file size", 1 << 30)
     device_slab: int = _opt(parse_size, "VRAM slab size", 1 << 30)
