@@ -288,3 +288,33 @@ def test_a_restore_lease_checks_the_prompt(store, arena):
         store.begin_restore(A, SPEC, num_pages=2, token_ids=edited)
     held = store.begin_restore(A, SPEC, num_pages=1, token_ids=edited)  # page 0 still matches
     store.end_restore("default", held.lease_id)
+
+
+def test_an_arena_lets_each_leases_segment_go(store):
+    """Each lease is a segment of its own: an engine that kept every one mapped
+    would hold every lease's memory for good, even after the daemon removed
+    the file."""
+    arena = Arena()
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return f.read()
+
+    try:
+        lease = store.begin_save(A, SPEC, 32)
+        pages = arena.pages(lease)
+        for page in pages:
+            page[:] = 7
+        del pages, page  # the engine is done with its views
+        name = lease.slots[0].shm_name
+        assert name in mapped()
+        arena.release(lease)
+        store.commit_save("default", lease.lease_id)
+        assert name not in mapped()
+        for i in range(Arena.MAPPED + 8):  # never released: the oldest go
+            held = store.begin_restore(A, SPEC)
+            arena.pages(held)
+            store.end_restore("default", held.lease_id)
+        assert len(arena._maps) <= Arena.MAPPED
+    finally:
+        arena.close()

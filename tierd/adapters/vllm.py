@@ -17,7 +17,7 @@ is folded into its session (adapters/sessions.py): every user of the server
 is one tierd tenant, and the salt keeps users who send the same session id
 apart. Session ids must be unguessable all the same.
 
-Pages move through leases in the daemon's host arena: the worker copies
+Pages move through leases, each a shared-memory segment of its own: the worker copies
 blocks in and out itself (vLLM on a CPU keeps its KV cache in private
 memory; on a GPU the same copies run device <-> host). Loads run in a thread,
 layer by layer, while the forward pass computes: each attention layer waits
@@ -301,6 +301,7 @@ class TierdConnector(KVConnectorBase_V1):
                                                 ttl=self._lease_seconds)
             for first, rows in self._arena.runs(lease):
                 self._blocks.gather(job.block_ids[first : first + len(rows)], rows)
+            self._arena.release(lease)
             self._client.commit_save(lease)
             self._client.release(job.session)
             log.info("tierd connector: saved session %r, tokens %d-%d, in %.1f ms", job.session,
@@ -308,6 +309,7 @@ class TierdConnector(KVConnectorBase_V1):
         except (TierdError, OSError, ValueError) as exc:
             log.warning("tierd connector: saving session %r failed: %s", job.session, exc)
             if lease is not None:
+                self._arena.release(lease)
                 try:
                     self._client.abort_save(lease)
                 except TierdError:
@@ -352,6 +354,7 @@ class _Load:
                         blocks.scatter(rows, block_ids, [layer])
                 done.set()
             for job, lease, _ in leased:
+                c._arena.release(lease)
                 try:
                     client.end_restore(lease)  # NotFound: the lease expired while we read; recompute
                     tokens = (job.num_pages - job.first_page) * c._spec.block_tokens  # type: ignore[union-attr]

@@ -76,9 +76,13 @@ class SharedKVCache:
 
 
 class Arena:
-    """The daemon's host arena as an engine on the same machine sees it: the
-    slabs a lease names, mapped read-write, with numpy views of leased pages.
-    A slab replaced by a restarted daemon is mapped anew."""
+    """Leased pages as an engine on the same machine sees them: each lease is
+    a shared-memory segment of its own, mapped read-write here, with numpy
+    views of its pages. release(lease) once the lease has ended lets its
+    mapping go (it holds the pages' memory while mapped); at most MAPPED
+    segments stay mapped otherwise, the oldest let go first."""
+
+    MAPPED = 64
 
     def __init__(self, shm_dir: str = SHM_DIR) -> None:
         self.shm_dir = shm_dir
@@ -97,8 +101,24 @@ class Arena:
             m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        self._maps.pop(name, None)
+        while len(self._maps) >= self.MAPPED:
+            self._unmap(next(iter(self._maps)))
         self._maps[name] = (st.st_ino, m, np.frombuffer(m, dtype=np.uint8))
         return self._maps[name][2]
+
+    def _unmap(self, name: str) -> None:
+        _, m, _ = self._maps.pop(name)
+        try:
+            m.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with it
+
+    def release(self, lease: Lease) -> None:
+        """Let the lease's segments go (its views stay valid while they live)."""
+        for slot in lease.slots:
+            if slot.shm_name in self._maps:
+                self._unmap(slot.shm_name)
 
     def runs(self, lease: Lease) -> list[tuple[int, np.ndarray]]:
         """(first page, uint8 array [pages, page_bytes]) for each run of leased
@@ -117,9 +137,5 @@ class Arena:
         return [row for _, rows in self.runs(lease) for row in rows]
 
     def close(self) -> None:
-        maps, self._maps = self._maps, {}
-        for _, m, _ in maps.values():
-            try:
-                m.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes with it
+        for name in list(self._maps):
+            self._unmap(name)
