@@ -162,14 +162,15 @@ class CopyEngine:
     # -- reading pages out of tiers -----------------------------------------
 
     def windows(self, spans: list[Span], geom: Geometry, checksums: np.ndarray,
-                priority: int = Priority.DEMAND, on_device: bool = False,
-                handout: bool = False) -> Iterator[tuple[int, int, str, Any]]:
+                priority: int = Priority.DEMAND, on_device: bool = False, handout: bool = False,
+                host_checked_by_caller: bool = False) -> Iterator[tuple[int, int, str, Any]]:
         """(first page, count, tier, buffer) over the spans' pages, checked where
         the tier is verified, or everywhere for a handout (bytes that leave the
-        daemon). Host and device spans come out as views (no copy): a checked
-        one in pieces of about hash_chunk_bytes, each still in the CPU's cache
-        when the caller copies it; disk spans through staging buffers (aligned
-        host memory, or GPU memory with on_device), read ahead of the caller."""
+        daemon); host spans are left to the caller to check where it says it
+        checks them (as it uses them: in cache, or on the event loop in small
+        steps). Host and device spans come out whole, as views (no copy);
+        disk spans through staging buffers (aligned host memory, or GPU memory
+        with on_device), read ahead of the caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
         disk_jobs: list[tuple[int, int, int]] = []
@@ -178,7 +179,7 @@ class CopyEngine:
                 yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device)
                 disk_jobs = []
                 buf = self._view(span.tier, span.offset, span.n_pages * stride)
-                if handout or span.tier in self.verify_tiers:
+                if (handout or span.tier in self.verify_tiers) and not (span.tier == "host" and host_checked_by_caller):
                     self._verify(buf, span.first_page, span.n_pages, geom, checksums, span.tier)
                 yield span.first_page, span.n_pages, span.tier, buf
                 continue
@@ -293,27 +294,50 @@ class CopyEngine:
         launched_bytes: dict[str, int] = {}
         t_call = time.perf_counter()
         on_device = self._stages_on_device(engine)
-        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority, on_device, handout=True):
+        host_engine = all(isinstance(r, np.ndarray) for r in engine.regions)
+        for first, count, tier, buf in self.windows(_clip(src, n), geom, checksums, priority, on_device,
+                                                    handout=True, host_checked_by_caller=host_engine):
             t0 = time.perf_counter()
             window = [Span(first, count, tier, 0)]
-            pairs = []
+            pairs = []  # (first page of the run in the window, pages, engine rows, tier rows)
             for run in block_runs(window, block_ids[first : first + count], geom.stride, first):
                 for seg, seg_off in zip(layout.segments, layout.page_offsets):
                     dst = memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
                                       seg.stride, seg.nbytes)
-                    pairs.append((dst, memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes)))
-            if self._reachable(*(v for pair in pairs for v in pair)):
-                launch.extend(gpu.copy_of(d, s) for d, s in pairs)
+                    src_rows = memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes)
+                    pairs.append((run.page - first, run.count, dst, src_rows))
+            if tier == "host" and host_engine:
+                self._check_and_copy(buf, first, count, pairs, geom, checksums)
+            elif self._reachable(*(v for pair in pairs for v in pair[2:])):
+                launch.extend(gpu.copy_of(d, s) for _, _, d, s in pairs)
                 launched_bytes[tier] = launched_bytes.get(tier, 0) + count * geom.page_bytes
                 if tier == "disk":
                     self._launch(launch, launched_bytes, priority, t_call)
                 continue
-            for d, s in pairs:
-                memory.copy(d, s)
-                self._count()
-            memory.synchronize(buf, *engine.regions)
+            else:
+                for _, _, d, s in pairs:
+                    memory.copy(d, s)
+                memory.synchronize(buf, *engine.regions)
+            self._count(len(pairs))
             self.record(f"{tier}->engine", count * geom.page_bytes, time.perf_counter() - t0)
         self._launch(launch, launched_bytes, priority, t_call)
+
+    def _check_and_copy(self, buf: np.ndarray, first: int, count: int, pairs: list, geom: Geometry,
+                        checksums: np.ndarray) -> None:
+        """A host window into host engine memory, about hash_chunk_bytes of
+        pages at a time: each piece checked against its checksums, then its
+        part of every run copied while the pages are still in the CPU's cache
+        (checking the whole window first read it from memory twice). One copy
+        per run and segment all the same, in pieces."""
+        stride = geom.stride
+        step = max(1, self.hash_chunk_bytes // stride)
+        for a in range(0, count, step):
+            b = min(count, a + step)
+            self._verify(buf[a * stride : b * stride], first + a, b - a, geom, checksums, "host")
+            for start, n, d, s in pairs:
+                lo, hi = max(a, start), min(b, start + n)
+                if lo < hi:
+                    np.copyto(d[lo - start : hi - start], s[lo - start : hi - start])
 
     def _launch(self, launch: list[gpu.Copy], nbytes: dict[str, int], priority: int, t0: float) -> None:
         """Run the collected copies in one launch and record them."""
@@ -420,11 +444,17 @@ class CopyEngine:
         that lies inside one page comes as a memoryview of the tier's bytes
         (no copy), valid until the next chunk is asked for."""
         out = bytearray()
-        for first, count, _, buf in self.windows(src, geom, checksums, priority, handout=True):
+        # Host pages are checked one at a time as they go out: a Get from memory runs on the
+        # event loop, and a whole snapshot checked at once would hold it ~4 ms per 100 MiB.
+        for first, count, tier, buf in self.windows(src, geom, checksums, priority, handout=True,
+                                                    host_checked_by_caller=True):
             host = memory.to_host(buf)
             for i in range(count):
                 size = geom.size_of(first + i)
                 page = memoryview(host[i * geom.stride : i * geom.stride + size])
+                if tier == "host" and page_checksum(page) != checksums[first + i]:
+                    self._verify(host[i * geom.stride : (i + 1) * geom.stride], first + i, 1, geom, checksums,
+                                 "host")
                 while len(page):
                     if not out and len(page) >= chunk_bytes:
                         whole = len(page) == size == chunk_bytes
