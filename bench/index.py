@@ -14,7 +14,6 @@ import psutil
 from bench.common import Result
 from tierd.clock import FakeClock
 from tierd.core.index import DiskIndex, Row
-from tierd.core.model import SessionKey
 from tierd.core.store import Store
 from tierd.layout import KVSpec
 from tierd.testing import Daemon
@@ -22,6 +21,7 @@ from tierd.tiers.disk import DiskTier
 from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.ioqueue import PriorityExecutor
+from tierd.types import SessionKey
 
 GiB = 1 << 30
 SPEC = KVSpec.opaque("bench/index", page_bytes=4096)

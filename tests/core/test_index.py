@@ -7,8 +7,8 @@ import pytest
 from tests.helpers import SPEC
 from tierd.core import tokens
 from tierd.core.index import SCHEMA, DiskIndex, IndexFormatError, IndexUnavailable, Row
-from tierd.core.model import SessionKey
 from tierd.tiers.allocator import Piece
+from tierd.types import SessionKey
 
 K = SessionKey("t", "s")
 

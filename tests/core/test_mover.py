@@ -1,9 +1,9 @@
 import threading
 import time
 
-from tierd.core.model import SessionKey
 from tierd.core.mover import Job, Mover
 from tierd.transfer.ioqueue import Priority
+from tierd.types import SessionKey
 
 
 def _merge(old, new):

@@ -1,6 +1,5 @@
 import pytest
 
-from tierd.core.model import SessionKey
 from tierd.policy import (
     PolicyConfig,
     SessionView,
@@ -12,6 +11,7 @@ from tierd.policy import (
     plan_eviction,
     pressure_moves,
 )
+from tierd.types import SessionKey
 
 CFG = PolicyConfig(device_idle=30, host_idle=600, writeback_idle=10, priority_weight=60)
 ALL = ("device", "host", "disk")

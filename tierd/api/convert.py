@@ -5,10 +5,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from tierd.core.model import SessionInfo
-from tierd.core.store import Lease, LookupResult, Slot
 from tierd.errors import InvalidArgument
 from tierd.layout import KVSpec
+from tierd.types import Lease, LookupResult, SessionInfo, Slot
 from tierd.v1 import tierd_pb2 as pb
 
 _SPEC_FIELDS = [f.name for f in pb.KVSpec.DESCRIPTOR.fields]

@@ -4,8 +4,6 @@ below, each carrying the daemon's message."""
 
 from tierd.client.calls import AsyncClient, AsyncEngine, Client, Engine, default_address
 from tierd.client.shm import Arena, SharedKVCache
-from tierd.core.model import SessionInfo
-from tierd.core.store import Lease, LookupResult, RestoreResult
 from tierd.errors import (
     DataLoss,
     FailedPrecondition,
@@ -19,6 +17,7 @@ from tierd.errors import (
     Unavailable,
 )
 from tierd.layout import EngineLayout, KVSpec
+from tierd.types import Lease, LookupResult, RestoreResult, SessionInfo
 
 __all__ = [
     "Arena",

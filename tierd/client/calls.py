@@ -38,11 +38,17 @@ from tierd.api.wire import (
     read_header,
 )
 from tierd.config import default_runtime_dir
-from tierd.core.model import SessionInfo, TierStats
-from tierd.core.store import BudgetResult, Lease, LookupResult, RestoreResult
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import EngineLayout, KVSpec
-from tierd.policy import Advice
+from tierd.types import (
+    Advice,
+    BudgetResult,
+    Lease,
+    LookupResult,
+    RestoreResult,
+    SessionInfo,
+    TierStats,
+)
 from tierd.v1 import tierd_pb2
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 

@@ -17,7 +17,7 @@ import numpy as np
 from tierd.layout import EngineLayout, KVSpec
 
 if TYPE_CHECKING:
-    from tierd.core.store import Lease
+    from tierd.types import Lease
 
 SHM_DIR = "/dev/shm"
 

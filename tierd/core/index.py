@@ -30,10 +30,10 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierd.core import tokens
-from tierd.core.model import SessionKey
 from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
 from tierd.errors import ResourceExhausted, TierdError, Unavailable
 from tierd.tiers.allocator import Piece
+from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.index")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -20,11 +20,7 @@ from tierd.layout import KVSpec
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.transfer.runs import Geometry, Span
-
-
-class SessionKey(NamedTuple):
-    tenant: str
-    session_id: str
+from tierd.types import SessionKey
 
 
 class State(str, Enum):
@@ -188,33 +184,3 @@ class Session:
         if self.moving:
             return State.MOVING
         return State.ACTIVE if self.released_at is None else State.IDLE
-
-
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    tenant: str
-    session_id: str
-    tier: str | None
-    tier_bytes: dict[str, int]
-    state: str
-    num_tokens: int
-    size_bytes: int
-    num_pages: int
-    durable: bool
-    last_access: float
-    created: float
-    priority: int
-    pins: int
-    model_id: str
-    fingerprint: str
-    spec: KVSpec
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    name: str
-    budget: int
-    used: int
-    capacity: int
-    sessions: int
-    backend: str

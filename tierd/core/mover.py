@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierd.core.model import SessionKey
 from tierd.transfer.ioqueue import Priority
+from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.mover")
 

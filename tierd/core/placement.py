@@ -16,13 +16,14 @@ from collections.abc import Callable
 
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
-from tierd.core.model import Session, SessionKey
+from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Span
+from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
 MakeRoom = Callable[[str, int, SessionKey, Priority, "str | None"], bool]

@@ -16,10 +16,10 @@ import logging
 
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
-from tierd.core.model import SessionKey
 from tierd.core.rows import Problem, Recovered
 from tierd.tiers.disk import DiskTier
 from tierd.transfer.runs import page_stride
+from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.recovery")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.core import tokens
-from tierd.core.model import SessionKey
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
+from tierd.types import SessionKey
 
 
 @dataclass(frozen=True, slots=True)

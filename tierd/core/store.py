@@ -27,7 +27,7 @@ from tierd.clock import Clock, SystemClock
 from tierd.core import recovery, tokens
 from tierd.core.events import NullEvents, StoreEvents
 from tierd.core.index import DiskIndex
-from tierd.core.model import Session, SessionInfo, SessionKey, Snapshot, TierStats
+from tierd.core.model import Session, Snapshot
 from tierd.core.mover import Job, Mover
 from tierd.core.placement import Placement
 from tierd.core.rows import Problem
@@ -61,6 +61,16 @@ from tierd.tiers.allocator import Piece
 from tierd.transfer.copier import CopyEngine, EngineMemory, PageWriter
 from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Geometry, Span
+from tierd.types import (
+    BudgetResult,
+    Lease,
+    LookupResult,
+    RestoreResult,
+    SessionInfo,
+    SessionKey,
+    Slot,
+    TierStats,
+)
 
 log = logging.getLogger("tierd.core.store")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}")
@@ -93,45 +103,6 @@ def _check_priority(priority: int | None) -> None:
                                  or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
         raise InvalidArgument(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
                               f"got {shown(priority)}", field="priority", value=priority)
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreResult:
-    num_tokens: int
-    num_pages: int
-    source_tier: str
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    num_tokens: int     # leading tokens of the request the snapshot supplies
-    num_pages: int      # the pages that hold them
-    stored_tokens: int  # tokens in the snapshot
-    tier: str | None    # the slowest tier those pages are read from
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Pages [first_page, first_page + n_pages) at offset in the host arena's
-    slab shm_name (a file in /dev/shm), one every page_stride bytes."""
-
-    shm_name: str
-    offset: int
-    first_page: int
-    n_pages: int
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    lease_id: str
-    slots: list[Slot]
-    page_bytes: int
-    page_stride: int
-    first_page: int
-    num_pages: int
-    num_tokens: int
-    ttl: float
 
 
 @dataclass(eq=False)
@@ -188,16 +159,6 @@ class _RestoreLease(_Lease):
     what = "restore"
     source: str
     started: float
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetResult:
-    tier: str
-    old_budget: int
-    new_budget: int
-    released_bytes: int
-    moved_sessions: int
-    seconds: float
 
 
 class Store:

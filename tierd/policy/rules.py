@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from tierd.core.model import SessionKey
 from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.types import Advice, SessionKey
 
 DROP = "drop"
 
@@ -160,18 +160,6 @@ def budget_moves(views: Iterable[SessionView], tier: str, used: int, new_budget:
     if used <= new_budget:
         return []
     return plan_eviction(views, tier, used - new_budget, present, cfg, reason="budget")
-
-
-@dataclass(frozen=True, slots=True)
-class Advice:
-    restore_seconds: float
-    recompute_seconds: float
-    source_tier: str
-    bandwidth_bytes_per_s: float
-
-    @property
-    def restore(self) -> bool:
-        return self.restore_seconds <= self.recompute_seconds
 
 
 def advise(nbytes: int, source_tier: str, bandwidth: float, num_tokens: int, prefill_tokens_per_s: float) -> Advice:

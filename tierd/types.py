@@ -1,0 +1,108 @@
+"""What crosses the wire and reaches the client: results and records of the
+API, shared by the daemon and the client (which loads no module of the
+daemon's). Standard library only, plus the identity of a snapshot's bytes
+(tierd.layout) that SessionInfo carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from tierd.layout import KVSpec
+
+
+class SessionKey(NamedTuple):
+    tenant: str
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    tenant: str
+    session_id: str
+    tier: str | None  # the slowest tier a full restore reads from (None: no pages)
+    tier_bytes: dict[str, int]
+    state: str
+    num_tokens: int
+    size_bytes: int
+    num_pages: int
+    durable: bool
+    last_access: float
+    created: float
+    priority: int
+    pins: int
+    model_id: str
+    fingerprint: str
+    spec: KVSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    budget: int
+    used: int
+    capacity: int
+    sessions: int
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    num_tokens: int
+    num_pages: int
+    source_tier: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    num_tokens: int     # leading tokens of the request the snapshot supplies
+    num_pages: int      # the pages that hold them
+    stored_tokens: int  # tokens in the snapshot
+    tier: str | None    # the slowest tier those pages are read from
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Pages [first_page, first_page + n_pages) at offset in the shared-memory
+    file shm_name (in /dev/shm), one every page_stride bytes."""
+
+    shm_name: str
+    offset: int
+    first_page: int
+    n_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    slots: list[Slot]
+    page_bytes: int
+    page_stride: int
+    first_page: int
+    num_pages: int
+    num_tokens: int
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetResult:
+    tier: str
+    old_budget: int
+    new_budget: int
+    released_bytes: int
+    moved_sessions: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    restore_seconds: float
+    recompute_seconds: float
+    source_tier: str
+    bandwidth_bytes_per_s: float
+
+    @property
+    def restore(self) -> bool:
+        return self.restore_seconds <= self.recompute_seconds
