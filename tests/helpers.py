@@ -136,6 +136,16 @@ class HostEngine:
             r[:] = 0
 
 
+def metric(d, name: str, labels: str = "") -> float:
+    """A daemon's metric as its endpoint shows it now (0 where absent)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "the condition"):
     """Poll predicate until it returns something true; fail after timeout seconds."""
     deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tests.helpers import metric, wait_for
 from tierd.testing import ROOT, Daemon
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.v1 import tierd_pb2 as pb
@@ -38,7 +39,7 @@ def test_calls_past_the_concurrency_cap_are_resource_exhausted(tmp_path):
         stub = pb_grpc.TierdStub(stub_channel)
         waits = [stub.WaitReady.future(pb.WaitReadyRequest(session_id="s", tier="device", timeout_seconds=3))
                  for _ in range(2)]
-        threading.Event().wait(0.5)
+        wait_for(lambda: metric(d, "tierd_rpc_in_flight", 'method="WaitReady"') == 2, 10, "both waits to be held")
         with d.client() as c:
             try:
                 c.stat("s")

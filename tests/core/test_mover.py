@@ -1,6 +1,6 @@
 import threading
-import time
 
+from tests.helpers import wait_for
 from tierd.core.mover import Job, Mover
 from tierd.transfer.ioqueue import Priority
 from tierd.types import SessionKey
@@ -23,8 +23,7 @@ def test_jobs_run_by_class_then_priority_and_merge_per_session():
     mover = Mover(run, workers=1)
     key = lambda n: SessionKey("t", n)  # noqa: E731
     mover.submit(Job(key("blocker"), "host", "prefetch", Priority.PREFETCH), _merge)
-    while key("blocker") not in mover._running:
-        time.sleep(0.001)  # until the only worker is busy
+    wait_for(lambda: key("blocker") in mover.busy_keys(queued=False), 10, "the only worker to be busy")
     mover.submit(Job(key("wb"), "disk", "writeback", Priority.WRITEBACK), _merge)
     mover.submit(Job(key("low"), "host", "prefetch", Priority.PREFETCH, priority=1), _merge)
     mover.submit(Job(key("x"), "host", "prefetch", Priority.PREFETCH, priority=0), _merge)
@@ -48,11 +47,9 @@ def test_one_move_per_session_at_a_time():
 
     mover = Mover(run, workers=2)
     mover.submit(Job(key, "host", "first", Priority.PREFETCH), lambda o, n: False)
-    while key not in mover._running:
-        time.sleep(0.001)
+    wait_for(lambda: key in mover.busy_keys(queued=False), 10, "the first move to run")
     mover.submit(Job(key, "disk", "second", Priority.DEMOTION), lambda o, n: False)
-    threading.Event().wait(0.1)
-    assert ran == []  # the second worker is free, but the session is busy
+    assert ran == [] and key in mover.busy_keys(queued=True)  # the second stays queued while the session is busy
     gate.set()
     assert mover.drain(5)
     assert ran == ["first", "second"]

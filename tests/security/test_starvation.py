@@ -7,15 +7,14 @@ Waits are on conditions with deadlines.
 """
 
 import hashlib
-import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 
+from tests.helpers import metric
 from tierd.api.convert import spec_to_pb
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.errors import DeadlineExceeded
@@ -49,9 +48,7 @@ def host_used(c):
 
 def in_flight(d, method):
     """Calls of `method` the daemon is serving now (its tierd_rpc_in_flight gauge)."""
-    text = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
-    m = re.search(rf'^tierd_rpc_in_flight{{method="{method}"}} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric(d, "tierd_rpc_in_flight", f'method="{method}"')
 
 
 def retry(call, timeout=10.0):
