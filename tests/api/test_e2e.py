@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 import platform
 import subprocess
 import sys
-import threading
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
