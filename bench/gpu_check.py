@@ -172,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{nbytes / save_s / raw['d2d']:.2f} x d2d"))
             for tier, limit in (("device", "d2d"), ("host", "h2d"), ("disk", "disk")):
                 if tier != "device":
-                    session = store._sessions[KEY]
-                    with session.op:
-                        store.placement.demote(session, tier, Priority.DEMOTION, "gpu-check")
+                    store.demote(KEY, tier, reason="gpu-check")
                 assert store.stat(KEY).tier == tier, store.stat(KEY)
                 for name, table in (("contiguous", contiguous), ("4 runs", four_runs)):
                     ops = store.copier.copy_ops

@@ -21,7 +21,7 @@ from tierd.tiers.disk import aligned_buffer
 from tierd.tiers.disk import DiskTier
 from tierd.tiers.host import HostTier
 from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import Priority, PriorityExecutor
+from tierd.transfer.ioqueue import PriorityExecutor
 
 MiB = 1 << 20
 # Qwen2.5-7B's KV shape: 28 layers, 4 KV heads, head dim 128, bf16: 57,344 bytes per token.
@@ -113,9 +113,7 @@ def run(quick: bool) -> list[Result]:
             raw = _RawFile(os.path.join(root, "raw.bin"), nbytes)
 
             def demote() -> None:
-                session = store._sessions[KEY]
-                with session.op:
-                    store.placement.demote(session, "disk", Priority.DEMOTION, "bench")
+                store.demote(KEY, reason="bench")
 
             def fresh_in_host() -> None:
                 store.save(KEY, _memory(kv), QWEN, blocks, pages * 16)

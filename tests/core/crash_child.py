@@ -9,7 +9,6 @@ import numpy as np
 
 from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
-from tierd.transfer.ioqueue import Priority
 
 BT = SPEC.block_tokens
 
@@ -46,7 +45,7 @@ def main(root: str, seed: int) -> None:
             del content[name]
             continue
         if action == "demote" and name in content:
-            store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+            store.demote(key)
             continue
         n = int(rng.integers(1, 5))
         blocks = rng.choice(64, size=n, replace=False)
@@ -61,7 +60,7 @@ def main(root: str, seed: int) -> None:
             say("REWRITE", name, len(pages) * BT, digest(pages))
             store.save(key, engine.memory, SPEC, blocks, len(pages) * BT)
         content[name] = pages
-        store.placement.write_disk(store._sessions[key], Priority.WRITEBACK)
+        store.write_back(key)
         say("DURABLE", name, len(pages) * BT, digest(pages))
 
 

@@ -12,7 +12,6 @@ from tests.helpers import Harness
 from tierd.core.store import make_key
 from tierd.layout import KVSpec
 from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import Priority
 
 MiB = 1 << 20
 SPEC = KVSpec("test/big", num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_tokens=16)
@@ -46,7 +45,7 @@ def main(root: str, what: str, nbytes: int) -> None:
         chunk = np.random.default_rng(0).integers(0, 256, 4 * MiB, dtype=np.uint8)
         store.put(K, SPEC, pages * SPEC.block_tokens, pages * SPEC.page_bytes,
                   (chunk for _ in range(pages * SPEC.page_bytes // chunk.nbytes)))
-        store.placement.demote(store._sessions[K], "disk", Priority.DEMOTION, "test")
+        store.demote(K)
         h.close()
     else:
         base = rss()

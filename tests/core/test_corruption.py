@@ -8,7 +8,6 @@ import pytest
 from tests.helpers import SPEC, HostEngine
 from tierd.core.store import make_key
 from tierd.errors import DataLoss
-from tierd.transfer.ioqueue import Priority
 
 A = make_key("default", "a")
 B = make_key("default", "b")
@@ -35,7 +34,7 @@ def two_on_disk(harness):
     store.save(A, eng.memory, SPEC, [0, 1, 2, 3], 64)
     store.save(B, eng.memory, SPEC, [4, 5, 6, 7], 64)
     for key in (A, B):
-        store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+        store.demote(key)
     _flip(store, A, 2)
     return store, eng
 

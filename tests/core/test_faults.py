@@ -14,7 +14,6 @@ from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
 from tierd.errors import TierdError
 from tierd.tiers.disk import FileOps
-from tierd.transfer.ioqueue import Priority
 
 A, B, C = (make_key("default", n) for n in "abc")
 
@@ -86,11 +85,10 @@ def workload(store, eng, out):
 
     def to_disk(key, free_faster):
         def go():
-            with store._held(key) as s:
-                if free_faster:
-                    store.placement.demote(s, "disk", Priority.DEMOTION, "test")
-                else:
-                    store.placement.write_disk(s, Priority.WRITEBACK)
+            if free_faster:
+                store.demote(key)
+            else:
+                store.write_back(key)
         if step(go) and store.stat(key).durable:
             durable[key] = list(current[key])
 
@@ -175,12 +173,12 @@ def test_a_failed_sync_is_never_trusted(tmp_path):
     epoch = disk.epoch()  # a writer that started before the failure...
     ops.fail_at = ops.calls
     with pytest.raises(TierdError, match="fdatasync"):
-        store.placement.write_disk(store._sessions[A], Priority.WRITEBACK)
+        store.write_back(A)
     assert not store.stat(A).durable and store.stat(A).tier == "host" and disk.used == 0
     assert store.check_accounting() == []
     with pytest.raises(OSError, match="may be lost"):
         disk.sync(epoch)  # ...is refused even though this fdatasync succeeds
-    store.placement.write_disk(store._sessions[A], Priority.WRITEBACK)  # a fresh write and sync
+    store.write_back(A)  # a fresh write and sync
     assert store.stat(A).durable
     h.close()
 

@@ -7,7 +7,6 @@ import pytest
 from tests.helpers import Harness, HostEngine
 from tierd.core.store import make_key
 from tierd.layout import KVSpec
-from tierd.transfer.ioqueue import Priority
 
 MiB = 1 << 20
 # 28 layers like Qwen2.5-7B, with 1 head of 8 dims so the test stays small: 896 bytes per token.
@@ -60,7 +59,7 @@ def test_contiguous_restore_is_one_copy_per_segment(saved):
 
 def test_from_disk_each_bounce_window_adds_at_most_one_split(saved):
     _, store, src = saved
-    store.placement.demote(store._sessions[K], "disk", Priority.DEMOTION, "test")
+    store.demote(K)
     table = np.concatenate([np.arange(r.start, r.stop) for r in RUNS])
     out = HostEngine(SPEC, num_blocks=3700, seed=4)
     ops = store.copier.copy_ops

@@ -16,7 +16,6 @@ from tierd.core.store import make_key
 from tierd.errors import ResourceExhausted as StoreResourceExhausted
 from tierd.errors import Unavailable as StoreUnavailable
 from tierd.testing import Daemon
-from tierd.transfer.ioqueue import Priority
 
 MiB = 1 << 20
 A, B, C = (make_key("default", n) for n in "abc")
@@ -46,9 +45,9 @@ def full(small_fs):
     store = h.open()
     eng = HostEngine(seed=1)
     store.save(A, eng.memory, SPEC, [0, 1, 2, 3], 64)
-    store.placement.demote(store._sessions[A], "disk", Priority.DEMOTION, "test")
+    store.demote(A)
     store.save(B, eng.memory, SPEC, [4, 5], 32)
-    store.placement.write_disk(store._sessions[B], Priority.WRITEBACK)
+    store.write_back(B)
     store.save(C, eng.memory, SPEC, [6, 7, 8], 48)
     small_fs.fill()
     yield h, store, eng, small_fs
@@ -72,8 +71,8 @@ CALLS = {
     "overwrite it by save": lambda s, e: s.save(A, e.memory, SPEC, [9], 16),
     "cut it by save": lambda s, e: s.save(A, e.memory, SPEC, [9], 32, start_token=16),
     "overwrite it by lease": _lease_kept,
-    "write back a session": lambda s, e: s.placement.write_disk(s._sessions[C], Priority.WRITEBACK),
-    "demote a session to disk": lambda s, e: s.placement.demote(s._sessions[C], "disk", Priority.DEMOTION, "t"),
+    "write back a session": lambda s, e: s.write_back(C),
+    "demote a session to disk": lambda s, e: s.demote(C),
     "drop a session on disk and in host": lambda s, e: s.drop(B),
 }
 
@@ -115,7 +114,7 @@ def test_the_index_opens_on_a_full_file_system(small_fs):
     store = h.open()
     eng = HostEngine(seed=3)
     store.save(A, eng.memory, SPEC, [0, 1], 32)
-    store.placement.demote(store._sessions[A], "disk", Priority.DEMOTION, "test")
+    store.demote(A)
     h.close()
     assert not os.path.exists(os.path.join(h.root, "index.db-shm"))  # a clean close removes the wal-index
     small_fs.fill()  # so the next start has no room for a new one
@@ -131,7 +130,7 @@ def test_repairs_that_cannot_be_written_at_start_are_written_before_anything_new
     eng = HostEngine(seed=4)
     for key, blocks in ((A, [0, 1]), (B, [2, 3])):
         store.save(key, eng.memory, SPEC, blocks, 32)
-        store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+        store.demote(key)
     h.close()
     db = sqlite3.connect(os.path.join(h.root, "index.db"))
     db.execute("UPDATE pieces SET checksums=x'00' WHERE session_id='b'")  # B's row is damaged
@@ -144,7 +143,7 @@ def test_repairs_that_cannot_be_written_at_start_are_written_before_anything_new
     store.tick()
     # C takes the space B held; the repair commits before C's pages are recorded
     store.save(C, eng.memory, SPEC, [4, 5], 32)
-    store.placement.demote(store._sessions[C], "disk", Priority.DEMOTION, "test")
+    store.demote(C)
     store = h.reopen()
     assert store.recovery_problems == [] and sorted(store.keys()) == [A, C]
     assert stored(store, C) == (32, b"".join(eng.pages([4, 5])))
@@ -157,7 +156,7 @@ def test_a_write_back_that_finds_no_room_leaves_no_file_behind(full):
     slabs = sorted(os.listdir(store.tiers["disk"].directory))
     store.save(C, eng.memory, SPEC, list(range(64)), 64 * 16)  # a whole slab: needs a new one
     with pytest.raises(StoreUnavailable, match="full"):
-        store.placement.write_disk(store._sessions[C], Priority.WRITEBACK)
+        store.write_back(C)
     assert sorted(os.listdir(store.tiers["disk"].directory)) == slabs
     assert store.tiers["disk"].out_of_space and store.check_accounting() == []
     store = h.reopen(flush=True)  # a clean stop that tries to flush C, and a start on the full disk

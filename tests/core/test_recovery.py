@@ -17,7 +17,6 @@ from tierd.core.store import make_key
 from tierd.layout import KVSpec
 from tierd.metrics import Metrics
 from tierd.testing import Daemon
-from tierd.transfer.ioqueue import Priority
 
 MiB = 1 << 20
 KEYS = [make_key("default", f"s{i}") for i in range(6)]
@@ -39,10 +38,10 @@ def six(tmp_path):
     for i, key in enumerate(KEYS):
         blocks = list(range(i * PAGES, (i + 1) * PAGES))
         store.save(key, eng.memory, SPEC, blocks, PAGES * SPEC.block_tokens)
-        store.placement.demote(store._sessions[key], "disk", Priority.DEMOTION, "test")
+        store.demote(key)
         content[key] = b"".join(eng.pages(blocks))
     # one piece each, in order: s0 and s1 fill slab 0, s2 and s3 slab 1, s4 and s5 slab 2
-    offsets = [[p.offset for p in store._sessions[key].snap.pieces("disk")] for key in KEYS]
+    offsets = [[p.offset for p in store.pieces(key, "disk")] for key in KEYS]
     assert offsets == [[i * PAGES * SPEC.page_bytes] for i in range(len(KEYS))]
     h.close()
     yield h, metrics, content, {key: i // 2 for i, key in enumerate(KEYS)}
@@ -78,7 +77,7 @@ def test_a_lost_slab_costs_only_the_sessions_in_it(six, caplog, damage):
     # the space is usable again, and the quarantine is recorded: a second start finds nothing to repair
     eng = HostEngine(num_blocks=64, seed=9)
     store.save(lost[0], eng.memory, SPEC, list(range(2 * PAGES)), 2 * PAGES * SPEC.block_tokens)
-    store.placement.demote(store._sessions[lost[0]], "disk", Priority.DEMOTION, "test")
+    store.demote(lost[0])
     content[lost[0]] = b"".join(eng.pages(range(2 * PAGES)))
     store = h.reopen()
     assert store.recovery_problems == []
@@ -159,7 +158,7 @@ def test_an_unreadable_index_is_moved_aside_and_rebuilt(six, caplog, how):
     serves_exactly(store, {})
     eng = HostEngine(seed=2)
     store.save(KEYS[0], eng.memory, SPEC, [0, 1], 32)
-    store.placement.demote(store._sessions[KEYS[0]], "disk", Priority.DEMOTION, "test")
+    store.demote(KEYS[0])
     store = h.reopen()
     serves_exactly(store, {KEYS[0]: b"".join(eng.pages([0, 1]))})
 

@@ -76,12 +76,12 @@ def test_append_saves_only_the_new_pages(store):
     eng = HostEngine(seed=3)
     # turn 1: 40 tokens = 3 pages (the last one partial)
     store.save(A, eng.memory, SPEC, [0, 1, 2], 40)
-    first_pieces = list(store._sessions[A].snap.pieces("host"))
+    first_pieces = list(store.pieces(A, "host"))
     ops = store.copier.copy_ops
     # turn 2: the engine rewrites the partial block and adds one: tokens 32..60
     store.save(A, eng.memory, SPEC, [2, 7], 60, start_token=32)
     assert store.copier.copy_ops - ops == 2 * len(eng.layout.segments)  # blocks 2 and 7: two runs
-    assert store._sessions[A].snap.pieces("host")[0].offset == first_pieces[0].offset  # pages 0-1 untouched
+    assert store.pieces(A, "host")[0].offset == first_pieces[0].offset  # pages 0-1 untouched
     info = store.stat(A)
     assert (info.num_tokens, info.num_pages) == (60, 4)
     out = HostEngine(seed=4)
@@ -97,7 +97,7 @@ def test_rewrite_from_token_zero_replaces_even_the_identity(store):
     store.save(A, eng2.memory, other, [4], 10)
     info = store.stat(A)
     assert info.model_id == "test/other" and info.num_pages == 1
-    assert store.tiers["host"].used == store._sessions[A].snap.bytes_in("host")  # old pages freed
+    assert store.tiers["host"].used == store.stat(A).tier_bytes["host"]  # old pages freed
 
 
 def test_appending_needs_the_same_identity_and_no_gap(store):
@@ -193,7 +193,7 @@ def test_shrinking_the_device_budget_demotes_at_once(three_tiers):
 def test_two_prefetches_make_one_move(store):
     eng = HostEngine(seed=12)
     store.save(A, eng.memory, SPEC, list(range(6)), 96)
-    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    store.demote(A)
     before = store.copier.moved_bytes.get("disk->host", 0)
     assert store.prefetch(A) == "queued"
     store.prefetch(A, priority=5)
@@ -205,7 +205,7 @@ def test_two_prefetches_make_one_move(store):
 def test_drop_mid_prefetch_leaves_nothing(store):
     eng = HostEngine(seed=12)
     store.save(A, eng.memory, SPEC, list(range(6)), 96)
-    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    store.demote(A)
     store.prefetch(A)
     store.drop(A)
     assert store.drain(10)
@@ -218,7 +218,7 @@ def test_drop_mid_prefetch_leaves_nothing(store):
 def test_restore_mid_prefetch_waits_for_that_move(store):
     eng = HostEngine(seed=13)
     store.save(A, eng.memory, SPEC, list(range(8)), 128)
-    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    store.demote(A)
     moved = store.copier.moved_bytes.get("disk->host", 0)
     store.prefetch(A)
     # Until a mover starts it, the prefetch is only queued and a restore reads from disk
@@ -238,7 +238,7 @@ def test_restore_mid_prefetch_waits_for_that_move(store):
 def test_wait_ready_times_out_with_where_the_session_is(store):
     eng = HostEngine(seed=15)
     store.save(A, eng.memory, SPEC, [0], 16)
-    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    store.demote(A)
     assert store.wait_ready(A, "host", timeout=0.05) == (False, "disk")
     with pytest.raises(InvalidArgument):
         store.wait_ready(A, "nowhere", 1)
@@ -308,7 +308,7 @@ def test_crash_keeps_the_last_durable_prefix(harness):
     store = harness.open()
     eng = HostEngine(seed=19)
     store.save(A, eng.memory, SPEC, [0, 1], 32)
-    store.placement.write_disk(store._sessions[A], 3)
+    store.write_back(A)
     store.save(A, eng.memory, SPEC, [2, 3], 64, start_token=32)  # not on disk yet
     store = harness.reopen(flush=False)  # a crash: nothing flushed
     info = store.stat(A)
@@ -357,7 +357,7 @@ def test_prefetch_outcomes_ready_in_time_late_and_missed(harness):
     eng = HostEngine(seed=21)
     store.save(A, eng.memory, SPEC, [0, 1], 32)
     assert store.prefetch(A) == "ready"
-    store.placement.demote(store._sessions[A], "disk", 2, "test")
+    store.demote(A)
     # a deadline already past when the move would start: missed, nothing moves
     store.prefetch(A, deadline=harness.clock.now() - 1)
     store.drain(10)

@@ -21,7 +21,7 @@ from tierd.testing import ROOT
 from tierd.tiers import kvikio_io
 from tierd.tiers.disk import DiskTier
 from tierd.errors import DataLoss
-from tierd.transfer.ioqueue import Priority, PriorityExecutor
+from tierd.transfer.ioqueue import PriorityExecutor
 
 
 class _Future:
@@ -124,10 +124,7 @@ def test_a_store_on_the_kvikio_backend_survives_a_restart(tmp_path):
 
 
 def _demote_to_disk(store, key):
-    session = store._sessions[key]
-    with session.op:
-        store.placement.demote(session, "disk", Priority.DEMOTION, "test")
-    assert store.stat(key).tier == "disk"
+    assert store.demote(key).tier == "disk"
 
 
 def test_device_tier_pages_go_to_and_from_disk_without_a_host_copy(tmp_path):
@@ -152,7 +149,7 @@ def test_device_tier_pages_go_to_and_from_disk_without_a_host_copy(tmp_path):
         # A page damaged on disk is caught as it lands in the device tier, and never served.
         _demote_to_disk(store, key)
         disk = store.tiers["disk"]
-        slab, off = disk.locate(store._sessions[key].snap.pieces("disk")[0].offset)
+        slab, off = disk.locate(store.pieces(key, "disk")[0].offset)
         fd = os.open(disk.slab_path(slab), os.O_RDWR)
         try:
             os.pwrite(fd, bytes([os.pread(fd, 1, off + 100)[0] ^ 1]), off + 100)

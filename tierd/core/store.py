@@ -1079,6 +1079,29 @@ class Store:
             self.mover.submit(Job(mv.key, mv.target, mv.reason, klass, keep=mv.keep), lambda old, new: False)
         return moves
 
+    def demote(self, key: SessionKey, tier: str = "disk", reason: str = "request") -> SessionInfo:
+        """Move the session down to `tier` now (its faster copies go), under its
+        lock, as an idle demotion would; what the tests and benches use to
+        put a session in a tier."""
+        if tier not in self.tiers:
+            raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier")
+        with self._held(key) as session:
+            self.placement.demote(session, tier, Priority.DEMOTION, reason)
+            with self._lock:
+                return self._info(session)
+
+    def write_back(self, key: SessionKey) -> SessionInfo:
+        """Give every page of the session a disk copy now, keeping the faster ones."""
+        with self._held(key) as session:
+            self.placement.write_disk(session, Priority.WRITEBACK)
+            with self._lock:
+                return self._info(session)
+
+    def pieces(self, key: SessionKey, tier: str) -> list[Piece]:
+        """Where the session's pages lie in a tier (a copy): for tests and inspection."""
+        with self._lock:
+            return list(self._get(key).snap.pieces(tier))
+
     def drain(self, timeout: float | None = 60.0) -> bool:
         """Wait until no move is queued or running."""
         return self.mover.drain(timeout)
