@@ -307,7 +307,7 @@ class CopyEngine:
                     src_rows = memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes)
                     pairs.append((run.page - first, run.count, dst, src_rows))
             if tier == "host" and host_engine:
-                self._check_and_copy(buf, first, count, pairs, geom, checksums)
+                self._copy_and_check(buf, first, count, pairs, geom, checksums)
             elif self._reachable(*(v for pair in pairs for v in pair[2:])):
                 launch.extend(gpu.copy_of(d, s) for _, _, d, s in pairs)
                 launched_bytes[tier] = launched_bytes.get(tier, 0) + count * geom.page_bytes
@@ -322,22 +322,26 @@ class CopyEngine:
             self.record(f"{tier}->engine", count * geom.page_bytes, time.perf_counter() - t0)
         self._launch(launch, launched_bytes, priority, t_call)
 
-    def _check_and_copy(self, buf: np.ndarray, first: int, count: int, pairs: list, geom: Geometry,
+    def _copy_and_check(self, buf: np.ndarray, first: int, count: int, pairs: list, geom: Geometry,
                         checksums: np.ndarray) -> None:
         """A host window into host engine memory, about hash_chunk_bytes of
-        pages at a time: each piece checked against its checksums, then its
-        part of every run copied while the pages are still in the CPU's cache
-        (checking the whole window first read it from memory twice). One copy
-        per run and segment all the same, in pieces."""
-        stride = geom.stride
-        step = max(1, self.hash_chunk_bytes // stride)
-        for a in range(0, count, step):
-            b = min(count, a + step)
-            self._verify(buf[a * stride : b * stride], first + a, b - a, geom, checksums, "host")
-            for start, n, d, s in pairs:
-                lo, hi = max(a, start), min(b, start + n)
-                if lo < hi:
-                    np.copyto(d[lo - start : hi - start], s[lo - start : hi - start])
+        pages at a time, the pieces shared among the CPU workers: each piece's
+        part of every run copied, then its pages checked against their
+        checksums while they are still in the CPU's cache (checking the whole
+        window apart read it from memory a second time). A page that fails
+        fails the call: the engine's blocks it reached are not to be used. One
+        copy per run and segment all the same, in pieces."""
+        step = max(1, self.hash_chunk_bytes // geom.stride)
+        _run_jobs([functools.partial(self._copy_and_check_piece, buf, first, a, min(count, a + step), pairs, geom,
+                                     checksums) for a in range(0, count, step)])
+
+    def _copy_and_check_piece(self, buf: np.ndarray, first: int, a: int, b: int, pairs: list, geom: Geometry,
+                              checksums: np.ndarray) -> None:
+        for start, n, d, s in pairs:
+            lo, hi = max(a, start), min(b, start + n)
+            if lo < hi:
+                np.copyto(d[lo - start : hi - start], s[lo - start : hi - start])  # without the GIL
+        self._verify(buf[a * geom.stride : b * geom.stride], first + a, b - a, geom, checksums, "host")
 
     def _launch(self, launch: list[gpu.Copy], nbytes: dict[str, int], priority: int, t0: float) -> None:
         """Run the collected copies in one launch and record them."""
