@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import SPEC, Harness
 from tierd.client.shm import Arena
-from tierd.core.store import make_key
+from tierd.core.store import SPARE_SECONDS, make_key
 from tierd.errors import (
     DataLoss,
     FailedPrecondition,
@@ -129,7 +129,7 @@ def test_an_expired_restore_lease_cannot_end(store, arena, harness):
     store.tick()
     with pytest.raises(NotFound, match="expired"):
         store.end_restore("default", held.lease_id)
-    assert not os.path.exists(f"/dev/shm/{held.slots[0].shm_name}")  # its segment went at expiry
+    gone_after_spare_time(store, harness, held)
 
 
 def test_a_lease_expires_when_taken_past_its_time_without_a_tick(store, arena, harness):
@@ -137,26 +137,42 @@ def test_a_lease_expires_when_taken_past_its_time_without_a_tick(store, arena, h
     harness.clock.advance(3)
     with pytest.raises(NotFound, match="expired"):
         store.commit_save("default", lease.lease_id)
-    assert store.tiers["host"].used == 0 and not os.path.exists(f"/dev/shm/{lease.slots[0].shm_name}")
+    assert store.tiers["host"].used == 0
     with pytest.raises(NotFound):
         store.stat(A)
+    gone_after_spare_time(store, harness, lease)
 
 
-def test_lease_segments_hold_only_the_leased_pages_under_unguessable_names(store, arena):
+def gone_after_spare_time(store, harness, *leases):
+    """An ended lease's segment is kept a while for its tenant's next lease, then goes."""
+    harness.clock.advance(SPARE_SECONDS + 1)
+    store.tick()
+    assert not any(os.path.exists(f"/dev/shm/{lease.slots[0].shm_name}") for lease in leases)
+
+
+def test_lease_segments_hold_only_the_leased_pages_under_unguessable_names(store, arena, harness):
     a, a_pages = lease_save(store, arena, A, 40)
-    store.commit_save("default", a.lease_id)
     b, _ = lease_save(store, arena, OTHER, 40, seed=7)
-    held = store.begin_restore(A)
-    names = [a.slots[0].shm_name, b.slots[0].shm_name, held.slots[0].shm_name]
-    assert len(set(names)) == 3 and all(len(n.rsplit(".", 1)[1]) == 16 for n in names)
-    for lease in (b, held):  # each segment is exactly its lease's pages, nothing of another session
+    names = [a.slots[0].shm_name, b.slots[0].shm_name]
+    assert len(set(names)) == 2 and all(len(n.rsplit(".", 1)[1]) == 16 for n in names)
+    for lease in (a, b):  # each segment is exactly its lease's pages, nothing of another session
         (slot,) = lease.slots
         assert os.path.getsize(f"/dev/shm/{slot.shm_name}") == lease.num_pages * lease.page_bytes
         assert stat.S_IMODE(os.stat(f"/dev/shm/{slot.shm_name}").st_mode) == 0o600
-    assert [p.tobytes() for p in arena.pages(held)] == a_pages
-    store.end_restore("default", held.lease_id)
+    store.commit_save("default", a.lease_id)
     store.abort_save("other", b.lease_id)
-    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+    # an ended lease's segment serves its own tenant's next lease (its pages resident), never another's
+    held = store.begin_restore(A)
+    assert held.slots[0].shm_name == a.slots[0].shm_name
+    assert [p.tobytes() for p in arena.pages(held)] == a_pages
+    c, _ = lease_save(store, arena, OTHER, 40, seed=8)
+    assert c.slots[0].shm_name == b.slots[0].shm_name
+    d, _ = lease_save(store, arena, make_key("third", "a"), 40)
+    assert d.slots[0].shm_name not in names
+    store.end_restore("default", held.lease_id)
+    for tenant, lease in (("other", c), ("third", d)):
+        store.abort_save(tenant, lease.lease_id)
+    gone_after_spare_time(store, harness, a, b, d)
 
 
 def test_open_leases_are_limited_per_tenant(tmp_path, arena):
@@ -290,15 +306,15 @@ def test_a_restore_lease_checks_the_prompt(store, arena):
     store.end_restore("default", held.lease_id)
 
 
-def test_an_arena_lets_each_leases_segment_go(store):
-    """Each lease is a segment of its own: an engine that kept every one mapped
-    would hold every lease's memory for good, even after the daemon removed
-    the file."""
+def test_an_arena_lets_each_leases_segment_go(store, harness):
+    """An engine that kept every segment it ever mapped would hold their
+    memory for good, even after the daemon removed the files: an Arena keeps
+    the segments the daemon hands out again, and lets go of those it removed."""
     arena = Arena()
 
-    def mapped():
+    def mappings(name):  # the daemon's side maps the segment too: this test runs the store in-process
         with open("/proc/self/maps") as f:
-            return f.read()
+            return sum(name in line for line in f)
 
     try:
         lease = store.begin_save(A, SPEC, 32)
@@ -307,14 +323,19 @@ def test_an_arena_lets_each_leases_segment_go(store):
             page[:] = 7
         del pages, page  # the engine is done with its views
         name = lease.slots[0].shm_name
-        assert name in mapped()
+        mapped = mappings(name)
         arena.release(lease)
+        assert mappings(name) == mapped - 1
         store.commit_save("default", lease.lease_id)
-        assert name not in mapped()
-        for i in range(Arena.MAPPED + 8):  # never released: the oldest go
-            held = store.begin_restore(A, SPEC)
-            arena.pages(held)
-            store.end_restore("default", held.lease_id)
-        assert len(arena._maps) <= Arena.MAPPED
+        held = store.begin_restore(A, SPEC)  # the tenant's segment again: mapped once, kept
+        arena.pages(held)
+        store.end_restore("default", held.lease_id)
+        assert list(arena._maps) == [name]
+        harness.clock.advance(SPARE_SECONDS + 1)
+        store.tick()  # the daemon removes the unused segment...
+        other = store.begin_save(make_key("default", "b"), SPEC, 16)
+        arena.pages(other)  # ...and the next lease mapped lets its mapping go
+        assert name not in arena._maps and mappings(name) == 0
+        store.abort_save("default", other.lease_id)
     finally:
         arena.close()

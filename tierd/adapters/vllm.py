@@ -301,7 +301,6 @@ class TierdConnector(KVConnectorBase_V1):
                                                 ttl=self._lease_seconds)
             for first, rows in self._arena.runs(lease):
                 self._blocks.gather(job.block_ids[first : first + len(rows)], rows)
-            self._arena.release(lease)
             self._client.commit_save(lease)
             self._client.release(job.session)
             log.info("tierd connector: saved session %r, tokens %d-%d, in %.1f ms", job.session,
@@ -309,7 +308,6 @@ class TierdConnector(KVConnectorBase_V1):
         except (TierdError, OSError, ValueError) as exc:
             log.warning("tierd connector: saving session %r failed: %s", job.session, exc)
             if lease is not None:
-                self._arena.release(lease)
                 try:
                     self._client.abort_save(lease)
                 except TierdError:
@@ -354,7 +352,6 @@ class _Load:
                         blocks.scatter(rows, block_ids, [layer])
                 done.set()
             for job, lease, _ in leased:
-                c._arena.release(lease)
                 try:
                     client.end_restore(lease)  # NotFound: the lease expired while we read; recompute
                     tokens = (job.num_pages - job.first_page) * c._spec.block_tokens  # type: ignore[union-attr]

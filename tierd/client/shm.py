@@ -77,45 +77,52 @@ class SharedKVCache:
 
 class Arena:
     """Leased pages as an engine on the same machine sees them: each lease is
-    a shared-memory segment of its own, mapped read-write here, with numpy
-    views of its pages. release(lease) once the lease has ended lets its
-    mapping go (it holds the pages' memory while mapped); at most MAPPED
-    segments stay mapped otherwise, the oldest let go first."""
+    a shared-memory segment, mapped read-write here, with numpy views of its
+    pages. The daemon hands a tenant's ended segments to its next leases, so
+    mappings are kept for them; one whose segment the daemon has removed is
+    let go when the next lease is mapped (it would hold the memory for good),
+    and at most MAPPED stay mapped, the oldest let go first. release(lease)
+    lets a lease's mapping go at once."""
 
     MAPPED = 64
 
     def __init__(self, shm_dir: str = SHM_DIR) -> None:
         self.shm_dir = shm_dir
-        self._maps: dict[str, tuple[int, mmap.mmap, np.ndarray]] = {}
+        self._maps: dict[str, tuple[int, mmap.mmap, np.ndarray]] = {}  # name -> (open fd, mapping, view)
 
     def _slab(self, name: str) -> np.ndarray:
         if "/" in name or name.startswith("."):
-            raise ValueError(f"not a slab name: {name!r}")
-        path = os.path.join(self.shm_dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            raise ValueError(f"not a segment name: {name!r}")
+        for old in [n for n, (fd, _, _) in self._maps.items() if os.fstat(fd).st_nlink == 0]:
+            self._unmap(old)  # removed by the daemon
+        fd = os.open(os.path.join(self.shm_dir, name), os.O_RDWR | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             have = self._maps.get(name)
-            if have is not None and have[0] == st.st_ino:
+            if have is not None and os.fstat(have[0]).st_ino == st.st_ino:
+                os.close(fd)
                 return have[2]
             m = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        self._maps.pop(name, None)
+            raise
+        if name in self._maps:
+            self._unmap(name)  # replaced by a restarted daemon
         while len(self._maps) >= self.MAPPED:
             self._unmap(next(iter(self._maps)))
-        self._maps[name] = (st.st_ino, m, np.frombuffer(m, dtype=np.uint8))
+        self._maps[name] = (fd, m, np.frombuffer(m, dtype=np.uint8))
         return self._maps[name][2]
 
     def _unmap(self, name: str) -> None:
-        _, m, _ = self._maps.pop(name)
+        fd, m, _ = self._maps.pop(name)
+        os.close(fd)
         try:
             m.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with it
 
     def release(self, lease: Lease) -> None:
-        """Let the lease's segments go (its views stay valid while they live)."""
+        """Let the lease's segments go now (views still alive keep them until they go)."""
         for slot in lease.slots:
             if slot.shm_name in self._maps:
                 self._unmap(slot.shm_name)
