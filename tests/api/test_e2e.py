@@ -221,7 +221,7 @@ def test_gpu_memory_and_invisible_processes_get_clear_errors(daemon):
             is_cuda = True
 
         with pytest.raises(InvalidArgument, match="all CUDA tensors or all"):
-            c.register_engine(SPEC, [OnTheGpu(), *zip(kv.names[1:], kv.sizes[1:])], kv.layout)
+            c.register_engine(SPEC, [OnTheGpu(), *zip(kv.fds[1:], kv.sizes[1:])], kv.layout)
 
 
 def test_a_page_damaged_in_host_memory_is_not_served(tmp_path):

@@ -24,6 +24,7 @@ from tierd.client import (
     DataLoss,
     EngineLayout,
     FailedPrecondition,
+    InvalidArgument,
     KVSpec,
     SharedKVCache,
 )
@@ -107,17 +108,40 @@ def test_shared_memory_of_another_user_is_refused(secured, tmp_path):
         os.unlink(path)
 
 
+def test_engine_memory_that_could_be_cut_short_is_refused(secured):
+    """An engine that cut its memory short under the daemon (ftruncate) made the
+    daemon's next copy fault (SIGBUS) and killed it for every tenant: only a
+    memfd sealed against shrinking is taken, and that one cannot be cut."""
+    bob = secured.client(token=TOKENS["bob"])
+    path = f"/dev/shm/tierd-test-unsealed-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 4 * SPEC.page_bytes)
+        with pytest.raises(FailedPrecondition, match="can be cut short"):
+            bob.register_engine(SPEC, [(fd, 4 * SPEC.page_bytes)], EngineLayout.cross_layer(SPEC, 4))
+        unsealed = os.memfd_create("unsealed")
+        os.ftruncate(unsealed, 4 * SPEC.page_bytes)
+        with pytest.raises(FailedPrecondition, match="can be cut short"):
+            bob.register_engine(SPEC, [(unsealed, 4 * SPEC.page_bytes)], EngineLayout.cross_layer(SPEC, 4))
+        os.close(unsealed)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    with random_cache() as kv:
+        engine = bob.register_engine(SPEC, kv)
+        with pytest.raises(PermissionError):
+            os.ftruncate(kv.fds[0], 0)  # the seal holds
+        engine.save("s", [0, 1, 2], 40)
+        engine.restore("s", [3, 4, 5])
+    assert bob.stat("s").num_tokens == 40 and secured.proc.poll() is None
+
+
 def test_a_descriptor_ticket_is_its_tenants_alone(secured):
     """Descriptors handed over with alice's token cannot be registered by bob."""
     with random_cache() as kv:
-        fds = [os.open(f"/dev/shm/{n}", os.O_RDWR) for n in kv.names]
-        try:
-            ticket = hand_over(intake_path(secured.socket), fds, TOKENS["alice"])
-            with pytest.raises(FailedPrecondition, match="unknown token"):
-                hand_over(intake_path(secured.socket), fds, "not-a-token")
-        finally:
-            for fd in fds:
-                os.close(fd)
+        ticket = hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
+        with pytest.raises(FailedPrecondition, match="unknown token"):
+            hand_over(intake_path(secured.socket), kv.fds, "not-a-token")
         stub = pb_grpc.TierdStub(grpc.insecure_channel("unix:" + secured.socket))
         req = pb.RegisterEngineRequest(spec=spec_to_pb(SPEC), num_blocks=16, fd_ticket=ticket,
                                        regions=[pb.Region(shm_fd=i, size=s) for i, s in enumerate(kv.sizes)])
@@ -184,3 +208,21 @@ def test_no_read_hands_out_bytes_changed_in_host_memory(tmp_path, read, chunk_by
         assert "Traceback" not in d.log()
     finally:
         d.close()
+
+
+def test_a_lease_segment_cut_short_fails_its_commit_not_the_daemon(secured):
+    """An engine must open its lease's segment read-write to fill it, so it can
+    also cut it short: the daemon never maps a segment (it reads and writes
+    it with system calls), so the commit fails, alone."""
+    alice, bob = secured.client(token=TOKENS["alice"]), secured.client(token=TOKENS["bob"])
+    bob.put("b", b"kept", KVSpec.opaque("m", page_bytes=4096), 1)
+    lease = alice.begin_save("a", SPEC, 64)
+    path = f"/dev/shm/{lease.slots[0].shm_name}"
+    os.truncate(path, 0)
+    with pytest.raises(InvalidArgument, match="cut short"):
+        alice.commit_save(lease)
+    assert secured.proc.poll() is None and bob.get("b") == b"kept"
+    assert alice.list() == [] and "Traceback" not in secured.log()
+    held = alice.begin_save("a", SPEC, 64)  # the next lease works
+    alice.commit_save(held)
+    assert alice.stat("a").num_tokens == 64

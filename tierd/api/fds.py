@@ -5,9 +5,11 @@ tenant that named the daemon's arena or another tenant's segment got it
 mapped. So an engine opens its shared memory itself and passes the
 descriptors over a Unix socket beside the daemon's (SCM_RIGHTS), with its
 token; the daemon answers with a ticket that the engine's RegisterEngine
-names. The daemon accepts a descriptor only if it is shared memory
-(/dev/shm or a memfd), a regular file owned by the connecting process's
-user (SO_PEERCRED), open read-write, and not one of the daemon's own files.
+names. The daemon accepts a descriptor only if it is not one of its own
+files, is owned by the connecting process's user (SO_PEERCRED), is open
+read-write, and is a memfd sealed against shrinking: memory the engine
+could cut short under the daemon would fault it (SIGBUS) in the middle of a
+copy, and take every tenant's service down with it.
 
 `hand_over` is the client's side (any thread); `FdIntake` runs on the
 daemon's event loop, never blocking it: one message a connection, a few
@@ -91,18 +93,19 @@ def check_shared_memory(fd: int, uid: int, own: Callable[[os.stat_result], bool]
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "cannot tell what file it is"
-    if not target.startswith(("/dev/shm/", "/memfd:")):
-        return "not shared memory (a file in /dev/shm, or a memfd)"
-    if st.st_uid != uid:
-        return "owned by another user than the process handing it over"
     if own(st):
         return "the daemon's own memory"
+    if st.st_uid != uid:
+        return "owned by another user than the process handing it over"
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         return "not open for reading and writing"
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        return ("memory that can be cut short under the daemon: a memfd sealed against shrinking is needed "
+                "(tierd.client.SharedKVCache makes them)")
     return None
 
 

@@ -364,8 +364,12 @@ class TierdServicer:
                                            chunk=n - 1)
                         write.write(data)  # one copy into the host tier, here on the loop
                         n += 1
-                    done, write = write, None
-                    return info_to_pb(await self.blocking(caller.tenant, self.store.commit_put, done))
+                    # Every byte arrived: the commit runs to its end even if the client leaves now (else a
+                    # cancel while the commit waited for a thread left its pages held by no session).
+                    commit = asyncio.ensure_future(self.blocking(caller.tenant, self.store.commit_put, write))
+                    commit.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, however it ends
+                    write = None
+                    return info_to_pb(await asyncio.shield(commit))
             finally:
                 if write is not None:  # failed or cancelled before its commit: every byte goes back, first
                     self.store.abort_write(write)

@@ -52,7 +52,6 @@ from tierd.types import (
 from tierd.v1 import tierd_pb2
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 
-SHM_DIR = "/dev/shm"
 DEFAULT_CHUNK = 1 << 20
 MAX_MESSAGE = 64 << 20
 RECONNECT_MS = 500
@@ -181,50 +180,32 @@ def as_bytes(data: Any) -> memoryview:
     raise InvalidArgument(f"data must be bytes, memoryview, a numpy array or a torch tensor, not {type(data).__name__}")
 
 
-def _open_shm(memory: str | int) -> int:
-    """A descriptor of shared memory: an open one (duplicated), or a file in /dev/shm opened by name."""
-    if isinstance(memory, int):
-        return os.dup(memory)
-    if not isinstance(memory, str) or "/" in memory or memory.startswith("."):
-        raise InvalidArgument(f"shared memory is a file name in {SHM_DIR} or an open descriptor, not {memory!r}",
-                              field="regions")
-    try:
-        return os.open(os.path.join(SHM_DIR, memory), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise InvalidArgument(f"cannot open shared memory {memory!r}: {exc.strerror}", field="regions") from None
-
-
-def _shm_regions(pairs: list[tuple[str | int, int]], address: str,
-                 metadata: tuple) -> tuple[list[pb.Region], str]:
+def _shm_regions(pairs: list[tuple[int, int]], address: str, metadata: tuple) -> tuple[list[pb.Region], str]:
     """Hand the memory's descriptors to the daemon (it maps only memory handed
     over, never a name); the region messages and the ticket that names them."""
     if not address.startswith("unix:"):
         raise FailedPrecondition("shared-memory engine memory needs the daemon's Unix socket, on this machine",
                                  field="regions")
+    for memory, _ in pairs:
+        if isinstance(memory, bool) or not isinstance(memory, int):
+            raise InvalidArgument(f"shared memory is handed over as an open memfd sealed against shrinking (a "
+                                  f"SharedKVCache's fds), not {shown(memory)}", field="regions")
     token = next((v[len("Bearer "):] for k, v in metadata if k == "authorization"), None)
-    fds: list[int] = []
-    try:
-        for memory, _ in pairs:
-            fds.append(_open_shm(memory))
-        ticket = hand_over(intake_path(address[len("unix:"):]), fds, token)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    ticket = hand_over(intake_path(address[len("unix:"):]), [fd for fd, _ in pairs], token)
     return [pb.Region(shm_fd=i, size=size) for i, (_, size) in enumerate(pairs)], ticket
 
 
 def _regions(regions: Any, address: str, metadata: tuple) -> tuple[list[pb.Region], EngineLayout | None, bool, str]:
     """Region messages, the layout they carry if any, whether they are GPU
     memory, and the ticket of shared memory handed over."""
-    if hasattr(regions, "names") and hasattr(regions, "layout"):  # a SharedKVCache
-        msgs, ticket = _shm_regions(list(zip(regions.names, regions.sizes)), address, metadata)
+    if hasattr(regions, "fds") and hasattr(regions, "layout"):  # a SharedKVCache
+        msgs, ticket = _shm_regions(list(zip(regions.fds, regions.sizes)), address, metadata)
         return msgs, regions.layout, False, ticket
     regions = list(regions)
     cuda = [bool(getattr(r, "is_cuda", False)) for r in regions]
     if any(cuda):
         if not all(cuda):
-            raise InvalidArgument("regions are all CUDA tensors or all (shm name or descriptor, size) pairs",
-                                  field="regions")
+            raise InvalidArgument("regions are all CUDA tensors or all (memfd, size) pairs", field="regions")
         return [cuda_region(t) for t in regions], None, True, ""
     msgs, ticket = _shm_regions(regions, address, metadata)
     return msgs, None, False, ticket
@@ -404,12 +385,12 @@ class _Calls:
 
     def register_engine(self, spec: KVSpec, regions: Any, layout: EngineLayout | None = None,
                         pid: int | None = None) -> Any:
-        """Register engine KV memory: a SharedKVCache; (shared memory, size)
-        pairs, the memory a file name in /dev/shm or an open descriptor (a
-        memfd, say); or contiguous CUDA tensors (the daemon opens them through
-        CUDA IPC), the last two with a layout. Shared memory is opened here and
-        its descriptors handed to the daemon over its Unix socket (a blocking
-        local exchange, also for AsyncClient): the daemon maps nothing by name.
+        """Register engine KV memory: a SharedKVCache; (memfd, size) pairs, each
+        memfd sealed against shrinking (SharedKVCache's are); or contiguous
+        CUDA tensors (the daemon opens them through CUDA IPC), the last two
+        with a layout. Shared memory's descriptors are handed to the daemon
+        over its Unix socket (a blocking local exchange, also for
+        AsyncClient): the daemon maps nothing by name.
         The daemon unregisters the engine when process pid exits: by default
         this process for GPU memory, no process for shared memory (pass
         os.getpid() to have it watched; 0 for none). With GPU memory, save

@@ -2,14 +2,16 @@
 
 An engine that keeps its KV cache in these regions lets tierd save and
 restore blocks with no bytes in messages: register the cache once, then call
-save and restore with block ids.
+save and restore with block ids. Each region is a memfd sealed against
+shrinking and growing, the only shared memory the daemon takes: memory that
+could be cut short under it would fault the daemon in the middle of a copy.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import uuid
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,33 +22,47 @@ if TYPE_CHECKING:
     from tierd.types import Lease
 
 SHM_DIR = "/dev/shm"
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of `size` bytes that can never shrink or grow; returns its descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class SharedKVCache:
-    """KV blocks in /dev/shm files: one per layer and K/V ("layer_major", as
-    vLLM and SGLang keep them) or one holding whole pages ("cross_layer")."""
+    """KV blocks in sealed memfds: one per layer and K/V ("layer_major", as
+    vLLM and SGLang keep them) or one holding whole pages ("cross_layer").
+    `fds` are the regions' descriptors (handed to the daemon at registration;
+    pass them to other processes of the engine the same way)."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, kind: str = "layer_major", prefix: str | None = None) -> None:
+    def __init__(self, spec: KVSpec, num_blocks: int, kind: str = "layer_major") -> None:
         if kind not in ("layer_major", "cross_layer"):
             raise ValueError(f"kind must be layer_major or cross_layer, not {kind!r}")
         self.spec = spec
         self.layout = (EngineLayout.layer_major if kind == "layer_major" else EngineLayout.cross_layer)(spec, num_blocks)
-        prefix = prefix or f"tierd-kv-{uuid.uuid4().hex[:12]}"
         n_regions = 2 * spec.num_layers if kind == "layer_major" else 1
         size = num_blocks * self.layout.segments[0].stride
-        self.names = [f"{prefix}.{i}" for i in range(n_regions)]
         self.sizes = [size] * n_regions
+        self.fds: list[int] = []
         self._maps: list[mmap.mmap] = []
         self.regions: list[np.ndarray] = []
-        for name in self.names:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self._maps.append(m)
-            self.regions.append(np.frombuffer(m, dtype=np.uint8))
+        try:
+            for i in range(n_regions):
+                self.fds.append(sealed_memfd(f"tierd-kv.{i}", size))
+                m = mmap.mmap(self.fds[-1], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._maps.append(m)
+                self.regions.append(np.frombuffer(m, dtype=np.uint8))
+        except BaseException:
+            self.close()
+            raise
 
     def block(self, region: int, block: int) -> np.ndarray:
         """One block's bytes in one region (a view)."""
@@ -54,7 +70,7 @@ class SharedKVCache:
         return self.regions[seg.region][seg.offset + block * seg.stride : seg.offset + block * seg.stride + seg.nbytes]
 
     def close(self) -> None:
-        """Unmap and remove the files."""
+        """Unmap and close (the memory goes once no process maps or holds it)."""
         self.regions.clear()
         for m in self._maps:
             try:
@@ -62,11 +78,9 @@ class SharedKVCache:
             except BufferError:
                 pass
         self._maps.clear()
-        for name in self.names:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
     def __enter__(self) -> SharedKVCache:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import re
 import secrets
 import threading
@@ -42,7 +43,7 @@ from tierd.errors import (
     Unavailable,
     shown,
 )
-from tierd.layout import EngineLayout, KVSpec
+from tierd.layout import KVSpec
 from tierd.policy import (
     Advice,
     Move,
@@ -494,19 +495,19 @@ class Store:
             spans = snap.best_spans()
             source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
             t0 = time.perf_counter()
-            self._scatter(session, spans, engine, ids)
+            self._read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
             seconds = time.perf_counter() - t0
             with self._lock:
                 session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
             self.events.restored(source, ids.size * snap.spec.page_bytes, seconds)
             return RestoreResult(min(snap.num_tokens, ids.size * snap.spec.block_tokens), int(ids.size), source, seconds)
 
-    def _scatter(self, session: Session, spans: list[Span], engine: EngineMemory, ids: np.ndarray) -> None:
-        """Copy the snapshot's first len(ids) pages into those blocks, every
-        page checked against its checksum: a mismatch damages the session."""
-        snap = session.snap
+    def _read_out(self, session: Session, copy: Callable[[], None]) -> None:
+        """Run a copy of the session's pages out of the daemon (every page
+        checked against its checksum): a mismatch damages the session, a
+        failed disk read is UNAVAILABLE."""
         try:
-            self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums)
+            copy()
         except DataLoss as exc:
             self.placement.mark_damaged(session, exc)
             raise DataLoss(f"session {shown(session.key.session_id)}: {exc}", session_id=session.key.session_id,
@@ -660,8 +661,11 @@ class Store:
         with self._lock:
             spares = self._spares.get(tenant, [])
             fit = next((i for i, (seg, _) in enumerate(spares) if nbytes <= seg.size <= 2 * nbytes), None)
-            if fit is not None:
-                return spares.pop(fit)[0]
+            spare = spares.pop(fit)[0] if fit is not None else None
+        if spare is not None:
+            if os.fstat(spare.fd).st_size == spare.size:
+                return spare
+            spare.close()  # its engine cut it short: a new one
         try:
             return shm.Segment(self._segments, nbytes)
         except OSError as exc:
@@ -741,8 +745,11 @@ class Store:
         w = lease.write
         count = w.geom.n_pages - w.first_page
         try:
-            memory = EngineMemory(EngineLayout.cross_layer(w.spec, count), [lease.segment.array])
-            sums = self.copier.gather(memory, np.arange(count), w.spans, w.geom, w.first_page)
+            try:
+                sums = self.copier.from_segment(lease.segment, w.spans, w.geom, w.first_page)
+            except OSError as exc:
+                raise InvalidArgument(f"the lease's pages could not be read: {exc.strerror or exc}",
+                                      lease_id=lease_id) from None
             try:
                 return self._commit_write(w, sums, keep=True)
             except (ResourceExhausted, Unavailable):
@@ -790,8 +797,8 @@ class Store:
             nbytes = n * snap.spec.page_bytes
             segment = self._open_lease(key.tenant, nbytes)
             try:
-                memory = EngineMemory(EngineLayout.cross_layer(snap.spec, n), [segment.array[:nbytes]])
-                self._scatter(session, spans, memory, np.arange(n))
+                self._read_out(session, lambda: self.copier.to_segment(spans, snap.geometry, snap.checksums, n,
+                                                                       segment))
             except BaseException:
                 self._close_lease(key.tenant, segment, nbytes)
                 raise

@@ -17,13 +17,11 @@ from __future__ import annotations
 import errno
 import glob
 import logging
-import mmap
 import os
 import secrets
 import stat
 import threading
-
-import numpy as np
+from typing import Any
 
 log = logging.getLogger("tierd.tiers.shm")
 SHM_DIR = "/dev/shm"
@@ -147,30 +145,44 @@ def is_own(st: os.stat_result) -> bool:
 
 
 class Segment:
-    """A shared-memory file of its own, mapped read-write: the pages of one
-    lease, which the engine maps by the segment's name."""
+    """A shared-memory file of its own for one lease at a time, which the
+    engine maps by name. The daemon never maps it: it reads and writes it
+    with pread and pwrite, so an engine that cuts the file short gets a
+    short read (an error for that call), not a fault in the daemon."""
 
     def __init__(self, prefix: str, size: int, shm_dir: str = SHM_DIR) -> None:
         self.shm_dir = shm_dir
         self.size = size
-        self.name, fd = create(prefix, size, shm_dir)
+        self.name, self.fd = create(prefix, size, shm_dir)
         try:
-            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not with SIGBUS on a later write
-            self._map: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.posix_fallocate(self.fd, 0, size)  # a full /dev/shm fails here, not on a later write
         except BaseException:
-            remove(self.name, fd, shm_dir)
+            remove(self.name, self.fd, shm_dir)
             raise
-        os.close(fd)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def read_into(self, offset: int, views: list[memoryview]) -> None:
+        """Fill views, in order, from the file's bytes at offset; OSError if it was cut short."""
+        _each_batch(os.preadv, self.fd, views, offset, "read")
+
+    def write_from(self, offset: int, views: list[memoryview]) -> None:
+        """Write views, in order, at offset."""
+        _each_batch(os.pwritev, self.fd, views, offset, "written")
 
     def close(self) -> None:
-        """Unmap and unlink (an engine that mapped it keeps its mapping)."""
-        if self._map is None:
-            return
-        self.array = np.empty(0, dtype=np.uint8)
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a copy still holds a view; the mapping goes with it
-        self._map = None
-        remove(self.name, None, self.shm_dir)
+        """Unlink (an engine that mapped it keeps its mapping)."""
+        if self.fd >= 0:
+            remove(self.name, self.fd, self.shm_dir)
+            self.fd = -1
+
+
+_IOV_MAX = 1024
+
+
+def _each_batch(call: Any, fd: int, views: list[memoryview], offset: int, what: str) -> None:
+    for k in range(0, len(views), _IOV_MAX):
+        batch = views[k : k + _IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        done = call(fd, batch, offset)
+        if done != want:  # tmpfs moves whole requests; short means the file was cut short
+            raise OSError(errno.EIO, f"{done} of {want} bytes {what}: the lease's segment was cut short")
+        offset += want

@@ -474,6 +474,31 @@ class CopyEngine:
         if out:
             yield bytes(out), 0
 
+    # -- lease segments: files the daemon reads and writes, never maps --------
+
+    def from_segment(self, segment: Any, dst: list[Span], geom: Geometry, first_page: int) -> np.ndarray:
+        """Read pages from first_page on, packed page_bytes apart in a lease's
+        segment, into tier pages (host spans); returns their checksums."""
+        t0 = time.perf_counter()
+        for span in sorted(dst, key=lambda sp: sp.first_page):
+            buf = self._view(span.tier, span.offset, span.n_pages * geom.stride)
+            segment.read_into((span.first_page - first_page) * geom.page_bytes, _pages(buf, span.first_page,
+                                                                                       span.n_pages, geom))
+            self._count()
+        sums = self.checksums(dst, geom)
+        self.record("lease->host", sum(sp.n_pages for sp in dst) * geom.page_bytes, time.perf_counter() - t0)
+        return sums
+
+    def to_segment(self, src: list[Span], geom: Geometry, checksums: np.ndarray, n_pages: int, segment: Any,
+                   priority: int = Priority.DEMAND) -> None:
+        """Write pages [0, n_pages), each checked against its checksum, packed
+        page_bytes apart into a lease's segment."""
+        for first, count, tier, buf in self.windows(_clip(src, n_pages), geom, checksums, priority, handout=True):
+            t0 = time.perf_counter()
+            segment.write_from(first * geom.page_bytes, _pages(memory.to_host(buf), first, count, geom))
+            self._count()
+            self.record(f"{tier}->lease", count * geom.page_bytes, time.perf_counter() - t0)
+
     # -- checksums -----------------------------------------------------------
 
     def checksums(self, spans: list[Span], geom: Geometry) -> np.ndarray:
@@ -540,6 +565,14 @@ def _run_jobs(jobs: list[Callable[[], None]]) -> None:
 def _run_each(jobs: list[Callable[[], None]]) -> None:
     for job in jobs:
         job()
+
+
+def _pages(buf: np.ndarray, first: int, count: int, geom: Geometry) -> list[memoryview]:
+    """The bytes of `count` pages from page `first` on, stride apart in buf:
+    one view when they lie back to back, else one per page."""
+    if geom.stride == geom.page_bytes and geom.size_of(first + count - 1) == geom.page_bytes:
+        return [memoryview(buf[: count * geom.stride])]
+    return [memoryview(buf[i * geom.stride : i * geom.stride + geom.size_of(first + i)]) for i in range(count)]
 
 
 def _clip(spans: list[Span], n_pages: int) -> list[Span]:
