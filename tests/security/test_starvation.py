@@ -239,3 +239,45 @@ def test_a_tenants_open_streams_are_capped(tmp_path):
         assert retry(lambda: alice.get("a")) == b"a" * (32 * MiB)  # once they are let go
     finally:
         d.close()
+
+
+def test_puts_cancelled_as_they_commit_leave_no_room_held(tmp_path):
+    """Puts cancelled just after their last chunk, while their commit waited
+    for one of the tenant's threads, left their pages held by no session:
+    repeated, they filled the host tier for everyone."""
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--tenant-workers", "1").start()
+    try:
+        c = d.client()
+        channel = grpc.insecure_channel("unix:" + d.socket)
+        put = channel.stream_unary("/tierd.v1.Tierd/Put", request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=pb.SessionInfo.FromString)
+        data = b"p" * (2 * MiB)
+        spec = spec_to_pb(OPAQUE)
+
+        def messages(i, sent):
+            yield pb.PutRequest(header=pb.PutHeader(session_id=f"p{i}", spec=spec, size=len(data), num_tokens=1))
+            for k in range(0, len(data), MiB):
+                yield pb.PutRequest(chunk=pb.Chunk(data=data[k : k + MiB]))
+            sent.set()  # gRPC asked past the last chunk: it is sent, the commit comes next
+
+        for round_ in range(3):
+            sent = [threading.Event() for _ in range(12)]
+            calls = [put.future(messages(i, sent[i]), timeout=30) for i in range(12)]
+            for i, call in enumerate(calls):
+                if i % 2:  # cancelled as its commit waits for the tenant's only thread
+                    sent[i].wait(30)
+                    call.cancel()
+            for call in calls:
+                try:
+                    call.result()
+                except grpc.FutureCancelledError:
+                    pass
+                except grpc.RpcError as err:
+                    assert err.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            until(lambda: in_flight(d, "Put") == 0, what="every Put to be over")
+            for s in c.list():
+                c.drop(s.session_id)
+            until(lambda: host_used(c) == 0, what=f"round {round_}: no room held by no session")
+        channel.close()
+    finally:
+        d.close()
