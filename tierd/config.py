@@ -146,6 +146,7 @@ class Config:
                                                         "(auto: a quarter of the host budget; 0: no limit)", AUTO)
     tenant_streams: int = _opt(_count, "Put and Get streams each tenant may have open (0: no limit)", 32)
     tenant_workers: int = _opt(_count, "threads one tenant's data calls may use at once (0: half of rpc_workers)", 0)
+    tenant_calls: int = _opt(_count, "calls each tenant may have open at once, of any method (0: no limit)", 64)
     stream_idle_seconds: float = _opt(_seconds, "a Put or Get stream that makes no progress this long is ended", 30.0)
     metrics: str = _opt(_host_port, "Prometheus HOST:PORT (off to disable)", "127.0.0.1:9464")
     log_level: str = _opt(_choice("debug", "info", "warning", "error"), "log level", "info")

@@ -292,7 +292,7 @@ def serve(cfg: Config) -> int:
         fds = FdIntake(intake_path(cfg.socket), lambda token: auth.identify(
             [("authorization", f"Bearer {token}")] if token else []).tenant, shm.is_own) if cfg.socket else None
         servicer = TierdServicer(store, engines, executor, metrics, backends, cfg.chunk_bytes, auth,
-                                 int(cfg.tenant_inflight_bytes), TenantLimits(cfg.worker_slots, cfg.tenant_streams),
+                                 int(cfg.tenant_inflight_bytes), TenantLimits(cfg.worker_slots, cfg.tenant_streams, cfg.tenant_calls),
                                  cfg.stream_idle_seconds, fds)
         _run(_serve(cfg, store, servicer, asyncio.Event(), trim))
         log.info("flushing and closing")

@@ -281,3 +281,50 @@ def test_puts_cancelled_as_they_commit_leave_no_room_held(tmp_path):
         channel.close()
     finally:
         d.close()
+
+
+def test_calls_without_a_token_are_refused_before_they_hold_anything(tmp_path):
+    """A call opened with no token and no message held one of the daemon's
+    --max-concurrent-rpcs until the message came, which it never did: a few
+    such calls shut every tenant out. The token is checked as a call starts."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path), "--max-concurrent-rpcs", "8").start()
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    release = threading.Event()
+    try:
+        stat = channel.stream_unary("/tierd.v1.Tierd/Stat", request_serializer=None, response_deserializer=None)
+
+        def nothing():  # sends no message until the test ends
+            release.wait(60)
+            yield from ()
+
+        calls = [stat.future(nothing(), timeout=60) for _ in range(16)]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call.result(timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        bob = d.client(token=TOKENS["bob"], timeout=5)
+        bob.put("b", b"b", OPAQUE, 1)
+        assert bob.stat("b").num_tokens == 1
+    finally:
+        release.set()
+        channel.close()
+        d.close()
+
+
+def test_a_tenants_open_calls_are_capped(tmp_path):
+    """One tenant's WaitReady calls (600 s each) took every call gRPC admits."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path), "--max-concurrent-rpcs", "16",
+               "--tenant-calls", "4").start()
+    alice = Stalled(d, TOKENS["alice"])
+    try:
+        d.client(token=TOKENS["alice"]).put("waited-for", b"a", OPAQUE, 1)
+        for _ in range(8):
+            alice.wait_ready("waited-for")
+        until(lambda: len(alice.results) == 4, what="the calls past alice's 4 to be refused")
+        assert alice.results == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4 and in_flight(d, "WaitReady") == 4
+        bob = d.client(token=TOKENS["bob"], timeout=5)
+        bob.put("b", b"b", OPAQUE, 1)
+        assert bob.stat("b").num_tokens == 1
+    finally:
+        alice.close()
+        d.close()

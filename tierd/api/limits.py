@@ -1,11 +1,13 @@
-"""Per-tenant limits on what a tenant's calls may hold at once: RPC threads
-and open Put/Get streams.
+"""Per-tenant limits on what a tenant's calls may hold at once: open calls,
+RPC threads and open Put/Get streams.
 
-Runs on the daemon's event loop. A call that needs an RPC thread waits for
-one of its tenant's slots on the loop, holding nothing, so one tenant's
-calls can never take every thread; a stream past the tenant's cap is
-refused with RESOURCE_EXHAUSTED. (Bytes in flight, leases and stored bytes
-have limits of their own: api/inflight.py, the store's policy.)
+Runs on the daemon's event loop. A call past its tenant's open calls is
+refused with RESOURCE_EXHAUSTED as it starts, so one tenant never holds every
+call gRPC admits (--max-concurrent-rpcs); a call that needs an RPC thread
+waits for one of its tenant's slots on the loop, holding nothing, so one
+tenant's calls can never take every thread; a stream past the tenant's cap
+is refused. (Bytes in flight, leases and stored bytes have limits of their
+own: api/inflight.py, the store's policy.)
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from tierd.errors import ResourceExhausted
 
 
 class TenantLimits:
-    def __init__(self, workers: int, streams: int) -> None:
-        if workers < 1 or streams < 0:
-            raise ValueError("a tenant needs at least one worker; streams must not be negative")
+    def __init__(self, workers: int, streams: int, calls: int = 0) -> None:
+        if workers < 1 or streams < 0 or calls < 0:
+            raise ValueError("a tenant needs at least one worker; limits must not be negative")
         self.workers = workers
         self.streams = streams  # 0: no cap
+        self.calls = calls  # 0: no cap
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._waiting: dict[str, int] = {}  # calls holding or waiting for each tenant's semaphore
         self._open: dict[str, int] = {}
+        self._calls: dict[str, int] = {}
 
     @asynccontextmanager
     async def worker(self, tenant: str) -> AsyncIterator[None]:
@@ -48,19 +52,28 @@ class TenantLimits:
     @contextmanager
     def stream(self, tenant: str) -> Iterator[None]:
         """An open Put or Get stream of the tenant."""
-        n = self._open.get(tenant, 0)
-        if self.streams and n >= self.streams:
-            raise ResourceExhausted(f"tenant {tenant!r} has {n} Put and Get streams open, its limit: try again "
-                                    "when one ends", tenant=tenant, limit=self.streams)
-        self._open[tenant] = n + 1
-        try:
+        with _counted(self._open, tenant, self.streams, "Put and Get streams"):
             yield
-        finally:
-            left = self._open[tenant] - 1
-            if left:
-                self._open[tenant] = left
-            else:
-                del self._open[tenant]
 
-    def open_streams(self, tenant: str) -> int:
-        return self._open.get(tenant, 0)
+    @contextmanager
+    def call(self, tenant: str) -> Iterator[None]:
+        """An open call of the tenant, of any method."""
+        with _counted(self._calls, tenant, self.calls, "calls"):
+            yield
+
+
+@contextmanager
+def _counted(counts: dict[str, int], tenant: str, limit: int, what: str) -> Iterator[None]:
+    n = counts.get(tenant, 0)
+    if limit and n >= limit:
+        raise ResourceExhausted(f"tenant {tenant!r} has {n} {what} open, its limit: try again when one ends",
+                                tenant=tenant, limit=limit)
+    counts[tenant] = n + 1
+    try:
+        yield
+    finally:
+        left = counts[tenant] - 1
+        if left:
+            counts[tenant] = left
+        else:
+            del counts[tenant]

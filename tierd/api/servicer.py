@@ -318,9 +318,9 @@ class TierdServicer:
 
     # -- bytes ---------------------------------------------------------------------
 
-    async def _read(self, context: grpc.aio.ServicerContext) -> Any:
-        """The stream's next message (raw bytes, or EOF), within the idle deadline."""
-        return await self._within(context.read(), "the Put stream sent nothing")
+    async def _read(self, context: grpc.aio.ServicerContext, what: str = "the Put stream") -> Any:
+        """The call's next message (raw bytes, or EOF), within the idle deadline."""
+        return await self._within(context.read(), f"{what} sent nothing")
 
     async def _write(self, context: grpc.aio.ServicerContext, message: bytes) -> None:
         """Send one message, within the idle deadline (the client must keep reading)."""
@@ -560,20 +560,46 @@ def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
     return out
 
 
+def _gated(servicer: TierdServicer, fn: Callable, read: bool) -> Callable:
+    """fn as the call's behavior, behind a gate that runs as the call starts,
+    before any message is read: the caller's token is checked (a call
+    without a valid one is refused at once, holding nothing) and the call is
+    counted against its tenant's open calls; then the request message (for
+    calls of one message) must arrive within the idle deadline. Unary calls
+    are served as request streams for this: gRPC would otherwise hold the
+    call, and one of its --max-concurrent-rpcs, until the message came."""
+
+    async def behavior(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            tenant = servicer.auth.identify(context.invocation_metadata()).tenant
+            with servicer.limits.call(tenant):
+                if not read:
+                    return await fn(request_iterator, context)
+                raw = await servicer._read(context, f"the {fn.__name__} call")
+                if raw is grpc.aio.EOF:
+                    raise InvalidArgument(f"the {fn.__name__} call carried no request")
+                return await fn(raw, context)
+        except grpc.aio.AbortError:
+            raise  # fn has told the client already
+        except Exception as exc:
+            await _Call(servicer.metrics, fn.__name__).fail(context, exc)
+
+    return behavior
+
+
 def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer's handlers. Every request reaches its handler as
-    the bytes received (parsed there, after authentication), and Get's
-    responses are sent as the bytes the handler built (tierd.api.wire)."""
+    """Register the servicer's handlers, each behind its gate (_gated). Every
+    request reaches its handler as the bytes received (parsed there), and
+    Get's responses are sent as the bytes the handler built (tierd.api.wire)."""
     handlers = {}
     for method in SERVICE.methods:
         fn = getattr(servicer, method.name)
-        out = None if method.server_streaming else getattr(pb, method.output_type.name).SerializeToString
-        if method.client_streaming:
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(fn, None, out)
-        elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(fn, None, out)
+        behavior = _gated(servicer, fn, read=not method.client_streaming)
+        if method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, None, None)
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(fn, None, out)
+            out = getattr(pb, method.output_type.name).SerializeToString
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(behavior, None, out)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
