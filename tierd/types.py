@@ -5,11 +5,17 @@ daemon's). Standard library only, plus the identity of a snapshot's bytes
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from tierd.layout import KVSpec
+
+
+# What a tenant or a session id may be (matched whole, and never holding ".."):
+# they never become file names, but they are printed, logged and indexed.
+ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}")
 
 
 class SessionKey(NamedTuple):

@@ -111,6 +111,11 @@ DAMAGE = {
     "negative page count": ([(ROW.format("num_pages=-3"), ("s0",))], "bad_row", []),
     "size that is not its pages": ([(ROW.format("nbytes=nbytes * 3"), ("s0",))], "bad_row", []),
     "a page missing": ([("DELETE FROM pieces WHERE session_id=?", ("s0",))], "missing_pieces", []),
+    # the red team's: each was served (then List failed INTERNAL) or crashed every start
+    "2**40 pages claimed": ([(ROW.format("num_pages=1099511627776, nbytes=nbytes * 1099511627776 / num_pages"),
+                              ("s0",))], "missing_pieces", []),
+    "session id stored as a blob": ([(ROW.format("session_id=CAST(session_id AS BLOB)"), ("s0",))], "bad_row", []),
+    "priority past 32 bits": ([(ROW.format("priority=1099511627776"), ("s0",))], "bad_row", []),
 }
 
 
@@ -124,7 +129,8 @@ def test_a_damaged_row_quarantines_only_its_sessions(six, caplog, damage):
     victims = {make_key("default", n) for n in ["s0", *others]}
     serves_exactly(store, {k: v for k, v in content.items() if k not in victims})
     for key in victims:
-        assert f"quarantined default/{key.session_id}" in caplog.text
+        logged = f"b'{key.session_id}'" if damage == "session id stored as a blob" else key.session_id  # as held
+        assert f"quarantined default/{logged}" in caplog.text
     assert quarantined(metrics, reason) == len(victims)
     assert store.index.count() == (len(KEYS) - len(victims),) * 2  # gone from the index too
     store = h.reopen()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tierd.api.convert import spec_to_pb
-from tierd.api.fds import hand_over, intake_path
+from tierd.api.fds import FDS_PER_TENANT, hand_over, intake_path
 from tierd.client import (
     Arena,
     DataLoss,
@@ -226,3 +226,15 @@ def test_a_lease_segment_cut_short_fails_its_commit_not_the_daemon(secured):
     held = alice.begin_save("a", SPEC, 64)  # the next lease works
     alice.commit_save(held)
     assert alice.stat("a").num_tokens == 64
+
+
+def test_a_tenant_holds_a_few_handed_over_memories_at_most(secured):
+    """Each ticket keeps its descriptors open until registered or expired: one
+    tenant handing over memory without end ran the daemon out of descriptors."""
+    with random_cache() as kv:  # 8 regions
+        for _ in range(FDS_PER_TENANT // len(kv.fds)):
+            hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
+        with pytest.raises(FailedPrecondition, match="wait to be registered"):
+            hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
+        engine = secured.client(token=TOKENS["bob"]).register_engine(SPEC, kv)  # bob's are his own
+        engine.save("b", [0], 16)

@@ -9,6 +9,7 @@ is the call's peak; its heap alone (RssAnon) is sampled.
 
 import hashlib
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -129,5 +130,27 @@ def test_concurrent_puts_cost_each_stream_a_bounded_buffer(tmp_path):
         heap = peak[0] - before
         assert len(stored) >= 8  # what fits the host tier was stored
         assert heap < 24 * 4 * MiB + 64 * MiB, f"{heap / MiB:.0f} MiB of heap for 24 streams"
+    finally:
+        d.close()
+
+
+def test_a_get_asking_for_huge_chunks_holds_a_few_mib(tmp_path):
+    """A Get of 64 MiB chunks that its client stopped reading held about
+    260 MiB of heap: a chunk is at most 4 MiB."""
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--host-budget", "128MiB", "--host-slab", "auto").start()
+    try:
+        with d.client() as c:
+            c.put("s", np.random.default_rng(4).integers(0, 256, 60 * MiB, dtype=np.uint8), OPAQUE, 1)
+            before = _status(d.pid(), "RssAnon")
+            _, chunks = c.get_stream("s", chunk_bytes=64 * MiB)  # the header only, then nothing is read
+            first = next(chunks)
+            assert len(first) <= 4 * MiB
+            deadline = time.monotonic() + 2  # the daemon fills what gRPC will take, then waits
+            peak = 0
+            while time.monotonic() < deadline:
+                peak = max(peak, _status(d.pid(), "RssAnon") - before)
+                time.sleep(0.01)
+            assert peak < 48 * MiB, f"{peak / MiB:.0f} MiB for one stalled Get"
+            chunks.close()
     finally:
         d.close()

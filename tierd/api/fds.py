@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, TierdError
+from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TierdError
 
 log = logging.getLogger("tierd.api.fds")
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit on descriptors in one message
+FDS_PER_TENANT = 1024  # descriptors one tenant may have handed over and not yet registered
 TICKET_SECONDS = 60.0
 CONNECT_SECONDS = 5.0
 _MESSAGE = 4096
@@ -216,12 +217,18 @@ class FdIntake:
         tenant = self._identify(token)
         if not fds:
             raise InvalidArgument("no descriptors came with the message")
+        self._expire()
+        held = sum(len(t.fds) for t in self._tickets.values() if t.tenant == tenant)
+        if held + len(fds) > FDS_PER_TENANT:
+            # Each ticket holds its descriptors open: without a cap, one tenant ran the daemon out of them.
+            raise ResourceExhausted(f"{held} descriptors this tenant handed over wait to be registered; "
+                                    f"{len(fds)} more would pass {FDS_PER_TENANT}: register them, or let them "
+                                    "expire, first")
         pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         for i, fd in enumerate(fds):
             why = check_shared_memory(fd, uid, self._own)
             if why is not None:
                 raise FailedPrecondition(f"descriptor {i} is {why}", field="regions")
-        self._expire()
         ticket_id = secrets.token_hex(16)
         self._tickets[ticket_id] = Ticket(tenant, fds, pid, time.monotonic() + TICKET_SECONDS)
         return ticket_id

@@ -64,6 +64,7 @@ from tierd.v1 import tierd_pb2 as pb
 
 log = logging.getLogger("tierd.api")
 MAX_WAIT_SECONDS = 600.0
+MAX_GET_CHUNK = 4 << 20
 
 
 class _ClientGone(Exception):
@@ -388,7 +389,9 @@ class TierdServicer:
                 req = _parse(pb.GetRequest, raw)
                 key = make_key(caller.tenant, req.session_id)
                 with self.limits.stream(caller.tenant):
-                    info, reader = self.store.get(key, req.chunk_bytes or self.chunk_bytes)
+                    # A chunk is at most 4 MiB (or the configured default): gRPC holds a few per open stream.
+                    chunk = min(req.chunk_bytes or self.chunk_bytes, max(self.chunk_bytes, MAX_GET_CHUNK))
+                    info, reader = self.store.get(key, chunk)
                     with self.inflight.hold(key.tenant, info.size_bytes):
                         # Get's messages go out already serialized (see add_to_server), one copy each.
                         await self._write(context, pb.GetResponse(header=info_to_pb(info)).SerializeToString())

@@ -17,7 +17,7 @@ import numpy as np
 from tierd.core import tokens
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
-from tierd.types import SessionKey
+from tierd.types import ID, SessionKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,8 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     """A session from its row (spec, num_tokens, num_pages, nbytes, created,
     last_access, priority) and its pieces' rows, checked against the format;
     raises Damaged."""
+    if not all(isinstance(k, str) and ID.fullmatch(k) and ".." not in k for k in key):
+        raise Damaged("bad_row", "its tenant or session id is not a valid id")
     try:
         spec = _spec(r[0])
     except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
@@ -93,13 +95,16 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     if num_pages < 1 or num_tokens < 0 or not (num_pages - 1) * pb < nbytes <= num_pages * pb or (
             not spec.is_opaque and (nbytes != num_pages * pb or num_tokens > num_pages * spec.block_tokens)):
         raise Damaged("bad_row", f"{num_pages} pages, {nbytes} bytes and {num_tokens} tokens do not fit its spec")
+    if not -(1 << 31) <= priority < 1 << 31:
+        raise Damaged("bad_row", f"priority {priority} is out of range")
     row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority)
-    pieces, sums, covered = [], np.empty(num_pages, dtype=np.uint64), 0
-    hashes = tokens.empty(num_pages)
+    # Every piece row is checked before anything is allocated for num_pages: their checksum blobs,
+    # real bytes, bound the pages (a row claiming 2**40 pages must not take the start down).
+    pages_held = 0
     for first, n, offset, alloc, blob, token_blob in recs:
         if not _ints(first, n, offset, alloc) or n < 1:
             raise Damaged("bad_row", f"a piece row has the wrong type or no pages (page {first!r})")
-        if first != covered or covered >= num_pages:
+        if first >= num_pages:
             break
         if not isinstance(blob, bytes) or len(blob) != 8 * n:
             raise Damaged("bad_checksums", f"the piece at page {first} holds {_size(blob)} of checksums for "
@@ -107,6 +112,14 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
         if not isinstance(token_blob, bytes) or len(token_blob) not in (0, tokens.HASH_BYTES * n):
             raise Damaged("bad_tokens", f"the piece at page {first} holds {_size(token_blob)} of token hashes "
                                          f"for {n} pages")
+        pages_held += n
+    if pages_held < num_pages:
+        raise Damaged("missing_pieces", f"pieces cover {pages_held} of {num_pages} pages")
+    pieces, sums, covered = [], np.empty(num_pages, dtype=np.uint64), 0
+    hashes = tokens.empty(num_pages)
+    for first, n, offset, alloc, blob, token_blob in recs:
+        if first != covered or covered >= num_pages:
+            break
         keep = min(n, num_pages - first)
         pieces.append(Piece(offset, alloc, first, keep))
         sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]

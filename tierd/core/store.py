@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -63,6 +62,7 @@ from tierd.transfer.copier import CopyEngine, EngineMemory, PageWriter
 from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import (
+    ID,
     BudgetResult,
     Lease,
     LookupResult,
@@ -74,7 +74,6 @@ from tierd.types import (
 )
 
 log = logging.getLogger("tierd.core.store")
-_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=~-]{0,255}")
 # Used by advise() until a route has been measured (bytes/s).
 DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
 MAX_PRIORITY = 1000
@@ -86,7 +85,7 @@ REPLANS = 8  # eviction plans tried when their sessions got busy before they cou
 
 
 def check_id(name: str, value: object) -> str:
-    if not isinstance(value, str) or not _ID.fullmatch(value) or ".." in value:
+    if not isinstance(value, str) or not ID.fullmatch(value) or ".." in value:
         raise InvalidArgument(
             f"{name} must be 1-256 characters of letters, digits and ._:@+=~- , not starting with '.' "
             f"or '-' and without '..', got {shown(value)}",

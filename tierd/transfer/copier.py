@@ -163,20 +163,21 @@ class CopyEngine:
 
     def windows(self, spans: list[Span], geom: Geometry, checksums: np.ndarray,
                 priority: int = Priority.DEMAND, on_device: bool = False, handout: bool = False,
-                host_checked_by_caller: bool = False) -> Iterator[tuple[int, int, str, Any]]:
+                host_checked_by_caller: bool = False,
+                read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
         """(first page, count, tier, buffer) over the spans' pages, checked where
         the tier is verified, or everywhere for a handout (bytes that leave the
         daemon); host spans are left to the caller to check where it says it
         checks them (as it uses them: in cache, or on the event loop in small
         steps). Host and device spans come out whole, as views (no copy);
         disk spans through staging buffers (aligned host memory, or GPU memory
-        with on_device), read ahead of the caller."""
+        with on_device), read_ahead windows ahead of the caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
         disk_jobs: list[tuple[int, int, int]] = []
         for span in spans:
             if span.tier != "disk":
-                yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device)
+                yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device, read_ahead)
                 disk_jobs = []
                 buf = self._view(span.tier, span.offset, span.n_pages * stride)
                 if (handout or span.tier in self.verify_tiers) and not (span.tier == "host" and host_checked_by_caller):
@@ -186,18 +187,19 @@ class CopyEngine:
             for k in range(0, span.n_pages, per_window):
                 count = min(per_window, span.n_pages - k)
                 disk_jobs.append((span.first_page + k, count, span.offset + k * stride))
-        yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device)
+        yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device, read_ahead)
 
     def _flush_disk(self, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
-                    priority: int, on_device: bool = False) -> Iterator[tuple[int, int, str, Any]]:
-        """Read disk windows READ_AHEAD deep: while the caller uses one window,
+                    priority: int, on_device: bool = False,
+                    read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
+        """Read disk windows read_ahead deep: while the caller uses one window,
         the next ones are already being read."""
         if not jobs:
             return
         disk = self.tiers["disk"]
         stride = geom.stride
         size = max(min(self.window_bytes, max(c for _, c, _ in jobs) * stride), stride)
-        buffers = [self._bounce(size, on_device) for _ in range(min(READ_AHEAD, len(jobs)))]
+        buffers = [self._bounce(size, on_device) for _ in range(min(read_ahead, len(jobs)))]
         pending: dict[int, tuple[list[Future], float]] = {}
 
         def start(i: int) -> None:
@@ -450,8 +452,9 @@ class CopyEngine:
         out = bytearray()
         # Host pages are checked one at a time as they go out: a Get from memory runs on the
         # event loop, and a whole snapshot checked at once would hold it ~4 ms per 100 MiB.
+        # Two windows ahead: a Get goes out at network speed, and each open one holds its windows.
         for first, count, tier, buf in self.windows(src, geom, checksums, priority, handout=True,
-                                                    host_checked_by_caller=True):
+                                                    host_checked_by_caller=True, read_ahead=2):
             host = memory.to_host(buf)
             for i in range(count):
                 size = geom.size_of(first + i)
