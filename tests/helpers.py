@@ -146,6 +146,26 @@ def metric(d, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def flip_in_arena(data_dir: str, needle: bytes) -> None:
+    """Change one byte of a daemon's host arena (its shared memory, by the prefix
+    its data dir records) where `needle` lies: damage behind the daemon's back."""
+    import glob
+    import mmap
+
+    from tierd.tiers import shm
+
+    hits = 0
+    for path in glob.glob(f"/dev/shm/{shm.read_prefix(data_dir)}.*"):
+        if ".lease." in path:
+            continue
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            at = mm.find(needle)
+            if at >= 0:
+                mm[at] ^= 0x01
+                hits += 1
+    assert hits == 1
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "the condition"):
     """Poll predicate until it returns something true; fail after timeout seconds."""
     deadline = time.monotonic() + timeout

@@ -10,13 +10,13 @@ host tier were changed behind the daemon's back, through every read path.
 
 import glob
 import hashlib
-import mmap
 import os
 
 import grpc
 import numpy as np
 import pytest
 
+from tests.helpers import flip_in_arena
 from tierd.api.convert import spec_to_pb
 from tierd.api.fds import FDS_PER_TENANT, hand_over, intake_path
 from tierd.client import (
@@ -155,19 +155,6 @@ def test_a_descriptor_ticket_is_its_tenants_alone(secured):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def flip_in_arena(d, needle):
-    """Change one byte of the daemon's host arena where `needle` lies."""
-    slabs, _ = arena_files(d)
-    hits = 0
-    for path in slabs:
-        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-            at = mm.find(needle)
-            if at >= 0:
-                mm[at] ^= 0x01
-                hits += 1
-    assert hits == 1
-
-
 def read_get(c, chunk_bytes):
     return c.get("victim", chunk_bytes=chunk_bytes)
 
@@ -201,7 +188,7 @@ def test_no_read_hands_out_bytes_changed_in_host_memory(tmp_path, read, chunk_by
         with random_cache(seed=3) as kv:
             c.register_engine(SPEC, kv).save("victim", [0, 1, 2], 40)
             page1 = kv.block(0, 1).tobytes()  # layer 0's K of page 1, as saved
-        flip_in_arena(d, page1[100:164])
+        flip_in_arena(d.data_dir, page1[100:164])
         with pytest.raises(DataLoss, match="page 1 failed its checksum in the host tier"):
             read(c, chunk_bytes)
         assert c.stat("victim").state == "damaged"
