@@ -1,9 +1,10 @@
 """The tierd.v1.Tierd servicer: converts messages and calls the store.
 
-Runs on the daemon's event loop. Every call is authenticated from its
-metadata before its message is even parsed, and parsed here (not by gRPC),
-so a malformed message is INVALID_ARGUMENT; long id lists are read as
-arrays (api/packed.py). Calls that copy bytes or may wait on a session run
+Runs on the daemon's event loop. Every call passes a gate as it starts
+(_gated): its token is checked from its metadata before its message is even
+read, and it counts against its tenant's open calls; its message is parsed
+here (not by gRPC), so a malformed one is INVALID_ARGUMENT; long id lists
+are read as arrays (api/packed.py). Calls that copy bytes or may wait on a session run
 on the RPC threads, at most a few per tenant at once (api/limits.py); the
 waiting itself (a tenant's turn, WaitReady, a stream's next message) is
 done on the loop, so a stalled or slow client holds no thread. Put and Get
@@ -15,6 +16,7 @@ timed, and every TierdError becomes its one gRPC status.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -63,6 +65,7 @@ from tierd.metrics import Metrics
 from tierd.v1 import tierd_pb2 as pb
 
 log = logging.getLogger("tierd.api")
+_CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller")  # set by the gate, for the handler
 MAX_WAIT_SECONDS = 600.0
 MAX_GET_CHUNK = 4 << 20
 
@@ -116,7 +119,8 @@ def _parse(cls: type, raw: bytes | memoryview) -> packed.Request:
 
 def _unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
     """Wrap fn(self, request, caller) -> response as a timed async handler that
-    authenticates, then parses; blocking ones run on the RPC threads. If the
+    parses the request (the gate has checked the caller); blocking ones run on
+    the RPC threads. If the
     call is cancelled while fn runs, undo(self, caller, response) takes back
     what fn made for a client that will never hear of it."""
 
@@ -127,7 +131,7 @@ def _unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | No
         async def handler(self: TierdServicer, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             call = _Call(self.metrics, fn.__name__)
             try:
-                caller = self.auth.identify(context.invocation_metadata())
+                caller = _CALLER.get()
                 req = _parse(cls, raw)
                 if blocking:
                     return await self.blocking(caller.tenant, fn, self, req, caller,
@@ -347,7 +351,7 @@ class TierdServicer:
         write: PendingWrite | None = None
         try:
             try:
-                caller = self.auth.identify(context.invocation_metadata())
+                caller = _CALLER.get()
                 head = _put_header(await self._read(context))
                 key = make_key(caller.tenant, head.session_id)
                 spec = spec_from_pb(head.spec)
@@ -385,7 +389,7 @@ class TierdServicer:
         batch = None  # the RPC thread's work on the reader, while it runs
         try:
             try:
-                caller = self.auth.identify(context.invocation_metadata())
+                caller = _CALLER.get()
                 req = _parse(pb.GetRequest, raw)
                 key = make_key(caller.tenant, req.session_id)
                 with self.limits.stream(caller.tenant):
@@ -437,7 +441,7 @@ class TierdServicer:
         """Waits on the loop, woken by the store's changes: no thread is held."""
         call = _Call(self.metrics, "WaitReady")
         try:
-            caller = self.auth.identify(context.invocation_metadata())
+            caller = _CALLER.get()
             req = _parse(pb.WaitReadyRequest, raw)
             key = make_key(caller.tenant, req.session_id)
             if not 0 <= req.timeout_seconds <= MAX_WAIT_SECONDS:
@@ -574,8 +578,9 @@ def _gated(servicer: TierdServicer, fn: Callable, read: bool) -> Callable:
 
     async def behavior(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            tenant = servicer.auth.identify(context.invocation_metadata()).tenant
-            with servicer.limits.call(tenant):
+            caller = servicer.auth.identify(context.invocation_metadata())
+            _CALLER.set(caller)
+            with servicer.limits.call(caller.tenant):
                 if not read:
                     return await fn(request_iterator, context)
                 raw = await servicer._read(context, f"the {fn.__name__} call")
