@@ -33,7 +33,7 @@ from tierd import __version__
 from tierd.api.auth import Authenticator
 from tierd.api.fds import FdIntake, intake_path
 from tierd.api.limits import TenantLimits
-from tierd.api.servicer import TierdServicer, add_to_server
+from tierd.api.servicer import OpenServices, TierdServicer, add_to_server
 from tierd.config import Config, resolve_budgets
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError, IndexUnavailable
@@ -52,6 +52,7 @@ ARENAS = 2
 HEAP_BUFFERS = 32 << 20  # buffers up to this size come from the heap (glibc's largest mmap threshold)
 TRIM_AT = 64 << 20  # free bytes at a heap's top that glibc hands back on free(); the tick trims the rest
 SERVICE = tierd_pb2.DESCRIPTOR.services_by_name["Tierd"].full_name
+OPEN_CALLS = 16  # health and reflection calls at once: they answer without a token
 
 
 class StartupError(RuntimeError):
@@ -146,6 +147,7 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
                  ("grpc.max_send_message_length", cfg.max_message_bytes),
                  ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1 << 20)],
         maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        interceptors=[OpenServices(OPEN_CALLS, cfg.stream_idle_seconds)],
     )
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

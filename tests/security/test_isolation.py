@@ -8,6 +8,7 @@ another tenant's descriptor ticket, and reading a session whose bytes in the
 host tier were changed behind the daemon's back, through every read path.
 """
 
+import fcntl
 import glob
 import hashlib
 import os
@@ -225,3 +226,24 @@ def test_a_tenant_holds_a_few_handed_over_memories_at_most(secured):
             hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
         engine = secured.client(token=TOKENS["bob"]).register_engine(SPEC, kv)  # bob's are his own
         engine.save("b", [0], 16)
+
+
+def test_huge_page_memory_is_refused(secured):
+    """A hugetlb page can be taken away under the daemon however its memfd is
+    sealed (punch a hole, let another process take every free huge page):
+    only memory of ordinary pages is taken."""
+    try:
+        fd = os.memfd_create("huge", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        pytest.skip(f"no hugetlb memfd here: {exc.strerror}")
+    try:
+        size = 2 << 20
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            pytest.skip(f"hugetlb memfd cannot be sized here: {exc.strerror}")
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        with pytest.raises(FailedPrecondition, match="not plain shared memory"):
+            secured.client(token=TOKENS["bob"]).register_engine(SPEC, [(fd, size)], EngineLayout.cross_layer(SPEC, 64))
+    finally:
+        os.close(fd)

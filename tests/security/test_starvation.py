@@ -328,3 +328,29 @@ def test_a_tenants_open_calls_are_capped(tmp_path):
     finally:
         alice.close()
         d.close()
+
+
+def test_health_and_reflection_calls_are_few_and_bounded(tmp_path):
+    """Health and reflection answer without a token, so calls to them that sent
+    nothing held every one of --max-concurrent-rpcs: at most 16 run at once."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path), "--max-concurrent-rpcs", "32").start()
+    channel = grpc.insecure_channel("unix:" + d.socket)
+    release = threading.Event()
+    try:
+        check = channel.stream_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                     response_deserializer=None)
+
+        def nothing():
+            release.wait(60)
+            yield from ()
+
+        calls = [check.future(nothing(), timeout=60) for _ in range(40)]
+        until(lambda: sum(c.done() for c in calls) >= 24, what="the calls past 16 to be refused")
+        assert {c.exception().code() for c in calls if c.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        bob = d.client(token=TOKENS["bob"], timeout=5)
+        bob.put("b", b"b", OPAQUE, 1)
+        assert bob.stat("b").num_tokens == 1
+    finally:
+        release.set()
+        channel.close()
+        d.close()

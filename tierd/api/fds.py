@@ -19,6 +19,8 @@ seconds to send it.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import fcntl
 import json
 import logging
@@ -38,6 +40,7 @@ MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit on descriptors in one message
 FDS_PER_TENANT = 1024  # descriptors one tenant may have handed over and not yet registered
 TICKET_SECONDS = 60.0
 CONNECT_SECONDS = 5.0
+MAX_PENDING = 64  # hand-overs in progress at once
 _MESSAGE = 4096
 
 
@@ -107,7 +110,25 @@ def check_shared_memory(fd: int, uid: int, own: Callable[[os.stat_result], bool]
     if not seals & fcntl.F_SEAL_SHRINK:
         return ("memory that can be cut short under the daemon: a memfd sealed against shrinking is needed "
                 "(tierd.client.SharedKVCache makes them)")
+    if _fs_type(fd) != TMPFS_MAGIC:
+        # A hugetlb page can be taken away under the daemon however the file is sealed (punch a
+        # hole, let another process take every free huge page): the next copy faults.
+        return "not plain shared memory (a hugetlb memfd, say): a memfd of ordinary pages is needed"
     return None
+
+
+TMPFS_MAGIC = 0x01021994  # statfs f_type of shmem: /dev/shm and memfds of ordinary pages
+
+
+def _fs_type(fd: int) -> int:
+    """statfs's f_type of the file system holding fd (0 where it cannot be told)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs, f_type first
+    if _libc.fstatfs(fd, buf) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buf).value
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class FdIntake:
@@ -121,6 +142,7 @@ class FdIntake:
         self._tickets: dict[str, Ticket] = {}
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending = 0  # connections accepted, their message not yet taken
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if os.path.exists(self.path):
@@ -171,13 +193,30 @@ class FdIntake:
             conn, _ = self._sock.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            # Out of descriptors: accept nothing for a while (retrying at once spun the loop, logging each time).
+            log.warning("descriptor intake: %s; taking no connections for a second", exc.strerror)
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.call_later(1.0, self._resume)
+            return
+        if self._pending >= MAX_PENDING:
+            conn.close()  # too many half-done hand-overs at once: this one is turned away
+            return
+        self._pending += 1
         conn.setblocking(False)
         timer = self._loop.call_later(CONNECT_SECONDS, self._drop, conn)
         self._loop.add_reader(conn.fileno(), self._receive, conn, timer)
 
+    def _resume(self) -> None:
+        if self._sock is not None and self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
     def _drop(self, conn: socket.socket) -> None:
         if conn.fileno() >= 0 and self._loop is not None:
             self._loop.remove_reader(conn.fileno())
+            self._pending -= 1
         conn.close()
 
     def _receive(self, conn: socket.socket, timer: asyncio.TimerHandle) -> None:
@@ -191,6 +230,7 @@ class FdIntake:
         timer.cancel()
         assert self._loop is not None
         self._loop.remove_reader(conn.fileno())
+        self._pending -= 1
         try:
             answer = {"ticket": self._admit(conn, msg, fds)}
             fds = []  # the ticket holds them now

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -332,19 +333,7 @@ class TierdServicer:
         await self._within(context.write(message), "the Get stream's reader took nothing")
 
     async def _within(self, op: Any, stalled: str) -> Any:
-        """A stream's read or write, ended when the client makes no progress
-        for the idle deadline. Not wait_for: that waits for the cancelled
-        operation to finish, which a stalled client never lets happen."""
-        task = asyncio.ensure_future(op)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, however the call ends
-        done, _ = await asyncio.wait((task,), timeout=self.idle_seconds)
-        if not done:
-            task.cancel()
-            raise DeadlineExceeded(f"{stalled} for {self.idle_seconds:g} s")
-        try:
-            return task.result()
-        except cygrpc.BaseError as exc:  # the call is over on gRPC's side
-            raise _ClientGone() from exc
+        return await _within(op, self.idle_seconds, stalled)
 
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         call = _Call(self.metrics, "Put")
@@ -567,6 +556,22 @@ def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
     return out
 
 
+async def _within(op: Any, seconds: float, stalled: str) -> Any:
+    """A call's read or write, ended when the client makes no progress for
+    `seconds`. Not wait_for: that waits for the cancelled operation to
+    finish, which a stalled client never lets happen."""
+    task = asyncio.ensure_future(op)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, however the call ends
+    done, _ = await asyncio.wait((task,), timeout=seconds)
+    if not done:
+        task.cancel()
+        raise DeadlineExceeded(f"{stalled} for {seconds:g} s")
+    try:
+        return task.result()
+    except cygrpc.BaseError as exc:  # the call is over on gRPC's side
+        raise _ClientGone() from exc
+
+
 def _gated(servicer: TierdServicer, fn: Callable, read: bool) -> Callable:
     """fn as the call's behavior, behind a gate that runs as the call starts,
     before any message is read: the caller's token is checked (a call
@@ -593,6 +598,51 @@ def _gated(servicer: TierdServicer, fn: Callable, read: bool) -> Callable:
             await _Call(servicer.metrics, fn.__name__).fail(context, exc)
 
     return behavior
+
+
+class OpenServices(grpc.aio.ServerInterceptor):
+    """Health and reflection answer anyone, token or not: at most `limit` of
+    their calls run at once, whoever makes them, and a call of one request
+    must send it within the idle deadline. (Unbounded, calls that sent
+    nothing held every one of --max-concurrent-rpcs.) The Tierd service's
+    calls pass through: its own gate bounds them (_gated)."""
+
+    def __init__(self, limit: int, idle_seconds: float) -> None:
+        self.limit, self.idle_seconds, self.open = limit, idle_seconds, 0
+
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{SERVICE.full_name}/"):
+            return handler
+        inner = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+
+        async def behavior(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self.open >= self.limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health and reflection calls")
+            self.open += 1
+            try:
+                request = request_iterator
+                if not handler.request_streaming:
+                    raw = await _within(context.read(), self.idle_seconds, f"the {details.method} call sent nothing")
+                    if raw is grpc.aio.EOF:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+                    request = handler.request_deserializer(raw)
+                result = inner(request, context)
+                if inspect.isasyncgen(result):  # responses yielded: sent one by one
+                    async for response in result:
+                        await context.write(response)
+                    return None
+                return await result
+            except DeadlineExceeded as exc:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, exc.message)
+            finally:
+                self.open -= 1
+
+        # A request stream keeps its deserializer; a single request is read raw, then deserialized above.
+        deserializer = handler.request_deserializer if handler.request_streaming else None
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(behavior, deserializer, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(behavior, deserializer, handler.response_serializer)
 
 
 def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:

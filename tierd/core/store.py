@@ -662,9 +662,10 @@ class Store:
             fit = next((i for i, (seg, _) in enumerate(spares) if nbytes <= seg.size <= 2 * nbytes), None)
             spare = spares.pop(fit)[0] if fit is not None else None
         if spare is not None:
-            if os.fstat(spare.fd).st_size == spare.size:
+            st = os.fstat(spare.fd)
+            if st.st_size == spare.size and st.st_nlink:
                 return spare
-            spare.close()  # its engine cut it short: a new one
+            spare.close()  # its engine cut it short or removed it: a new one
         try:
             return shm.Segment(self._segments, nbytes)
         except OSError as exc:
