@@ -743,7 +743,6 @@ class Store:
         """Copy the leased pages into the host tier, taking their checksums, and publish them."""
         lease = self._take_lease(tenant, lease_id, _SaveLease)
         w = lease.write
-        count = w.geom.n_pages - w.first_page
         try:
             try:
                 sums = self.copier.from_segment(lease.segment, w.spans, w.geom, w.first_page)
