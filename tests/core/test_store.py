@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine
-from tierd.core import store as store_module
+from tierd.core.store import upkeep as store_module
 from tierd.core.store import make_key
 from tierd.errors import FailedPrecondition, IdentityMismatch, InvalidArgument, NotFound, ResourceExhausted
 from tierd.layout import KVSpec

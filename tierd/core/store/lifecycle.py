@@ -1,0 +1,227 @@
+"""A session's life after its pages are stored: release (its idle clock
+starts), pin and unpin, drop, prefetch and readiness, demotions and
+write-backs on request, and the jobs the mover runs (prefetch, demotion,
+write-back, drop) on its own threads, each under the session's lock."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tierd.core.model import Session
+from tierd.core.mover import Job
+from tierd.core.store.leases import Leases
+from tierd.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    TierdError,
+    shown,
+)
+from tierd.policy.rules import DROP
+from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers.allocator import Piece
+from tierd.transfer.ioqueue import Priority
+from tierd.types import SessionInfo, SessionKey
+
+log = logging.getLogger("tierd.core.store")
+
+
+class Lifecycle(Leases):
+    def release(self, key: SessionKey) -> SessionInfo:
+        """The engine is done with the session for now: its idle clock starts."""
+        session = self._get(key)
+        with self._lock:
+            session.released_at = session.last_access = self.clock.now()
+            self._schedule(session)
+            return self._info(session)
+
+    def pin(self, key: SessionKey) -> SessionInfo:
+        session = self._get(key)
+        with self._lock:
+            session.pins += 1
+            return self._info(session)
+
+    def unpin(self, key: SessionKey) -> SessionInfo:
+        session = self._get(key)
+        with self._lock:
+            if session.pins == 0:
+                raise FailedPrecondition(f"session {shown(key.session_id)} is not pinned", session_id=key.session_id)
+            session.pins -= 1
+            self._schedule(session)
+            return self._info(session)
+
+    def drop(self, key: SessionKey) -> None:
+        """Forget the session everywhere; a queued move for it is cancelled."""
+        self.mover.cancel(key)
+        with self._held(key) as session:
+            self._forget(session)
+
+    def _forget(self, session: Session, reason: str = "drop") -> None:
+        """Remove a session whose op lock the caller holds. Its index entry
+        goes first: if the index cannot be written, this raises and the
+        session is served as before."""
+        with self._lock:
+            if self._sessions.get(session.key) is not session:
+                return
+        self.placement.unindex(session)
+        with self._lock:
+            del self._sessions[session.key]
+            self._per_tenant[session.key.tenant] -= 1
+            session.dropped = True
+        held = session.snap.tiers_held()
+        self.placement.forget(session)
+        for t in held:
+            self.events.evicted(t, reason)
+        self._notify()
+
+    def prefetch(self, key: SessionKey, tier: str = "host", priority: int = 0,
+                 deadline: float | None = None) -> str:
+        """Start promoting the session toward `tier`; returns "ready" if it is
+        there already, else "queued". Never waits for the move."""
+        if tier not in ("device", "host"):
+            raise InvalidArgument(f"prefetch goes to 'host' or 'device', not {shown(tier)}", field="tier", value=tier)
+        if tier not in self.tiers:
+            raise FailedPrecondition(f"there is no {tier} tier on this machine", field="tier", value=tier)
+        session = self._get(key)
+        if session.damaged:
+            raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)
+        if tier_rank(session.snap.slowest_tier() or "device") <= tier_rank(tier):
+            self._expect(session)
+            self.events.prefetch_outcome("ready")
+            return "ready"
+        self.mover.submit(Job(key, tier, "prefetch", Priority.PREFETCH, priority, deadline), _merge_prefetch)
+        return "queued"
+
+    def _expect(self, session: Session) -> float:
+        """The engine is about to come back for this session: a fresh idle clock,
+        and evicted after every session not awaited. Returns the time."""
+        now = self.clock.now()
+        with self._lock:
+            session.last_access, session.awaited = now, True
+            if session.released_at is not None:
+                session.released_at = now
+                self._schedule(session)  # promoted: an earlier threshold may apply
+        return now
+
+    def ready(self, key: SessionKey, tier: str = "host") -> tuple[bool, str | None]:
+        """Whether the whole session is in `tier` or faster, and the tier it is in; never waits."""
+        if tier not in TIER_ORDER:
+            raise InvalidArgument(f"unknown tier {shown(tier)}", field="tier", value=tier)
+        with self._lock:
+            session = self._get(key)
+            if session.damaged:
+                raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)
+            where = session.snap.slowest_tier()
+        return where is not None and tier_rank(where) <= tier_rank(tier), where
+
+    def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
+        """Wait until the whole session is in `tier` or faster; returns
+        (ready, the tier it is in). (The API waits on its event loop instead, through ready() and subscribe().)"""
+        end = time.monotonic() + max(0.0, timeout)
+        with self._changed:
+            while True:
+                ready, where = self.ready(key, tier)
+                left = end - time.monotonic()
+                if ready or left <= 0:
+                    return ready, where
+                self._changed.wait(left)
+
+    def _run_job(self, job: Job) -> None:
+        with self._lock:
+            session = self._sessions.get(job.key)
+        if session is None:
+            if job.reason == "prefetch":
+                self.events.prefetch_outcome("missed")
+            return
+        if job.reason == "prefetch":
+            if job.deadline is not None and self.clock.now() > job.deadline:
+                self.events.prefetch_outcome("missed")
+                return
+            session.op.acquire()
+        elif not session.op.acquire(blocking=False):
+            return  # busy: policy asks again next tick
+        try:
+            if session.dropped:
+                return
+            with self._lock:
+                session.moving = True
+            if job.reason == "prefetch":
+                self.placement.promote(session, job.target, Priority.PREFETCH)
+                now = self._expect(session)
+                self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
+            elif job.target == DROP:
+                self._forget(session, job.reason)
+            elif job.keep:
+                self.placement.write_disk(session, job.klass, job.reason)
+            else:
+                self._demote(session, job.target, job.klass, job.reason)
+        except TierdError as exc:
+            if job.reason == "prefetch":
+                self.events.prefetch_outcome("missed")
+            log.warning("%s of %s/%s to %s failed: %s", job.reason, job.key.tenant, job.key.session_id,
+                        job.target, exc)
+        finally:
+            with self._lock:
+                session.moving = False
+            session.op.release()
+            self._notify()
+
+    def _demote(self, session: Session, target: str, klass: Priority, reason: str) -> None:
+        """Demote toward target, or further down where target cannot take it;
+        where no lower tier can, the session is dropped (it is a cache)."""
+        lower = [] if target == DROP else [t for t in TIER_ORDER if t in self.tiers and tier_rank(t) >= tier_rank(target)]
+        for tier in lower:
+            try:
+                self.placement.demote(session, tier, klass, reason)
+                return
+            except ResourceExhausted as exc:
+                log.info("cannot demote %s/%s to %s: %s", *session.key, tier, exc)
+        if lower:
+            log.info("dropping %s/%s: no lower tier has room", *session.key)
+        self._forget(session, reason)
+
+    def demote(self, key: SessionKey, tier: str = "disk", reason: str = "request") -> SessionInfo:
+        """Move the session down to `tier` now (its faster copies go), under its
+        lock, as an idle demotion would; what the tests and benches use to
+        put a session in a tier."""
+        if tier not in self.tiers:
+            raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier")
+        with self._held(key) as session:
+            self.placement.demote(session, tier, Priority.DEMOTION, reason)
+            with self._lock:
+                return self._info(session)
+
+    def write_back(self, key: SessionKey) -> SessionInfo:
+        """Give every page of the session a disk copy now, keeping the faster ones."""
+        with self._held(key) as session:
+            self.placement.write_disk(session, Priority.WRITEBACK)
+            with self._lock:
+                return self._info(session)
+
+    def pieces(self, key: SessionKey, tier: str) -> list[Piece]:
+        """Where the session's pages lie in a tier (a copy): for tests and inspection."""
+        with self._lock:
+            return list(self._get(key).snap.pieces(tier))
+
+    def drain(self, timeout: float | None = 60.0) -> bool:
+        """Wait until no move is queued or running."""
+        return self.mover.drain(timeout)
+
+
+def _merge_prefetch(old: Job, new: Job) -> bool:
+    """Fold a new prefetch into a queued job: the faster target, the higher
+    priority, the earlier deadline; a prefetch replaces a queued demotion."""
+    changed = False
+    if old.reason != "prefetch":
+        old.target, old.reason, old.klass, old.keep = new.target, "prefetch", new.klass, False
+        old.priority, old.deadline = new.priority, new.deadline
+        return True
+    if tier_rank(new.target) < tier_rank(old.target):
+        old.target, changed = new.target, True
+    if new.priority > old.priority:
+        old.priority, changed = new.priority, True
+    if new.deadline is not None and (old.deadline is None or new.deadline < old.deadline):
+        old.deadline, changed = new.deadline, True
+    return changed

@@ -1,0 +1,151 @@
+"""The read path: Restore (pages scattered into engine blocks, under the
+session's lock), Get (a byte stream read with no lock held; the pages it
+reads stay allocated until its reader closes) and Lookup (how much of a
+prompt the pages hold). Every page that leaves is checked against its
+save-time checksum, from any tier; a mismatch damages the session."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from tierd.core import tokens
+from tierd.core.model import Session
+from tierd.core.store.checks import check_blocks, check_identity, check_readable
+from tierd.core.store.writes import Writes
+from tierd.errors import DataLoss, InvalidArgument, shown
+from tierd.layout import KVSpec
+from tierd.tiers import tier_rank
+from tierd.transfer.copier import EngineMemory
+from tierd.transfer.runs import Geometry, Span
+from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
+
+
+class Reads(Writes):
+    def _read_out(self, session: Session, copy: Callable[[], None]) -> None:
+        """Run a copy of the session's pages out of the daemon (every page
+        checked against its checksum): a mismatch damages the session, a
+        failed disk read is UNAVAILABLE."""
+        try:
+            copy()
+        except DataLoss as exc:
+            self.placement.mark_damaged(session, exc)
+            raise DataLoss(f"session {shown(session.key.session_id)}: {exc}", session_id=session.key.session_id,
+                           **exc.details) from None
+        except OSError as exc:
+            raise self.placement.io_failed("read", exc, session.key) from None
+
+    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec,
+                block_ids: Iterable[int]) -> RestoreResult:
+        """Scatter the snapshot's first len(block_ids) pages into those blocks.
+        Waits for a move of the session in flight rather than starting another."""
+        ids = check_blocks(block_ids, engine.layout.num_blocks)
+        with self._held(key) as session:
+            check_readable(key, session, "restored")
+            check_identity(session, spec)
+            snap = session.snap
+            if not 0 < ids.size <= snap.n_pages:
+                raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; give 1 to {snap.n_pages} block ids, "
+                                      f"not {ids.size}", field="block_ids", have=snap.n_pages, got=int(ids.size))
+            spans = snap.best_spans()
+            source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
+            t0 = time.perf_counter()
+            self._read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+            self.events.restored(source, ids.size * snap.spec.page_bytes, seconds)
+            return RestoreResult(min(snap.num_tokens, ids.size * snap.spec.block_tokens), int(ids.size), source, seconds)
+
+    def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
+        """The snapshot's info and a reader of its bytes, checked against their
+        checksums whatever the tier. No lock is held while it reads: pages it
+        reads that the session gives up meanwhile (a move, a drop, a new save)
+        are freed only once the reader is closed, so the stream stays the
+        snapshot as it was when the call came."""
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
+            raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {shown(chunk_bytes)}", field="chunk_bytes")
+        session = self._get(key)
+        with self._lock:
+            check_readable(key, session, "read")
+            snap = session.snap
+            info = self._info(session)
+            spans, geom, sums = snap.best_spans(), snap.geometry, snap.checksums
+            session.readers += 1
+        return info, SnapshotReader(self._stream(session, spans, geom, sums, chunk_bytes),
+                                    lambda: self.placement.end_read(session))
+
+    def _stream(self, session: Session, spans: list[Span], geom: Geometry, sums: np.ndarray,
+                chunk_bytes: int) -> Iterator[tuple[bytes | memoryview, int]]:
+        t0 = time.perf_counter()
+        try:
+            yield from self.copier.read_stream(spans, geom, sums, chunk_bytes)
+        except DataLoss as exc:
+            self.placement.mark_damaged(session, exc)
+            raise DataLoss(f"session {shown(session.key.session_id)}: {exc}", **exc.details) from None
+        except OSError as exc:
+            raise self.placement.io_failed("read", exc, session.key) from None
+        with self._lock:
+            session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+        self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else "host", geom.nbytes,
+                             time.perf_counter() - t0)
+
+    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None) -> LookupResult:
+        """How many leading tokens of a request (its token ids) the snapshot
+        supplies: whole pages whose chained token hashes match. With spec, a
+        snapshot of another identity is refused."""
+        request = tokens.check_ids(token_ids)
+        session = self._get(key)
+        with self._lock:
+            snap = session.snap
+            if spec is not None:
+                check_identity(session, spec)
+            hashes, stored, damaged = snap.token_hashes, snap.num_tokens, session.damaged
+            bt = snap.spec.block_tokens
+        pages = 0 if damaged or snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request)
+        with self._lock:
+            spans = [sp for sp in snap.best_spans() if sp.first_page < pages] if pages else []
+        return LookupResult(min(pages * bt, stored), pages, stored,
+                            max((sp.tier for sp in spans), key=tier_rank) if spans else None)
+
+
+class SnapshotReader(Iterator[bytes | memoryview]):
+    """Chunks of a snapshot (bytes, or memoryviews valid until the next
+    chunk). Until it is exhausted or closed, the pages it reads stay
+    allocated; close() may come from any thread, also while another thread
+    is taking a chunk (it then waits for that chunk). `digest` is the XXH3 of
+    the chunk last returned where the store knew it (a whole page's stored
+    checksum), else 0."""
+
+    def __init__(self, chunks: Iterator[tuple[bytes | memoryview, int]], done: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._done = done
+        self._open = True
+        self._lock = threading.Lock()
+        self.digest = 0
+
+    def __next__(self) -> bytes | memoryview:
+        with self._lock:
+            if not self._open:
+                raise StopIteration
+            try:
+                data, self.digest = next(self._chunks)
+                return data
+            except BaseException:
+                self._close()
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                self._chunks.close()  # type: ignore[attr-defined]
+            finally:
+                self._done()

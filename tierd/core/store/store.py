@@ -1,0 +1,73 @@
+"""Store: the layers assembled (see the package docstring), the sessions of
+the disk index recovered at start, and the shutdown that flushes what is
+not yet durable."""
+
+from __future__ import annotations
+
+import logging
+
+from tierd.clock import Clock
+from tierd.core import recovery
+from tierd.core.events import StoreEvents
+from tierd.core.index import DiskIndex
+from tierd.core.model import Session, Snapshot
+from tierd.core.mover import Mover
+from tierd.core.rows import Problem
+from tierd.core.store.inspection import Inspection
+from tierd.errors import TierdError
+from tierd.policy import PolicyConfig
+from tierd.transfer.copier import CopyEngine
+from tierd.transfer.ioqueue import Priority
+
+log = logging.getLogger("tierd.core.store")
+
+
+class Store(Inspection):
+    def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *,
+                 clock: Clock | None = None, policy: PolicyConfig | None = None,
+                 events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None) -> None:
+        if "host" not in tiers:
+            raise ValueError("the host tier is required")
+        if (index is None) != ("disk" not in tiers):
+            raise ValueError("a disk tier and its index come together")
+        super().__init__(tiers, copier, index, clock, policy, events, shm_prefix)
+        self.placement.make_room = self._make_room
+        self.placement.quota = self.policy.quota
+        self.recovery_problems = self._recover() if index is not None else []
+        self.mover = Mover(self._run_job, movers)
+
+    def _recover(self) -> list[Problem]:
+        assert self.index is not None
+        kept, problems = recovery.recover(self.index, self.tiers["disk"], self.events)
+        now = self.clock.now()
+        for rec in kept:
+            snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces},
+                            token_hashes=rec.token_hashes)
+            session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
+                              priority=rec.row.priority, row=rec.row, row_version=snap.version)
+            self._sessions[rec.key] = session
+            self._key_locks[rec.key] = session.op
+            self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1
+            self._schedule(session)
+        return problems
+
+    def close(self, flush: bool = True) -> None:
+        """Stop moving; with flush, write every session not yet durable to disk."""
+        if self._closed:
+            return
+        self._closed = True
+        self.mover.close()
+        self.expire_leases(everything=True)
+        if flush and self.index is not None:
+            for session in list(self._sessions.values()):
+                with session.op:
+                    if session.dropped or session.durable or session.damaged:
+                        continue
+                    try:
+                        self.placement.write_disk(session, Priority.WRITEBACK, "shutdown")
+                    except (TierdError, OSError) as exc:
+                        log.warning("shutdown: %s/%s not flushed: %s", *session.key, exc)
+        for tier in self.tiers.values():
+            tier.close()
+        if self.index is not None:
+            self.index.close()

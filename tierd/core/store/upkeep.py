@@ -1,0 +1,161 @@
+"""Policy applied: the tick (on the policy thread) looks only at sessions
+whose idle check is due and queues their moves; room is made on demand for a
+store that needs it (on the caller's thread); budgets change at run time;
+advice on restore against recompute. The decisions are tierd.policy's,
+pure functions of SessionViews; this layer gathers the views and carries
+the moves out."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable
+
+from tierd.core.model import Session
+from tierd.core.mover import Job
+from tierd.core.store.lifecycle import Lifecycle
+from tierd.errors import FailedPrecondition, InvalidArgument, TierdError, shown
+from tierd.policy import (
+    Advice,
+    Move,
+    SessionView,
+    advise,
+    budget_moves,
+    idle_moves,
+    plan_eviction,
+    pressure_moves,
+)
+from tierd.transfer.ioqueue import Priority
+from tierd.types import BudgetResult, SessionKey
+
+log = logging.getLogger("tierd.core.store")
+# Used by advise() until a route has been measured (bytes/s).
+DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
+CHECKS_PER_LOCK = 256  # sessions the tick looks at per hold of the store lock (~5 ms)
+REPLANS = 8  # eviction plans tried when their sessions got busy before they could be moved
+
+
+class Upkeep(Lifecycle):
+    def _views(self, exclude: SessionKey | None = None, keep: Callable[[Session], bool] | None = None,
+               queued_busy: bool = True) -> list[SessionView]:
+        """What policy may know of the sessions (those `keep` accepts). A
+        session is busy while a move of it runs, or (queued_busy) is queued:
+        the tick queues no second move, but room is made now, before queued
+        write-backs run; the queued move then finds its work done."""
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
+        busy = self.mover.busy_keys(queued=queued_busy)
+        return [self._view(s, busy) for s in sessions]
+
+    def _due(self, now: float) -> list[Session]:
+        """The sessions whose scheduled check has come (each is unscheduled)."""
+        due = []
+        with self._lock:
+            while self._checks and self._checks[0][0] <= now:
+                at, key = heapq.heappop(self._checks)
+                session = self._sessions.get(key)
+                if session is not None and session.idle_check == at:  # else rescheduled, or dropped
+                    session.idle_check = None
+                    due.append(session)
+        return due
+
+    def _execute(self, moves: list[Move], klass: Priority) -> int:
+        """Carry out eviction moves now, skipping sessions busy by then."""
+        done = 0
+        for mv in moves:
+            with self._lock:
+                session = self._sessions.get(mv.key)
+            if session is None or not session.op.acquire(blocking=False):
+                continue
+            try:
+                if not session.dropped:
+                    self._demote(session, mv.target, klass, mv.reason)
+                    done += 1
+            except TierdError as exc:
+                log.warning("evicting %s/%s failed: %s", mv.key.tenant, mv.key.session_id, exc)
+            finally:
+                session.op.release()
+        return done
+
+    def _make_room(self, tier: str, need: int, protect: SessionKey, klass: Priority, tenant: str | None) -> bool:
+        """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
+        bytes are free. False when no set of movable sessions holds that much."""
+        for _ in range(REPLANS):
+            views = [v for v in self._views(exclude=protect, queued_busy=False)
+                     if tenant is None or v.key.tenant == tenant]
+            plan = plan_eviction(views, tier, need, self.tiers, self.policy)
+            if plan is None:
+                return False
+            if self._execute(plan, klass):
+                return True
+            # Each planned session got busy in between (a queued move of it started): plan again.
+        return False
+
+    def tick(self) -> list[Move]:
+        """Apply policy once: queue due demotions, write-backs and drops; let
+        the tiers do their housekeeping."""
+        self.expire_leases()
+        for tier in self.tiers.values():
+            tier.maintain()
+        now = self.clock.now()
+        # Only sessions whose check has come are looked at: with many sessions
+        # stored, looking at each every tick held the store lock (and the GIL)
+        # for tens of ms, and every call waited behind it.
+        due = self._due(now)
+        busy = self.mover.busy_keys()
+        moves: list[Move] = []
+        for i in range(0, len(due), CHECKS_PER_LOCK):  # the lock is let go between batches
+            batch = due[i : i + CHECKS_PER_LOCK]
+            with self._lock:
+                views = [self._view(s, busy) for s in batch]
+            batch_moves = idle_moves(views, now, self.policy, self.tiers)
+            moved = {mv.key for mv in batch_moves}
+            with self._lock:
+                for s, v in zip(batch, views):
+                    # A session given a move, or busy, is looked at again next tick: the
+                    # move may be skipped (busy by then) or fail, or leave another due.
+                    self._schedule(s, now if v.key in moved or v.busy else None)
+            moves += batch_moves
+        for name, tier in self.tiers.items():
+            if tier.used > self.policy.high_watermark * tier.budget:
+                views = self._views(keep=lambda s, name=name: bool(s.snap.placement.get(name)))
+                moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers)
+        seen: set[SessionKey] = set()
+        for mv in moves:
+            if mv.key in seen:
+                continue
+            seen.add(mv.key)
+            klass = Priority.WRITEBACK if mv.keep else Priority.DEMOTION
+            self.mover.submit(Job(mv.key, mv.target, mv.reason, klass, keep=mv.keep), lambda old, new: False)
+        return moves
+
+    def set_budget(self, tier: str, nbytes: int) -> BudgetResult:
+        """Change a tier's budget at run time; shrinking demotes the overflow now."""
+        if tier not in self.tiers:
+            raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier",
+                                  value=tier)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(f"budget must be a non-negative number of bytes, got {shown(nbytes)}", field="budget")
+        t = self.tiers[tier]
+        t0, used0, old = time.perf_counter(), t.used, t.budget
+        plan = budget_moves(self._views(queued_busy=False), tier, t.used, nbytes, self.policy, self.tiers)
+        if plan is None:
+            raise FailedPrecondition(
+                f"pinned or busy sessions hold more of the {tier} tier than {nbytes} bytes; unpin some first",
+                tier=tier, used=t.used, budget=nbytes)
+        t.budget = nbytes  # no new allocation past the new budget from here on
+        moved = self._execute(plan, Priority.DEMAND)
+        t.set_budget(nbytes)
+        return BudgetResult(tier, old, nbytes, max(0, used0 - t.used), moved, time.perf_counter() - t0)
+
+    def advise(self, key: SessionKey, prefill_tokens_per_s: float) -> Advice:
+        if not isinstance(prefill_tokens_per_s, (int, float)) or not prefill_tokens_per_s > 0:
+            raise InvalidArgument("prefill_tokens_per_s must be positive", field="prefill_tokens_per_s")
+        session = self._get(key)
+        with self._lock:
+            snap = session.snap
+            source = snap.slowest_tier() or "host"
+            nbytes, tokens = snap.nbytes, snap.num_tokens
+        bandwidth = self.copier.bandwidth.get(f"{source}->engine", DEFAULT_BANDWIDTH[source])
+        return advise(nbytes, source, bandwidth, tokens, float(prefill_tokens_per_s))

@@ -1,0 +1,280 @@
+"""The write path: Save (engine blocks gathered into pages), Put (a byte
+stream) and save leases (commit_save, in leases.py) all allocate through
+_begin_write, are written by their caller, and publish through
+_commit_write, which checks the append again under the session's lock. A
+Put's chunks are written on the event loop with no lock held; Save runs on
+an RPC thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierd.core import tokens
+from tierd.core.model import Session, Snapshot
+from tierd.core.store.checks import (
+    check_blocks,
+    check_blocks_range,
+    check_identity,
+    check_priority,
+    check_start,
+    token_hashes,
+)
+from tierd.core.store.table import SessionTable
+from tierd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    shown,
+)
+from tierd.layout import KVSpec
+from tierd.tiers.allocator import Piece
+from tierd.transfer.copier import EngineMemory, PageWriter
+from tierd.transfer.ioqueue import Priority
+from tierd.transfer.runs import Geometry, Span
+from tierd.types import SessionInfo, SessionKey
+
+
+@dataclass(eq=False)
+class PendingWrite:
+    """Pages on their way into a session: allocated in `tier`, written by the
+    caller, invisible until committed (or freed when aborted). Save, Put and
+    save leases all store through one."""
+
+    key: SessionKey
+    spec: KVSpec
+    tier: str
+    first_page: int
+    num_tokens: int
+    nbytes: int  # the snapshot's bytes once committed
+    geom: Geometry
+    pieces: list[Piece]
+    hashes: np.ndarray | None
+    priority: int | None
+    started: float
+    writer: PageWriter | None = None  # Put: where the stream's bytes go, in page order
+
+    @property
+    def spans(self) -> list[Span]:
+        return [Span(p.first_page, p.n_pages, self.tier, p.offset) for p in self.pieces]
+
+    @property
+    def new_bytes(self) -> int:
+        return self.nbytes - self.first_page * self.spec.page_bytes
+
+    def write(self, data: bytes | memoryview | np.ndarray) -> None:
+        """Put: the stream's next bytes (InvalidArgument past what was announced)."""
+        assert self.writer is not None
+        self.writer.write(data)
+
+
+class Writes(SessionTable):
+    def _landing(self, engine: EngineMemory | None) -> str:
+        if engine is not None and engine.medium == "device" and "device" in self.tiers:
+            return "device"
+        return "host"
+
+    def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int,
+                      hashes: np.ndarray | None = None) -> None:
+        """A store from start_token > 0 extends an existing snapshot of the same
+        identity (and, with token hashes, of the same tokens before start_token);
+        a new session must fit the tenant's session quota."""
+        limit = self.policy.tenant_sessions
+        if session is None and limit and self._per_tenant.get(key.tenant, 0) >= limit:
+            raise ResourceExhausted(f"tenant {shown(key.tenant)} may hold {limit} sessions; drop some first",
+                                    tenant=key.tenant, quota=limit)
+        if not start_token:
+            return
+        if session is None:
+            raise NotFound(f"session {shown(key.session_id)} not found: nothing to append to",
+                           session_id=key.session_id)
+        check_identity(session, spec)
+        if session.damaged:
+            raise FailedPrecondition(f"session {shown(key.session_id)} is damaged: store it again from token 0")
+        if start_token > session.snap.num_tokens:
+            raise FailedPrecondition(f"start_token {start_token} is past the {session.snap.num_tokens} tokens stored",
+                                     field="start_token", have=session.snap.num_tokens)
+        kept = session.snap.token_hashes[: start_token // spec.block_tokens]
+        if hashes is not None and tokens.known(kept) and not np.array_equal(kept, hashes[: len(kept)]):
+            raise FailedPrecondition(f"session {shown(key.session_id)} holds other tokens before start_token "
+                                     f"{start_token}: store it from token 0", field="token_ids")
+
+    def _publish(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
+                 first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
+                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None) -> Session:
+        """Complete a store: replace pages from first_page on with the new ones
+        (hashes: the token hashes of every page, if known). The index forgets
+        the replaced pages first: if it cannot, this raises before anything
+        changed, and the caller still owns `pieces`."""
+        freed = self.placement.truncate(session, first_page) if session is not None else []
+        now = self.clock.now()
+        with self._changed:
+            if session is None:
+                session = Session(key, Snapshot(spec), created=now, last_access=now, op=lock)
+                self._sessions[key] = session
+                self._per_tenant[key.tenant] = self._per_tenant.get(key.tenant, 0) + 1
+            snap = session.snap
+            if first_page == 0:
+                snap.spec = spec
+                session.damaged = False
+            kept = snap.token_hashes[:first_page]
+            new = hashes[first_page:] if hashes is not None and tokens.known(kept) else tokens.empty(len(sums))
+            snap.token_hashes = np.concatenate([kept, new])
+            snap.checksums = np.concatenate([snap.checksums[:first_page], sums])
+            snap.add_pieces(tier, pieces)
+            snap.num_tokens, snap.nbytes = num_tokens, nbytes
+            snap.version += 1
+            session.last_access, session.released_at, session.awaited = now, None, False
+            if priority is not None:
+                session.priority = priority
+        self.placement.retire(session, freed)
+        self._notify()
+        return session
+
+    def _begin_write(self, key: SessionKey, spec: KVSpec, tier: str, first_page: int, num_tokens: int,
+                     nbytes: int, geom: Geometry, hashes: np.ndarray | None,
+                     priority: int | None) -> PendingWrite:
+        """Check that the store may go ahead (quota, an append onto the same
+        identity and tokens) and allocate its pages; the session's lock is held
+        only for that."""
+        lock, session = self._acquire(key)
+        try:
+            self._check_append(key, session, spec, first_page * spec.block_tokens if first_page else 0, hashes)
+            pieces = self.placement.alloc(tier, [(first_page, geom.n_pages - first_page)], geom.stride, key,
+                                          Priority.DEMAND)
+        finally:
+            lock.release()
+        return PendingWrite(key, spec, tier, first_page, num_tokens, nbytes, geom, pieces, hashes, priority,
+                            time.perf_counter())
+
+    def _commit_write(self, w: PendingWrite, sums: np.ndarray, keep: bool = False) -> SessionInfo:
+        """Publish written pages (sums: their checksums), checked again under
+        the session's lock: it may have changed since the write began. A write
+        refused for want of room (the index's disk full, say) keeps its pages
+        with keep, to be committed again; else they go back."""
+        lock, session = self._acquire(w.key)
+        try:
+            try:
+                self._check_append(w.key, session, w.spec, w.first_page * w.spec.block_tokens if w.first_page else 0,
+                                   w.hashes)
+                session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier, sums,
+                                        w.num_tokens, w.nbytes, w.priority, w.hashes)
+            except (ResourceExhausted, Unavailable):
+                if not keep:
+                    self.abort_write(w)
+                raise
+            except BaseException:
+                self.abort_write(w)
+                raise
+            w.pieces = []  # the session's now
+            self.events.saved(w.tier, w.new_bytes, time.perf_counter() - w.started)
+            return self._info(session)
+        finally:
+            lock.release()
+
+    def abort_write(self, w: PendingWrite) -> None:
+        """Give back the pages of a write that will not be committed."""
+        pieces, w.pieces = w.pieces, []
+        self.placement.free(w.tier, pieces)
+
+    def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
+             num_tokens: int, start_token: int = 0, tier: str | None = None,
+             priority: int | None = None, token_ids: Iterable[int] | None = None) -> SessionInfo:
+        """Gather engine blocks holding tokens [start_token, num_tokens) into the
+        session's snapshot, replacing what it held from start_token on. The new
+        pages land in `tier` (default: device for GPU engines, else host);
+        `priority` sets the session's eviction weight; `token_ids` (the ids of
+        tokens [0, num_tokens)) lets lookup() match later prompts against the
+        pages, and refuses an append onto pages that hold other tokens."""
+        check_priority(priority)
+        if tier is not None and (tier not in self.tiers or tier == "disk"):
+            raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {shown(tier)}", field="tier")
+        first_page = check_blocks_range(spec, start_token, num_tokens)
+        ids = check_blocks(block_ids, engine.layout.num_blocks)
+        tok = token_hashes(spec, token_ids, num_tokens)
+        n_pages = spec.pages_for_tokens(num_tokens)
+        if ids.size != n_pages - first_page:
+            raise InvalidArgument(
+                f"tokens [{start_token}, {num_tokens}) fill {n_pages - first_page} blocks of {spec.block_tokens}, "
+                f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
+        geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
+        w = self._begin_write(key, spec, tier or self._landing(engine), first_page, num_tokens,
+                              n_pages * spec.page_bytes, geom, tok, priority)
+        try:
+            sums = self.copier.gather(engine, ids, w.spans, geom, first_page)
+        except BaseException:
+            self.abort_write(w)
+            raise
+        return self._commit_write(w, sums)
+
+    def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
+                  priority: int | None = None, start_token: int = 0,
+                  token_ids: Iterable[int] | None = None) -> PendingWrite:
+        """Room for a snapshot sent as bytes: the pages from start_token on (KV
+        specs; 0 replaces the whole snapshot), with their token ids if given.
+        Write the stream into the result (write()), then commit_put, or
+        abort_write. No lock is held meanwhile: the stream may take its time."""
+        check_priority(priority)
+        first_page = check_start(spec, start_token)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
+                                  field="num_tokens")
+        if spec.is_opaque:
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+                raise InvalidArgument(f"size must be a positive number of bytes, got {shown(nbytes)}", field="size")
+            n_pages = -(-nbytes // spec.page_bytes)
+            last = nbytes - (n_pages - 1) * spec.page_bytes
+        else:
+            if num_tokens <= start_token:
+                raise InvalidArgument(f"num_tokens must be above start_token ({start_token})", field="num_tokens")
+            n_pages = spec.pages_for_tokens(num_tokens)
+            want = (n_pages - first_page) * spec.page_bytes
+            if nbytes != want:
+                raise InvalidArgument(
+                    f"tokens [{start_token}, {num_tokens}) in blocks of {spec.block_tokens} take {want} bytes "
+                    f"for this spec, not {nbytes}", field="size", want=want, got=nbytes)
+            last = spec.page_bytes
+        tok = token_hashes(spec, token_ids, num_tokens)
+        tier_budget = self.tiers["host"].budget
+        if nbytes > tier_budget:
+            raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
+                                    need=nbytes, budget=tier_budget)
+        geom = Geometry(spec.page_bytes, n_pages, last)
+        w = self._begin_write(key, spec, "host", first_page, num_tokens, first_page * spec.page_bytes + nbytes, geom,
+                              tok, priority)
+        w.writer = self.copier.page_writer(w.spans, geom)
+        return w
+
+    def commit_put(self, w: PendingWrite) -> SessionInfo:
+        """Publish a Put whose stream has ended: nothing is visible unless
+        exactly the announced bytes arrived."""
+        assert w.writer is not None
+        try:
+            if w.writer.received != w.new_bytes:
+                raise InvalidArgument(f"the stream carried {w.writer.received} bytes, the header announced "
+                                      f"{w.new_bytes}", field="size", want=w.new_bytes, got=w.writer.received)
+            sums = self.copier.checksums(w.spans, w.geom)
+        except BaseException:
+            self.abort_write(w)
+            raise
+        self.copier.record("client->host", w.new_bytes, time.perf_counter() - w.started)
+        return self._commit_write(w, sums)
+
+    def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
+            chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
+            start_token: int = 0, token_ids: Iterable[int] | None = None) -> SessionInfo:
+        """begin_put, every chunk written, commit_put: the whole Put in one call."""
+        w = self.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids)
+        try:
+            for chunk in chunks:
+                w.write(chunk)
+        except BaseException:
+            self.abort_write(w)
+            raise
+        return self.commit_put(w)
