@@ -29,12 +29,12 @@ import grpc
 import numpy as np
 
 from bench.common import Result, spread
-from tierd.api.convert import spec_to_pb
-from tierd.api.packed import encode, field
 from tierd.client import AsyncClient, KVSpec, ResourceExhausted
 from tierd.testing import Daemon
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire.convert import spec_to_pb
+from tierd.wire.packed import encode, field
 
 MiB = 1 << 20
 OPAQUE = KVSpec.opaque("bench/flood", page_bytes=MiB)

@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 from tierd.config import Config
 from tierd.core.store import Store, make_key
 from tierd.layout import EngineLayout, KVSpec
-from tierd.tiers import factory
+from tierd.machine import build
 from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.ioqueue import Priority
 from tierd.transfer.copier import EngineMemory
-from tierd.transfer.ioqueue import Priority
 
 KEY = make_key("default", "gpu-check")
 
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = 2 * nbytes + (256 << 20)
         cfg = Config(data_dir=tmp, device=args.device if cuda else "cpu", device_budget=budget, host_budget=budget,
                      disk_budget=2 * budget, host_slab=budget, device_slab=budget, disk_slab=budget)
-        machine = factory.build(cfg)
-        store = Store(machine.tiers, machine.copier, machine.index)
+        machine = build(cfg)
+        store = machine.store
         try:
             raw["disk"] = raw_disk_read(store, nbytes, args.repeat)
             src = engine(spec, num_blocks, args.device)
@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             if machine.copier.kernels is not None:
                 rows.append(device_checksums(machine.copier.kernels, spec, pages, args.repeat))
         finally:
-            store.close(flush=False)
-            machine.close()
+            machine.close(flush=False)
     rows = [(f"raw {k}" + (f" ({store.tiers['disk'].backend})" if k == "disk" else ""), "",
              f"{raw[k] / 1e9:.1f} GB/s", "") for k in ("d2d", "h2d", "d2h", "disk")] + rows
     header = f"{args.tokens} tokens, {nbytes / 1e9:.2f} GB, {args.device}"

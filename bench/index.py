@@ -13,21 +13,19 @@ import psutil
 
 from bench.common import Result
 from tierd.clock import FakeClock
+from tierd.config import Config
 from tierd.core.index import DiskIndex, Row
-from tierd.core.store import Store
 from tierd.layout import KVSpec
+from tierd.machine import build
+from tierd.policy import PolicyConfig
 from tierd.testing import Daemon
-from tierd.tiers.disk import DiskTier
-from tierd.tiers.host import HostTier
-from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import PriorityExecutor
 from tierd.types import SessionKey
 
 GiB = 1 << 30
 SPEC = KVSpec.opaque("bench/index", page_bytes=4096)
 
 
-def build(data_dir: str, sessions: int, pages: int) -> int:
+def build_data_dir(data_dir: str, sessions: int, pages: int) -> int:
     """An index of `sessions` durable sessions of `pages` pages each, over
     sparse slab files; returns the slab size."""
     slabs = os.path.join(data_dir, "slabs")
@@ -57,16 +55,14 @@ def build(data_dir: str, sessions: int, pages: int) -> int:
 def recover(data_dir: str, slab: int) -> tuple[float, int]:
     """Seconds to open a store on the data dir, and the RSS it added."""
     before = psutil.Process().memory_info().rss
-    executor = PriorityExecutor(2)
     t0 = time.perf_counter()
-    tiers = {"host": HostTier(GiB, f"tierd-bench-index-{os.getpid()}", slab_bytes=GiB),
-             "disk": DiskTier(64 * GiB, os.path.join(data_dir, "slabs"), executor, slab_bytes=slab)}
-    store = Store(tiers, CopyEngine(tiers), DiskIndex(os.path.join(data_dir, "index.db")), clock=FakeClock())
+    cfg = Config(data_dir=data_dir, host_budget=GiB, host_slab=GiB, disk_budget=64 * GiB, disk_slab=slab,
+                 disk_io="posix", device="none", io_workers=2)
+    machine = build(cfg, policy=PolicyConfig(), clock=FakeClock())
     seconds = time.perf_counter() - t0
     grown = psutil.Process().memory_info().rss - before
-    assert len(store.keys()) > 0 and not store.recovery_problems
-    store.close(flush=False)
-    executor.shutdown()
+    assert len(machine.store.keys()) > 0 and not machine.store.recovery_problems
+    machine.close(flush=False)
     return seconds, grown
 
 
@@ -74,7 +70,7 @@ def run(quick: bool) -> list[Result]:
     sessions, pages = (1000, 100) if quick else (10_000, 100)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as root:
         data_dir = os.path.join(root, "data")
-        slab = build(data_dir, sessions, pages)
+        slab = build_data_dir(data_dir, sessions, pages)
         n_pages = sessions * pages
         seconds, grown = recover(data_dir, slab)
         index_bytes = sum(os.path.getsize(os.path.join(data_dir, f)) for f in os.listdir(data_dir)

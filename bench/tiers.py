@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import os
 import tempfile
-import uuid
 from collections.abc import Callable
 
 import numpy as np
 
 from bench.common import Result, random_bytes, ratio_result, timed
-from tierd.clock import FakeClock
 from tierd.client.shm import SharedKVCache
-from tierd.core.index import DiskIndex
+from tierd.clock import FakeClock
+from tierd.config import Config
 from tierd.core.store import Store, make_key
 from tierd.layout import KVSpec
+from tierd.machine import build
+from tierd.policy import PolicyConfig
 from tierd.tiers.disk import aligned_buffer
-from tierd.tiers.disk import DiskTier
-from tierd.tiers.host import HostTier
-from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import PriorityExecutor
 
 MiB = 1 << 20
 # Qwen2.5-7B's KV shape: 28 layers, 4 KV heads, head dim 128, bf16: 57,344 bytes per token.
@@ -34,16 +31,15 @@ class World:
     """A store with host and disk tiers in a temporary data dir."""
 
     def __init__(self, nbytes: int, root: str) -> None:
-        self.executor = PriorityExecutor(4)
         budget = -(-(nbytes * 2 + 64 * MiB) // 4096) * 4096
-        self.host = HostTier(budget, f"tierd-bench-{uuid.uuid4().hex[:8]}", slab_bytes=budget)  # one slab, as the daemon
-        self.disk = DiskTier(nbytes * 2 + 64 * MiB, os.path.join(root, "slabs"), self.executor, slab_bytes=1 << 30)
-        tiers = {"host": self.host, "disk": self.disk}
-        self.store = Store(tiers, CopyEngine(tiers), DiskIndex(os.path.join(root, "index.db")), clock=FakeClock())
+        # One host slab, as the daemon has; POSIX disk I/O, as beside the raw O_DIRECT limit.
+        cfg = Config(data_dir=root, host_budget=budget, host_slab=budget, disk_budget=nbytes * 2 + 64 * MiB,
+                     disk_slab=1 << 30, disk_io="posix", device="none")
+        self.machine = build(cfg, policy=PolicyConfig(), clock=FakeClock())
+        self.store = self.machine.store
 
     def close(self) -> None:
-        self.store.close(flush=False)
-        self.executor.shutdown()
+        self.machine.close(flush=False)
 
 
 class _RawFile:

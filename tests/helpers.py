@@ -16,16 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from tierd.clock import FakeClock
-from tierd.core.index import DiskIndex
+from tierd.config import Config
 from tierd.core.store import Store
 from tierd.layout import EngineLayout, KVSpec
+from tierd.machine import Machine, build
 from tierd.policy import PolicyConfig
-from tierd.tiers.device import DeviceTier
-from tierd.tiers.disk import DiskTier
 from tierd.tiers import shm
 from tierd.tiers.host import HostTier
-from tierd.transfer.copier import CopyEngine, EngineMemory
-from tierd.transfer.ioqueue import PriorityExecutor
+from tierd.transfer.copier import EngineMemory
 
 MiB = 1 << 20
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
@@ -58,32 +56,25 @@ class Harness:
     movers: int = 2  # background move threads; 0 leaves every queued move queued
     events: object = None  # what the store reports to (tierd.metrics.Metrics, say); None: nothing
     store: Store | None = None
-    executor: PriorityExecutor | None = None
+    machine: Machine | None = None
 
     def open(self) -> Store:
-        self.executor = PriorityExecutor(4)
-        # As the daemon does: a fresh prefix per open, and what a killed run left is removed.
-        self.prefix = prefix = shm.claim_prefix(self.root)
-        tiers: dict = {"host": HostTier(self.host_budget, prefix, self.host_slab)}
-        index = None
-        if self.disk:
-            tiers["disk"] = DiskTier(self.disk_budget, os.path.join(self.root, "slabs"), self.executor, self.disk_slab,
-                                     ops=self.disk_ops)
-            index = DiskIndex(os.path.join(self.root, "index.db"))
-        if self.device_budget is not None:
-            tiers["device"] = DeviceTier(self.device_budget, "cpu", 8 * MiB)
-        self.store = Store(tiers, CopyEngine(tiers, window_bytes=4 * MiB, verify_tiers=self.verify), index,
-                           clock=self.clock, policy=self.policy, events=self.events, movers=self.movers,
-                           shm_prefix=prefix)
+        # Through the daemon's composition root: a fresh shared-memory prefix per
+        # open, and what a killed run left is removed.
+        cfg = Config(data_dir=self.root, host_budget=self.host_budget, host_slab=self.host_slab,
+                     disk_budget=self.disk_budget, disk_slab=self.disk_slab, disk_io="posix",
+                     device="none" if self.device_budget is None else "cpu",
+                     device_budget=self.device_budget or 0, device_slab=8 * MiB,
+                     verify="all" if set(self.verify) != {"disk"} else "disk", io_workers=4, movers=self.movers)
+        self.machine = build(cfg, policy=self.policy, clock=self.clock, events=self.events, disk=self.disk,
+                             disk_ops=self.disk_ops, window_bytes=4 * MiB)
+        self.store, self.prefix = self.machine.store, self.machine.shm_prefix
         return self.store
 
     def close(self, flush: bool = False) -> None:
-        if self.store is not None:
-            self.store.close(flush=flush)
-            self.store = None
-        if self.executor is not None:
-            self.executor.shutdown()
-            self.executor = None
+        if self.machine is not None:
+            self.machine.close(flush)
+            self.machine = self.store = None
 
     def reopen(self, flush: bool = False) -> Store:
         self.close(flush)
@@ -152,7 +143,6 @@ def flip_in_arena(data_dir: str, needle: bytes) -> None:
     import glob
     import mmap
 
-    from tierd.tiers import shm
 
     hits = 0
     for path in glob.glob(f"/dev/shm/{shm.read_prefix(data_dir)}.*"):

@@ -9,7 +9,7 @@ import pytest
 
 from tierd.testing import ROOT
 
-DAEMON = ("tierd.core", "tierd.tiers", "tierd.transfer", "tierd.policy", "tierd.api.servicer", "tierd.daemon",
+DAEMON = ("tierd.core", "tierd.tiers", "tierd.transfer", "tierd.policy", "tierd.api", "tierd.machine", "tierd.daemon",
           "tierd.metrics")
 
 

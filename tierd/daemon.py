@@ -31,7 +31,6 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from tierd import __version__
 from tierd.api.auth import Authenticator
-from tierd.api.fds import FdIntake, intake_path
 from tierd.api.limits import TenantLimits
 from tierd.api.servicer import OpenServices, TierdServicer, add_to_server
 from tierd.config import Config, resolve_budgets
@@ -39,11 +38,12 @@ from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError, IndexUnavailable
 from tierd.core.store import Store
 from tierd.errors import InvalidArgument, TierdError
+from tierd.machine import DiskIOUnavailable, build
 from tierd.metrics import Metrics
-from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
-from tierd.tiers import factory, shm
+from tierd.tiers import shm
 from tierd.v1 import tierd_pb2
+from tierd.wire.fds import FdIntake, intake_path
 
 log = logging.getLogger("tierd")
 TRIM_SECONDS = 10.0  # how often freed heap memory goes back to the system
@@ -128,14 +128,6 @@ def _tls(cfg: Config) -> grpc.ServerCredentials:
     ca = _read(cfg.tls_client_ca, "client CA") if cfg.tls_client_ca else None
     return grpc.ssl_server_credentials([(_read(cfg.tls_key, "TLS key"), _read(cfg.tls_cert, "TLS certificate"))],
                                        root_certificates=ca, require_client_auth=ca is not None)
-
-
-def policy_of(cfg: Config) -> PolicyConfig:
-    quotas = tuple((tier, q) for tier, q in (("device", cfg.tenant_device_quota), ("host", cfg.tenant_host_quota),
-                                              ("disk", cfg.tenant_disk_quota)) if q)
-    return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
-                        disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions,
-                        tenant_leases=cfg.tenant_leases, tenant_lease_bytes=int(cfg.tenant_lease_bytes))
 
 
 async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: asyncio.Event,
@@ -260,21 +252,18 @@ def serve(cfg: Config) -> int:
                 os.unlink(cfg.socket)  # left by a daemon that died: the lock says none is running
             stack.callback(lambda: os.path.exists(cfg.socket) and os.unlink(cfg.socket))
 
-        try:
-            machine = factory.build(cfg)
-        except (IndexFormatError, IndexUnavailable) as exc:
-            raise StartupError(f"{exc}; nothing was changed") from None
-        except factory.DiskIOUnavailable as exc:
-            raise StartupError(str(exc)) from None
-        stack.callback(machine.close)
         registry = CollectorRegistry()
         metrics = Metrics(registry)
         try:
-            store = Store(machine.tiers, machine.copier, machine.index, policy=policy_of(cfg), events=metrics,
-                          movers=cfg.movers, shm_prefix=machine.shm_prefix)
+            machine = build(cfg, events=metrics)
+        except (IndexFormatError, IndexUnavailable) as exc:
+            raise StartupError(f"{exc}; nothing was changed") from None
+        except DiskIOUnavailable as exc:
+            raise StartupError(str(exc)) from None
         except (OSError, TierdError) as exc:
-            raise StartupError(f"cannot open the disk tier under {cfg.data_dir}: {exc}") from None
-        stack.callback(lambda: store.close(flush=cfg.flush_on_stop))
+            raise StartupError(f"cannot open the tiers under {cfg.data_dir}: {exc}") from None
+        stack.callback(lambda: machine.close(flush=cfg.flush_on_stop))
+        store = machine.store
         backends = machine.backends  # each tier's live backend is in its stats and tierd_tier_backend_info
         metrics.set_backends(backends)
         metrics.watch(store)

@@ -1,6 +1,6 @@
 """Typed errors shared by the core, the API and the client.
 
-Each class maps to exactly one gRPC status (see tierd.api.status); the API
+Each class maps to exactly one gRPC status (see tierd.wire.status); the API
 sends the class name in trailing metadata so the client raises the same class.
 Errors keep the offending values as attributes.
 """

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import xxhash
 
-from tierd.testing import ROOT, Daemon
 from tierd.client import (
     FailedPrecondition,
     IdentityMismatch,
@@ -23,10 +22,11 @@ from tierd.client import (
 )
 from tierd.errors import TierdError
 from tierd.layout import EngineLayout
-from tierd.api.convert import spec_to_pb
-from tierd.api.wire import GET_METHOD, PUT_METHOD, _varint, chunk_message
+from tierd.testing import ROOT, Daemon
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire.chunks import GET_METHOD, PUT_METHOD, _varint, chunk_message
+from tierd.wire.convert import spec_to_pb
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 OTHER = KVSpec("test/llama-tiny", "r2", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)

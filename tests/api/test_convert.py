@@ -4,11 +4,11 @@ every time, not only the first."""
 
 import pytest
 
-from tierd.api.convert import info_from_pb, info_to_pb, spec_from_pb, spec_to_pb
 from tierd.errors import InvalidArgument
 from tierd.layout import KVSpec
 from tierd.types import SessionInfo
 from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.convert import info_from_pb, info_to_pb, spec_from_pb, spec_to_pb
 
 SPEC = KVSpec("test/llama", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 

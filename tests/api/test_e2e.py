@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 
 from tests.helpers import flip_in_arena, metric, wait_for
-from tierd.api.convert import spec_to_pb
-from tierd.client import Arena, DataLoss, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
+from tierd.client import (
+    Arena,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    KVSpec,
+    NotFound,
+    SharedKVCache,
+)
 from tierd.testing import Daemon
+from tierd.wire.convert import spec_to_pb
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 

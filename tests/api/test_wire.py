@@ -7,9 +7,9 @@ import os
 import pytest
 import xxhash
 
-from tierd.api.wire import _varint, chunk_message, read_chunk, read_header
 from tierd.errors import DataLoss
 from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.chunks import _varint, chunk_message, read_chunk, read_header
 
 SIZES = (0, 1, 127, 128, 16_383, 16_384, 1 << 20, (1 << 20) + 5)
 

@@ -4,14 +4,14 @@ in the middle of a benchmark run)."""
 
 import os
 
-from bench.index import build
+from bench.index import build_data_dir
 from tierd.core import tokens
 from tierd.core.index import DiskIndex
 
 
 def test_the_index_fixture_recovers_whole(tmp_path):
     data_dir = str(tmp_path / "data")
-    build(data_dir, sessions=5, pages=3)
+    build_data_dir(data_dir, sessions=5, pages=3)
     recs, problems = DiskIndex(os.path.join(data_dir, "index.db")).recover()
     assert problems == [] and len(recs) == 5
     assert all(r.row.num_pages == 3 and tokens.known(r.token_hashes) for r in recs)

@@ -2,7 +2,7 @@ import threading
 
 from tests.helpers import wait_for
 from tierd.core.mover import Job, Mover
-from tierd.transfer.ioqueue import Priority
+from tierd.tiers.ioqueue import Priority
 from tierd.types import SessionKey
 
 

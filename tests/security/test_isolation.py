@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 
 from tests.helpers import flip_in_arena
-from tierd.api.convert import spec_to_pb
-from tierd.api.fds import FDS_PER_TENANT, hand_over, intake_path
 from tierd.client import (
     Arena,
     DataLoss,
@@ -33,6 +31,8 @@ from tierd.testing import Daemon
 from tierd.tiers import shm
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire.convert import spec_to_pb
+from tierd.wire.fds import FDS_PER_TENANT, hand_over, intake_path
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 TOKENS = {"alice": "alice-secret", "bob": "bob-secret"}

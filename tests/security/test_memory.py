@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 
-from tierd.api.packed import encode, field
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.testing import Daemon
 from tierd.v1 import tierd_pb2 as pb
+from tierd.wire.packed import encode, field
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 OPAQUE = KVSpec.opaque("m", page_bytes=1 << 20)

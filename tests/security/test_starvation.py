@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from tests.helpers import metric
-from tierd.api.convert import spec_to_pb
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.errors import DeadlineExceeded
 from tierd.testing import Daemon
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire.convert import spec_to_pb
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 OPAQUE = KVSpec.opaque("m", page_bytes=1 << 20)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tierd.tiers.disk import DiskTier, aligned_buffer, probe_direct_io
-from tierd.transfer.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import PriorityExecutor
 
 MiB = 1 << 20
 

@@ -17,11 +17,11 @@ import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
+from tierd.errors import DataLoss
 from tierd.testing import ROOT
 from tierd.tiers import kvikio_io
 from tierd.tiers.disk import DiskTier
-from tierd.errors import DataLoss
-from tierd.transfer.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import PriorityExecutor
 
 
 class _Future:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC, HostEngine, Harness, host_tier
+from tests.helpers import SPEC, Harness, HostEngine, host_tier
 from tests.transfer.emulated_gpu import EmulatedKernels, compile_kernels
 from tierd.checksum import page_checksum
 from tierd.core.store import make_key
 from tierd.errors import DataLoss
 from tierd.tiers.device import DeviceTier
+from tierd.tiers.ioqueue import Priority
 from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Geometry, Span
 
 MiB = 1 << 20

@@ -1,6 +1,6 @@
 import threading
 
-from tierd.transfer.ioqueue import Priority, PriorityExecutor, wait_all
+from tierd.tiers.ioqueue import Priority, PriorityExecutor, wait_all
 
 
 def test_most_urgent_work_runs_first():

@@ -122,7 +122,7 @@ def _cuda() -> bool:
 def test_kernels_on_the_gpu_agree_with_the_cpu():
     import torch
 
-    from tierd.transfer.ioqueue import Priority
+    from tierd.tiers.ioqueue import Priority
 
     kernels = gpu.Kernels(0)
     src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device="cuda")

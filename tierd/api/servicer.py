@@ -4,7 +4,7 @@ Runs on the daemon's event loop. Every call passes a gate as it starts
 (_gated): its token is checked from its metadata before its message is even
 read, and it counts against its tenant's open calls; its message is parsed
 here (not by gRPC), so a malformed one is INVALID_ARGUMENT; long id lists
-are read as arrays (api/packed.py). Calls that copy bytes or may wait on a session run
+are read as arrays (wire/packed.py). Calls that copy bytes or may wait on a session run
 on the RPC threads, at most a few per tenant at once (api/limits.py); the
 waiting itself (a tenant's turn, WaitReady, a stream's next message) is
 done on the loop, so a stalled or slow client holds no thread. Put and Get
@@ -31,20 +31,9 @@ from google.protobuf.message import DecodeError
 from grpc._cython import cygrpc
 
 from tierd import __version__
-from tierd.api import packed
 from tierd.api.auth import Authenticator, Caller
-from tierd.api.convert import (
-    info_to_pb,
-    lease_to_pb,
-    lookup_to_pb,
-    optional_spec_from_pb,
-    spec_from_pb,
-)
-from tierd.api.fds import FdIntake
 from tierd.api.inflight import InflightBytes
 from tierd.api.limits import TenantLimits
-from tierd.api.status import ERROR_KEY, status_of
-from tierd.api.wire import PUT_ACCEPTED, checked, chunk_message, split_chunk
 from tierd.core.cuda_ipc import IpcRegion
 from tierd.core.engines import EngineRegistry
 from tierd.core.store import (
@@ -64,6 +53,17 @@ from tierd.errors import (
 from tierd.layout import EngineLayout, Segment
 from tierd.metrics import Metrics
 from tierd.v1 import tierd_pb2 as pb
+from tierd.wire import packed
+from tierd.wire.chunks import PUT_ACCEPTED, checked, chunk_message, split_chunk
+from tierd.wire.convert import (
+    info_to_pb,
+    lease_to_pb,
+    lookup_to_pb,
+    optional_spec_from_pb,
+    spec_from_pb,
+)
+from tierd.wire.fds import FdIntake
+from tierd.wire.status import ERROR_KEY, status_of
 
 log = logging.getLogger("tierd.api")
 _CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller")  # set by the gate, for the handler
@@ -109,7 +109,7 @@ class _Call:
 
 def _parse(cls: type, raw: bytes | memoryview) -> packed.Request:
     """A request message from its bytes, its long id fields apart
-    (api/packed.py); InvalidArgument (logged in one line) when it is not one."""
+    (wire/packed.py); InvalidArgument (logged in one line) when it is not one."""
     try:
         return packed.parse(cls, raw)
     except DecodeError as exc:
@@ -648,7 +648,7 @@ class OpenServices(grpc.aio.ServerInterceptor):
 def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
     """Register the servicer's handlers, each behind its gate (_gated). Every
     request reaches its handler as the bytes received (parsed there), and
-    Get's responses are sent as the bytes the handler built (tierd.api.wire)."""
+    Get's responses are sent as the bytes the handler built (tierd.wire.chunks)."""
     handlers = {}
     for method in SERVICE.methods:
         fn = getattr(servicer, method.name)

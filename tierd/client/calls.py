@@ -20,23 +20,6 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from tierd.api.convert import (
-    info_from_pb,
-    lease_from_pb,
-    lookup_from_pb,
-    optional_spec_to_pb,
-    spec_to_pb,
-)
-from tierd.api.fds import hand_over, intake_path
-from tierd.api.status import from_rpc_error
-from tierd.api.wire import (
-    GET_METHOD,
-    PUT_METHOD,
-    chunk_message,
-    put_accepted,
-    read_chunk,
-    read_header,
-)
 from tierd.config import default_runtime_dir
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import EngineLayout, KVSpec
@@ -51,6 +34,23 @@ from tierd.types import (
 )
 from tierd.v1 import tierd_pb2
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
+from tierd.wire.chunks import (
+    GET_METHOD,
+    PUT_METHOD,
+    chunk_message,
+    put_accepted,
+    read_chunk,
+    read_header,
+)
+from tierd.wire.convert import (
+    info_from_pb,
+    lease_from_pb,
+    lookup_from_pb,
+    optional_spec_to_pb,
+    spec_to_pb,
+)
+from tierd.wire.fds import hand_over, intake_path
+from tierd.wire.status import from_rpc_error
 
 DEFAULT_CHUNK = 1 << 20
 MAX_MESSAGE = 64 << 20
@@ -231,7 +231,7 @@ def cuda_region(tensor: Any) -> pb.Region:
 
 def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
                   priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest | bytes]:
-    """The header message, then the chunks in wire format (see tierd.api.wire).
+    """The header message, then the chunks in wire format (see tierd.wire.chunks).
     The arguments are checked and the header built before the stream starts:
     gRPC reports an error raised while it iterates the requests only as
     "Exception iterating requests!" (the async client, as a cancellation)."""
@@ -250,7 +250,7 @@ def _serialize(msg: pb.PutRequest | bytes) -> bytes:
 
 def _byte_streams(channel: Any) -> tuple[Any, Any]:
     """Get and Put on a channel (sync or asyncio), their chunk messages in
-    wire format both ways (see tierd.api.wire)."""
+    wire format both ways (see tierd.wire.chunks)."""
     return (channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
                                  response_deserializer=None),
             channel.stream_unary(PUT_METHOD, request_serializer=_serialize,

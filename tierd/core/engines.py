@@ -2,7 +2,7 @@
 into the daemon.
 
 Runs in the daemon (on the RPC threads). An engine hands over open
-descriptors of the shared memory holding its paged KV cache (api/fds.py
+descriptors of the shared memory holding its paged KV cache (wire/fds.py
 checks them: shared memory of the engine's own user, never the daemon's),
 or exports its GPU allocations as CUDA IPC handles; the daemon maps or opens
 them once at registration and copies blocks straight between them and its
@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierd.core.cuda_ipc import IpcCache, IpcRegion
-from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, shown
+from tierd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    shown,
+)
 from tierd.layout import EngineLayout, KVSpec
 from tierd.transfer.copier import EngineMemory
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierd.transfer.ioqueue import Priority
+from tierd.tiers.ioqueue import Priority
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.mover")

@@ -20,8 +20,8 @@ from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
+from tierd.tiers.ioqueue import Priority
 from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Span
 from tierd.types import SessionKey
 

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from tierd.tiers.allocator import Piece
+from tierd.tiers.ioqueue import Priority, PriorityExecutor, wait_all
 from tierd.tiers.slabs import SlabTier
-from tierd.transfer.ioqueue import Priority, PriorityExecutor, wait_all
 
 log = logging.getLogger("tierd.tiers.disk")
 ALIGN = 4096

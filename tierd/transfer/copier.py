@@ -27,8 +27,8 @@ from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, InvalidArgument
 from tierd.layout import EngineLayout
 from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.ioqueue import Priority, wait_all
 from tierd.transfer import gpu, memory
-from tierd.transfer.ioqueue import Priority, wait_all
 from tierd.transfer.runs import Geometry, MoveRun, Span, block_runs, overlap_runs
 
 DEFAULT_WINDOW = 16 << 20

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tierd.tiers import cuda_host
-from tierd.transfer.ioqueue import Priority
+from tierd.tiers.ioqueue import Priority
 
 log = logging.getLogger("tierd.transfer.gpu")
 

@@ -8,7 +8,7 @@ from tierd.core.store.leases import _SaveLease
 from tierd.core.store.upkeep import Upkeep
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.tiers import tier_rank
-from tierd.transfer.ioqueue import Priority
+from tierd.tiers.ioqueue import Priority
 from tierd.types import SessionInfo, TierStats
 
 

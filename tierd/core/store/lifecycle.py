@@ -22,7 +22,7 @@ from tierd.errors import (
 from tierd.policy.rules import DROP
 from tierd.tiers import TIER_ORDER, tier_rank
 from tierd.tiers.allocator import Piece
-from tierd.transfer.ioqueue import Priority
+from tierd.tiers.ioqueue import Priority
 from tierd.types import SessionInfo, SessionKey
 
 log = logging.getLogger("tierd.core.store")

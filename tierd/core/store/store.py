@@ -16,8 +16,8 @@ from tierd.core.rows import Problem
 from tierd.core.store.inspection import Inspection
 from tierd.errors import TierdError
 from tierd.policy import PolicyConfig
+from tierd.tiers.ioqueue import Priority
 from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import Priority
 
 log = logging.getLogger("tierd.core.store")
 

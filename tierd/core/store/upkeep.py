@@ -26,7 +26,7 @@ from tierd.policy import (
     plan_eviction,
     pressure_moves,
 )
-from tierd.transfer.ioqueue import Priority
+from tierd.tiers.ioqueue import Priority
 from tierd.types import BudgetResult, SessionKey
 
 log = logging.getLogger("tierd.core.store")

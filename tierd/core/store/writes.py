@@ -35,8 +35,8 @@ from tierd.errors import (
 )
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
+from tierd.tiers.ioqueue import Priority
 from tierd.transfer.copier import EngineMemory, PageWriter
-from tierd.transfer.ioqueue import Priority
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionInfo, SessionKey
 

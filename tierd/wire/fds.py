@@ -33,9 +33,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TierdError
+from tierd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TierdError,
+)
 
-log = logging.getLogger("tierd.api.fds")
+log = logging.getLogger("tierd.wire.fds")
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit on descriptors in one message
 FDS_PER_TENANT = 1024  # descriptors one tenant may have handed over and not yet registered
 TICKET_SECONDS = 60.0

@@ -1,9 +1,13 @@
-"""Probe the machine once at start and build the tiers it supports.
+"""The composition root: probe the machine once and build everything that
+holds KV (tiers, copy engine, disk index, the CUDA IPC cache, the store).
+The daemon, the tests' harness and the benches all build through build();
+nothing else constructs tiers for them.
 
 Each choice is logged in one line and kept in `backends`, which the metrics
 expose: whether there is a device tier (and on what), whether the host arena
 is pinned for DMA, which disk I/O path runs, whether GPU copies run as
-kernels, and whether engines may register GPU memory.
+kernels, and whether engines may register GPU memory. Runs once, on the
+main thread, before anything is served.
 """
 
 from __future__ import annotations
@@ -12,30 +16,47 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from tierd.config import AUTO, Config
+from tierd.clock import Clock
+from tierd.config import AUTO, Config, resolve_budgets
 from tierd.core.cuda_ipc import CupyDriver, IpcCache
+from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
+from tierd.core.store import Store
+from tierd.policy import PolicyConfig
 from tierd.tiers import shm
-from tierd.tiers.disk import DiskTier
+from tierd.tiers.disk import DiskTier, FileOps
 from tierd.tiers.host import HostTier
-from tierd.transfer.copier import CopyEngine
-from tierd.transfer.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import PriorityExecutor
+from tierd.transfer.copier import DEFAULT_WINDOW, CopyEngine
 
-log = logging.getLogger("tierd.tiers")
+log = logging.getLogger("tierd.machine")
 
 
 @dataclass
 class Machine:
+    store: Store
     tiers: dict
     copier: CopyEngine
-    index: DiskIndex
+    index: DiskIndex | None
     executor: PriorityExecutor
     backends: dict[str, str] = field(default_factory=dict)  # what was chosen, beside each tier's .backend
     ipc: IpcCache | None = None  # where engines may register GPU memory (CUDA IPC)
     shm_prefix: str = ""  # this run's shared-memory names: the arena's slabs and the lease segments
 
-    def close(self) -> None:
-        self.executor.shutdown()
+    def close(self, flush: bool = True) -> None:
+        """Close the store (with flush, what is not durable is written first), then the I/O threads."""
+        try:
+            self.store.close(flush=flush)
+        finally:
+            self.executor.shutdown()
+
+
+def policy_of(cfg: Config) -> PolicyConfig:
+    quotas = tuple((tier, q) for tier, q in (("device", cfg.tenant_device_quota), ("host", cfg.tenant_host_quota),
+                                              ("disk", cfg.tenant_disk_quota)) if q)
+    return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
+                        disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions,
+                        tenant_leases=cfg.tenant_leases, tenant_lease_bytes=int(cfg.tenant_lease_bytes))
 
 
 def probe_device(cfg: Config):
@@ -79,21 +100,37 @@ def probe_disk_io(cfg: Config, directory: str):
     return ops, what
 
 
-def build(cfg: Config) -> Machine:
-    """Tiers, copy engine and index for this machine; budgets must be resolved."""
+def build(cfg: Config, *, policy: PolicyConfig | None = None, clock: Clock | None = None,
+          events: StoreEvents | None = None, disk: bool = True, disk_ops: FileOps | None = None,
+          window_bytes: int = DEFAULT_WINDOW) -> Machine:
+    """Tiers, copy engine, index and store for this machine ("auto" budgets
+    resolved here), the store's sessions recovered from the index. policy: else
+    the configuration's; disk=False: no disk tier (a cache in memory only);
+    disk_ops: the disk tier's file operations (else probed: kvikio or POSIX)."""
     data_dir = os.path.abspath(cfg.data_dir)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    cfg = resolve_budgets(cfg)
     executor = PriorityExecutor(cfg.io_workers)
+    try:
+        return _build(cfg, data_dir, executor, policy or policy_of(cfg), clock, events, disk, disk_ops, window_bytes)
+    except BaseException:
+        executor.shutdown()
+        raise
+
+
+def _build(cfg: Config, data_dir: str, executor: PriorityExecutor, policy: PolicyConfig, clock: Clock | None,
+           events: StoreEvents | None, disk: bool, disk_ops: FileOps | None, window_bytes: int) -> Machine:
     device, device_text = probe_device(cfg)
     log.info("device tier: %s", device_text)
     prefix = shm.claim_prefix(data_dir)  # random per run; what a killed run left is removed
     pin = device is not None and device.device.type == "cuda"
-    host = HostTier(int(cfg.host_budget), prefix, int(cfg.host_slab), pin=pin)
-    slabs = os.path.join(data_dir, "slabs")
-    ops, why = probe_disk_io(cfg, slabs)
-    disk = DiskTier(int(cfg.disk_budget), slabs, executor, cfg.disk_slab, ops=ops)
-    log.info("disk tier: %s I/O under %s%s", disk.backend, disk.directory, f" ({why})" if ops is None else "")
-    tiers = {"host": host, "disk": disk}
+    tiers: dict = {"host": HostTier(int(cfg.host_budget), prefix, int(cfg.host_slab), pin=pin)}
+    index = None
+    if disk:
+        slabs = os.path.join(data_dir, "slabs")
+        ops, why = (disk_ops, "given") if disk_ops is not None else probe_disk_io(cfg, slabs)
+        tiers["disk"] = DiskTier(int(cfg.disk_budget), slabs, executor, cfg.disk_slab, ops=ops)
+        log.info("disk tier: %s I/O under %s%s", tiers["disk"].backend, slabs, f" ({why})" if ops is None else "")
     if device is not None:
         tiers["device"] = device
     verify = ("disk",) if cfg.verify == "disk" else tuple(tiers)
@@ -110,9 +147,19 @@ def build(cfg: Config) -> Machine:
     backends["gpu_copies"] = "kernels" if kernels is not None else "per-run"
     ipc = open_ipc() if pin else None
     backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
-    index = DiskIndex(os.path.join(data_dir, "index.db"))
-    return Machine(tiers, CopyEngine(tiers, verify_tiers=verify, kernels=kernels), index, executor, backends, ipc,
-                   prefix)
+    copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels)
+    if disk:
+        index = DiskIndex(os.path.join(data_dir, "index.db"))
+    try:
+        store = Store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
+                      shm_prefix=prefix)
+    except BaseException:
+        for tier in tiers.values():
+            tier.close()
+        if index is not None:
+            index.close()
+        raise
+    return Machine(store, tiers, copier, index, executor, backends, ipc, prefix)
 
 
 def open_ipc() -> IpcCache | None:
