@@ -31,8 +31,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from tierd import __version__
 from tierd.api.auth import Authenticator
+from tierd.api.gate import OpenServices, add_to_server
 from tierd.api.limits import TenantLimits
-from tierd.api.servicer import OpenServices, TierdServicer, add_to_server
+from tierd.api.servicer import TierdServicer
 from tierd.config import Config, resolve_budgets
 from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError, IndexUnavailable

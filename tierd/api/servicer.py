@@ -1,26 +1,29 @@
 """The tierd.v1.Tierd servicer: converts messages and calls the store.
 
 Runs on the daemon's event loop. Every call passes a gate as it starts
-(_gated): its token is checked from its metadata before its message is even
-read, and it counts against its tenant's open calls; its message is parsed
-here (not by gRPC), so a malformed one is INVALID_ARGUMENT; long id lists
-are read as arrays (wire/packed.py). Calls that copy bytes or may wait on a session run
-on the RPC threads, at most a few per tenant at once (api/limits.py); the
-waiting itself (a tenant's turn, WaitReady, a stream's next message) is
-done on the loop, so a stalled or slow client holds no thread. Put and Get
-streams end when the client makes no progress for the idle deadline, and
-give back every byte and lock they held however they end. Every call is
-timed, and every TierdError becomes its one gRPC status.
+(api/gate.py): its token is checked from its metadata before its message is
+even read, and it counts against its tenant's open calls; its message is
+parsed by the handler (not by gRPC), so a malformed one is INVALID_ARGUMENT;
+long id lists are read as arrays (wire/packed.py). Calls that copy bytes
+or may wait on a session run on the RPC threads, at most a few per tenant
+at once (api/limits.py); the waiting itself (a tenant's turn, WaitReady, a
+stream's next message) is done on the loop, so a stalled or slow client
+holds no thread. Put and Get streams end when the client makes no progress
+for the idle deadline, and give back every byte and lock they held however
+they end. Every call is timed, and every TierdError becomes its one gRPC
+status.
+
+One method per call of the service, in the proto's order; most are a few
+lines from message to store and back. Longer than this package's other
+modules because the service has 23 calls, not because a method mixes
+concerns: Put, Get and WaitReady, the streaming ones, are the long ones.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
-import inspect
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -28,10 +31,10 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
-from grpc._cython import cygrpc
 
 from tierd import __version__
 from tierd.api.auth import Authenticator, Caller
+from tierd.api.gate import CALLER, Call, parse, unary, within
 from tierd.api.inflight import InflightBytes
 from tierd.api.limits import TenantLimits
 from tierd.core.cuda_ipc import IpcRegion
@@ -45,7 +48,6 @@ from tierd.core.store import (
 )
 from tierd.errors import (
     DataLoss,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     TierdError,
@@ -63,89 +65,10 @@ from tierd.wire.convert import (
     spec_from_pb,
 )
 from tierd.wire.fds import FdIntake
-from tierd.wire.status import ERROR_KEY, status_of
 
 log = logging.getLogger("tierd.api")
-_CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller")  # set by the gate, for the handler
 MAX_WAIT_SECONDS = 600.0
 MAX_GET_CHUNK = 4 << 20
-
-
-class _ClientGone(Exception):
-    """A message could not be sent or read: the client has left the call."""
-SERVICE = pb.DESCRIPTOR.services_by_name["Tierd"]
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    if isinstance(exc, TierdError):
-        context.set_trailing_metadata(((ERROR_KEY, type(exc).__name__),))
-        await context.abort(status_of(exc), exc.message)
-    log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the daemon log")
-
-
-class _Call:
-    """Times one call and counts its outcome once. A failure is counted before
-    the caller hears of it, so a scrape right after an error sees the error."""
-
-    def __init__(self, metrics: Metrics, method: str) -> None:
-        self.metrics, self.method, self.t0, self.counted = metrics, method, time.perf_counter(), False
-        metrics.rpc_started(method)
-
-    def count(self, code: str | None) -> None:
-        if not self.counted:
-            self.counted = True
-            self.metrics.rpc(self.method, time.perf_counter() - self.t0, code)
-
-    async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        if isinstance(exc, _ClientGone) or context.cancelled() or context.done():
-            # The client left (or the call is over): nobody to tell, nothing the daemon did wrong.
-            self.count("CANCELLED")
-            log.debug("%s: the client went away (%s)", self.method, type(exc).__name__)
-            return
-        self.count(exc.code if isinstance(exc, TierdError) else "INTERNAL")
-        await _abort(context, exc)
-
-
-def _parse(cls: type, raw: bytes | memoryview) -> packed.Request:
-    """A request message from its bytes, its long id fields apart
-    (wire/packed.py); InvalidArgument (logged in one line) when it is not one."""
-    try:
-        return packed.parse(cls, raw)
-    except DecodeError as exc:
-        log.info("%s: a malformed request was refused (%s)", cls.DESCRIPTOR.name, exc)
-        raise InvalidArgument(f"the request is not a valid {cls.DESCRIPTOR.name} message "
-                              "(malformed protobuf, or a string that is not UTF-8)") from None
-
-
-def _unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
-    """Wrap fn(self, request, caller) -> response as a timed async handler that
-    parses the request (the gate has checked the caller); blocking ones run on
-    the RPC threads. If the
-    call is cancelled while fn runs, undo(self, caller, response) takes back
-    what fn made for a client that will never hear of it."""
-
-    def wrap(fn: Callable) -> Callable:
-        cls = getattr(pb, SERVICE.methods_by_name[fn.__name__].input_type.name)
-
-        @functools.wraps(fn)
-        async def handler(self: TierdServicer, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            call = _Call(self.metrics, fn.__name__)
-            try:
-                caller = _CALLER.get()
-                req = _parse(cls, raw)
-                if blocking:
-                    return await self.blocking(caller.tenant, fn, self, req, caller,
-                                               undo=undo and functools.partial(undo, self, caller))
-                return fn(self, req, caller)
-            except Exception as exc:
-                await call.fail(context, exc)
-            finally:
-                call.count(None)
-
-        return handler
-
-    return wrap
 
 
 def _layout(req: Any, spec: Any) -> EngineLayout:
@@ -223,7 +146,7 @@ class TierdServicer:
 
     # -- engine memory ---------------------------------------------------------
 
-    @_unary(blocking=True, undo=lambda self, caller, r: self.engines.unregister(caller.tenant, r.engine_id))
+    @unary(blocking=True, undo=lambda self, caller, r: self.engines.unregister(caller.tenant, r.engine_id))
     def RegisterEngine(self, req: Any, caller: Caller) -> pb.RegisterEngineResponse:
         spec = spec_from_pb(req.spec)
         layout = _layout(req, spec)
@@ -256,12 +179,12 @@ class TierdServicer:
             ticket.close()  # mapped now (or refused): the descriptors are not needed
         return pb.RegisterEngineResponse(engine_id=engine.engine_id)
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def UnregisterEngine(self, req: Any, caller: Caller) -> pb.Empty:
         self.engines.unregister(caller.tenant, req.engine_id)
         return pb.Empty()
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def Save(self, req: Any, caller: Caller) -> pb.SessionInfo:
         key = make_key(caller.tenant, req.session_id)
         with self.engines.use(caller.tenant, req.engine_id) as engine:
@@ -272,7 +195,7 @@ class TierdServicer:
                                        _token_ids(req.id_field("token_ids"), want=req.num_tokens))
         return info_to_pb(info)
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def Restore(self, req: Any, caller: Caller) -> pb.RestoreResponse:
         key = make_key(caller.tenant, req.session_id)
         with self.engines.use(caller.tenant, req.engine_id) as engine:
@@ -284,7 +207,7 @@ class TierdServicer:
 
     # -- leases and lookup ------------------------------------------------------------
 
-    @_unary(blocking=True, undo=lambda self, caller, lease: self.store.abort_save(caller.tenant, lease.lease_id))
+    @unary(blocking=True, undo=lambda self, caller, lease: self.store.abort_save(caller.tenant, lease.lease_id))
     def BeginSave(self, req: Any, caller: Caller) -> pb.Lease:
         lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
                                       req.start_token, _token_ids(req.id_field("token_ids"), want=req.num_tokens),
@@ -292,16 +215,16 @@ class TierdServicer:
                                       req.ttl_seconds or DEFAULT_LEASE_SECONDS)
         return lease_to_pb(lease)
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def CommitSave(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.commit_save(caller.tenant, req.lease_id))
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def AbortSave(self, req: Any, caller: Caller) -> pb.Empty:
         self.store.abort_save(caller.tenant, req.lease_id)
         return pb.Empty()
 
-    @_unary(blocking=True, undo=lambda self, caller, lease: self.store.end_restore(caller.tenant, lease.lease_id))
+    @unary(blocking=True, undo=lambda self, caller, lease: self.store.end_restore(caller.tenant, lease.lease_id))
     def BeginRestore(self, req: Any, caller: Caller) -> pb.Lease:
         key = make_key(caller.tenant, req.session_id)
         raw = req.id_field("token_ids")
@@ -310,12 +233,12 @@ class TierdServicer:
                                          req.ttl_seconds or DEFAULT_LEASE_SECONDS, prompt)
         return lease_to_pb(lease)
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def EndRestore(self, req: Any, caller: Caller) -> pb.Empty:
         self.store.end_restore(caller.tenant, req.lease_id)
         return pb.Empty()
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def Lookup(self, req: Any, caller: Caller) -> pb.LookupResponse:
         # Only as many of the prompt's ids as the snapshot holds tokens can match: the rest stay undecoded.
         key = make_key(caller.tenant, req.session_id)
@@ -333,14 +256,14 @@ class TierdServicer:
         await self._within(context.write(message), "the Get stream's reader took nothing")
 
     async def _within(self, op: Any, stalled: str) -> Any:
-        return await _within(op, self.idle_seconds, stalled)
+        return await within(op, self.idle_seconds, stalled)
 
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        call = _Call(self.metrics, "Put")
+        call = Call(self.metrics, "Put")
         write: PendingWrite | None = None
         try:
             try:
-                caller = _CALLER.get()
+                caller = CALLER.get()
                 head = _put_header(await self._read(context))
                 key = make_key(caller.tenant, head.session_id)
                 spec = spec_from_pb(head.spec)
@@ -373,13 +296,13 @@ class TierdServicer:
             call.count(None)
 
     async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
-        call = _Call(self.metrics, "Get")
+        call = Call(self.metrics, "Get")
         reader: SnapshotReader | None = None
         batch = None  # the RPC thread's work on the reader, while it runs
         try:
             try:
-                caller = _CALLER.get()
-                req = _parse(pb.GetRequest, raw)
+                caller = CALLER.get()
+                req = parse(pb.GetRequest, raw)
                 key = make_key(caller.tenant, req.session_id)
                 with self.limits.stream(caller.tenant):
                     # A chunk is at most 4 MiB (or the configured default): gRPC holds a few per open stream.
@@ -417,7 +340,7 @@ class TierdServicer:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    @_unary()
+    @unary()
     def Prefetch(self, req: Any, caller: Caller) -> pb.PrefetchResponse:
         key = make_key(caller.tenant, req.session_id)
         if req.deadline_seconds < 0:
@@ -428,10 +351,10 @@ class TierdServicer:
 
     async def WaitReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.WaitReadyResponse:
         """Waits on the loop, woken by the store's changes: no thread is held."""
-        call = _Call(self.metrics, "WaitReady")
+        call = Call(self.metrics, "WaitReady")
         try:
-            caller = _CALLER.get()
-            req = _parse(pb.WaitReadyRequest, raw)
+            caller = CALLER.get()
+            req = parse(pb.WaitReadyRequest, raw)
             key = make_key(caller.tenant, req.session_id)
             if not 0 <= req.timeout_seconds <= MAX_WAIT_SECONDS:
                 raise InvalidArgument(f"timeout_seconds must be 0 to {MAX_WAIT_SECONDS:.0f}", field="timeout_seconds")
@@ -452,30 +375,30 @@ class TierdServicer:
         finally:
             call.count(None)
 
-    @_unary()
+    @unary()
     def Release(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.release(make_key(caller.tenant, req.session_id)))
 
-    @_unary()
+    @unary()
     def Pin(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.pin(make_key(caller.tenant, req.session_id)))
 
-    @_unary()
+    @unary()
     def Unpin(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.unpin(make_key(caller.tenant, req.session_id)))
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def Drop(self, req: Any, caller: Caller) -> pb.Empty:
         self.store.drop(make_key(caller.tenant, req.session_id))
         return pb.Empty()
 
     # -- inspection and control --------------------------------------------------------
 
-    @_unary()
+    @unary()
     def Stat(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.store.stat(make_key(caller.tenant, req.session_id)))
 
-    @_unary()
+    @unary()
     def List(self, req: Any, caller: Caller) -> pb.ListResponse:
         if req.all_tenants:
             caller.require_admin("listing every tenant's sessions")
@@ -483,7 +406,7 @@ class TierdServicer:
                                       limit=req.limit or 100)
         return pb.ListResponse(sessions=[info_to_pb(i) for i in page], next_page_token=token)
 
-    @_unary(blocking=True)  # counts sessions per tier: O(sessions), off the event loop
+    @unary(blocking=True)  # counts sessions per tier: O(sessions), off the event loop
     def Stats(self, req: Any, caller: Caller) -> pb.StatsResponse:
         # A tenant sees its own sessions and bytes per tier, budgets and backends.
         # Traffic per route (bandwidth, bytes moved, copies) and the tiers' mapped
@@ -500,7 +423,7 @@ class TierdServicer:
             reply.copy_ops = copier.copy_ops
         return reply
 
-    @_unary(blocking=True)
+    @unary(blocking=True)
     def SetBudget(self, req: Any, caller: Caller) -> pb.SetBudgetResponse:
         caller.require_admin("changing a budget")
         r = self.store.set_budget(req.tier, req.budget)
@@ -508,7 +431,7 @@ class TierdServicer:
                                     released_bytes=r.released_bytes, moved_sessions=r.moved_sessions,
                                     seconds=r.seconds)
 
-    @_unary()
+    @unary()
     def Advise(self, req: Any, caller: Caller) -> pb.AdviseResponse:
         a = self.store.advise(make_key(caller.tenant, req.session_id), req.prefill_tokens_per_s)
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
@@ -556,112 +479,6 @@ def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
     return out
 
 
-async def _within(op: Any, seconds: float, stalled: str) -> Any:
-    """A call's read or write, ended when the client makes no progress for
-    `seconds`. Not wait_for: that waits for the cancelled operation to
-    finish, which a stalled client never lets happen."""
-    task = asyncio.ensure_future(op)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen, however the call ends
-    done, _ = await asyncio.wait((task,), timeout=seconds)
-    if not done:
-        task.cancel()
-        raise DeadlineExceeded(f"{stalled} for {seconds:g} s")
-    try:
-        return task.result()
-    except cygrpc.BaseError as exc:  # the call is over on gRPC's side
-        raise _ClientGone() from exc
-
-
-def _gated(servicer: TierdServicer, fn: Callable, read: bool) -> Callable:
-    """fn as the call's behavior, behind a gate that runs as the call starts,
-    before any message is read: the caller's token is checked (a call
-    without a valid one is refused at once, holding nothing) and the call is
-    counted against its tenant's open calls; then the request message (for
-    calls of one message) must arrive within the idle deadline. Unary calls
-    are served as request streams for this: gRPC would otherwise hold the
-    call, and one of its --max-concurrent-rpcs, until the message came."""
-
-    async def behavior(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            caller = servicer.auth.identify(context.invocation_metadata())
-            _CALLER.set(caller)
-            with servicer.limits.call(caller.tenant):
-                if not read:
-                    return await fn(request_iterator, context)
-                raw = await servicer._read(context, f"the {fn.__name__} call")
-                if raw is grpc.aio.EOF:
-                    raise InvalidArgument(f"the {fn.__name__} call carried no request")
-                return await fn(raw, context)
-        except grpc.aio.AbortError:
-            raise  # fn has told the client already
-        except Exception as exc:
-            await _Call(servicer.metrics, fn.__name__).fail(context, exc)
-
-    return behavior
-
-
-class OpenServices(grpc.aio.ServerInterceptor):
-    """Health and reflection answer anyone, token or not: at most `limit` of
-    their calls run at once, whoever makes them, and a call of one request
-    must send it within the idle deadline. (Unbounded, calls that sent
-    nothing held every one of --max-concurrent-rpcs.) The Tierd service's
-    calls pass through: its own gate bounds them (_gated)."""
-
-    def __init__(self, limit: int, idle_seconds: float) -> None:
-        self.limit, self.idle_seconds, self.open = limit, idle_seconds, 0
-
-    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(f"/{SERVICE.full_name}/"):
-            return handler
-        inner = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
-
-        async def behavior(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            if self.open >= self.limit:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many health and reflection calls")
-            self.open += 1
-            try:
-                request = request_iterator
-                if not handler.request_streaming:
-                    raw = await _within(context.read(), self.idle_seconds, f"the {details.method} call sent nothing")
-                    if raw is grpc.aio.EOF:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
-                    request = handler.request_deserializer(raw)
-                result = inner(request, context)
-                if inspect.isasyncgen(result):  # responses yielded: sent one by one
-                    async for response in result:
-                        await context.write(response)
-                    return None
-                return await result
-            except DeadlineExceeded as exc:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, exc.message)
-            finally:
-                self.open -= 1
-
-        # A request stream keeps its deserializer; a single request is read raw, then deserialized above.
-        deserializer = handler.request_deserializer if handler.request_streaming else None
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(behavior, deserializer, handler.response_serializer)
-        return grpc.stream_unary_rpc_method_handler(behavior, deserializer, handler.response_serializer)
-
-
-def add_to_server(servicer: TierdServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer's handlers, each behind its gate (_gated). Every
-    request reaches its handler as the bytes received (parsed there), and
-    Get's responses are sent as the bytes the handler built (tierd.wire.chunks)."""
-    handlers = {}
-    for method in SERVICE.methods:
-        fn = getattr(servicer, method.name)
-        behavior = _gated(servicer, fn, read=not method.client_streaming)
-        if method.server_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, None, None)
-        else:
-            out = getattr(pb, method.output_type.name).SerializeToString
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(behavior, None, out)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
-
-
 def _put_header(raw: Any) -> packed.Request:
     """The PutHeader that opens a Put stream (its token ids apart, uncopied)."""
     try:
@@ -670,7 +487,7 @@ def _put_header(raw: Any) -> packed.Request:
         parts = []
     if len(parts) != 1 or parts[0][:2] != (pb.PutRequest.DESCRIPTOR.fields_by_name["header"].number, 2):
         raise InvalidArgument("a Put stream starts with its header", field="header")
-    return _parse(pb.PutHeader, parts[0][3])
+    return parse(pb.PutHeader, parts[0][3])
 
 
 def _put_chunk(raw: bytes, n: int) -> tuple[memoryview, int]:
