@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from tierd.tiers import FILE
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import Priority, PriorityExecutor, wait_all
 from tierd.tiers.slabs import SlabTier
@@ -95,6 +96,7 @@ def probe_direct_io(directory: str) -> bool:
 
 class DiskTier(SlabTier):
     name = "disk"
+    medium = FILE
 
     def __init__(self, budget: int, directory: str, executor: PriorityExecutor, slab_bytes: int = 1 << 30,
                  direct: bool | None = None, ops: FileOps | None = None) -> None:
@@ -214,6 +216,13 @@ class DiskTier(SlabTier):
     def device_io(self) -> bool:
         """Whether reads and writes take GPU memory (tensors) as well as host arrays."""
         return self.ops.device_io
+
+    def takes(self, buf: Any) -> bool:
+        """Whether read and write take buf as it is: host arrays (4096-aligned
+        under O_DIRECT), and GPU memory where device_io."""
+        if not isinstance(buf, np.ndarray):
+            return self.ops.device_io
+        return not self.direct or not (buf.ctypes.data % ALIGN or buf.nbytes % ALIGN)
 
     def _check_buffer(self, buf: Any, offset: int) -> None:
         if not isinstance(buf, np.ndarray):

@@ -1,13 +1,16 @@
 """The copy engine: every byte tierd moves goes through here.
 
-Tier-to-tier moves are routed by (source medium, destination medium) to one
-handler each; engine gathers and scatters go run by run, one copy per run and
-segment, or, where the GPU kernels reach both sides, all of a call's runs in
-one kernel launch. Pages handed out of the daemon (to engine memory, a
+Tier-to-tier moves go through the handler registered for the media of
+their two tiers (transfer/routes.py); engine gathers and scatters go run by
+run, one copy per run and segment, or, where the GPU kernels reach both
+sides, all of a call's runs in one kernel launch. Pages handed out of the daemon (to engine memory, a
 lease, a Get stream) are checked against their checksums whatever the tier;
 pages moved between tiers, where they are read from a tier that could corrupt
-them (disk always). Nothing that fails its check leaves the copy engine.
-Counts copy operations and keeps a moving average of bandwidth per route.
+them (a file tier, the disk, always). Nothing that fails its check leaves the
+copy engine. Counts copy operations and keeps a moving average of bandwidth
+per route. Runs on the thread that calls it: RPC threads (save, restore,
+Put, Get), movers (demotions, write-backs) and its own CPU workers for
+large host copies.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import numpy as np
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, InvalidArgument
 from tierd.layout import EngineLayout
+from tierd.tiers import FILE
 from tierd.tiers.disk import aligned_buffer
 from tierd.tiers.ioqueue import Priority, wait_all
 from tierd.transfer import gpu, memory
-from tierd.transfer.runs import Geometry, MoveRun, Span, block_runs, overlap_runs
+from tierd.transfer.routes import route_of
+from tierd.transfer.runs import Geometry, Span, block_runs, overlap_runs
 
 DEFAULT_WINDOW = 16 << 20
 EWMA_ALPHA = 0.3
@@ -66,18 +71,10 @@ class CopyEngine:
         self._lock = threading.Lock()
         self._bounce_pool: list[np.ndarray] = []
         self._device_pool: list[Any] = []  # GPU staging buffers, where disk reads go straight to the GPU
-        self._routes: dict[tuple[str, str], Callable[[MoveRun, Geometry, np.ndarray, int], None]] = {
-            ("host", "disk"): self._host_to_disk,
-            ("disk", "host"): self._disk_to_host,
-            ("host", "device"): self._view_to_view,
-            ("device", "host"): self._view_to_view,
-            ("disk", "device"): self._disk_to_device,
-            ("device", "disk"): self._device_to_disk,
-        }
 
     # -- bookkeeping ---------------------------------------------------------
 
-    def _count(self, n: int = 1) -> None:
+    def add_copies(self, n: int = 1) -> None:
         with self._lock:
             self.copy_ops += n
 
@@ -116,11 +113,11 @@ class CopyEngine:
         return (self.kernels is not None and disk is not None and disk.device_io
                 and all(not isinstance(r, np.ndarray) and self.kernels.reaches(r) for r in engine.regions))
 
-    def _view(self, tier: str, offset: int, nbytes: int) -> Any:
+    def view(self, tier: str, offset: int, nbytes: int) -> Any:
         return self.tiers[tier].view(offset, nbytes)
 
-    def _verify(self, buf: Any, first_page: int, count: int, geom: Geometry, checksums: np.ndarray,
-                tier: str = "disk") -> None:
+    def verify(self, buf: Any, first_page: int, count: int, geom: Geometry, checksums: np.ndarray,
+               tier: str) -> None:
         got = self._page_sums([(buf, first_page, count)], geom)
         bad = np.flatnonzero(got != checksums[first_page : first_page + count])
         if bad.size:
@@ -170,33 +167,38 @@ class CopyEngine:
         daemon); host spans are left to the caller to check where it says it
         checks them (as it uses them: in cache, or on the event loop in small
         steps). Host and device spans come out whole, as views (no copy);
-        disk spans through staging buffers (aligned host memory, or GPU memory
-        with on_device), read_ahead windows ahead of the caller."""
+        spans of a file tier (disk) through staging buffers (aligned host
+        memory, or GPU memory with on_device), read_ahead windows ahead of the
+        caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
-        disk_jobs: list[tuple[int, int, int]] = []
+        file_jobs: list[tuple[int, int, int]] = []  # windows of file_tier, read together
+        file_tier = ""
         for span in spans:
-            if span.tier != "disk":
-                yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device, read_ahead)
-                disk_jobs = []
-                buf = self._view(span.tier, span.offset, span.n_pages * stride)
+            if self.tiers[span.tier].medium != FILE or span.tier != file_tier:
+                yield from self._read_windows(file_tier, file_jobs, geom, checksums, priority, on_device, read_ahead)
+                file_jobs, file_tier = [], ""
+            if self.tiers[span.tier].medium != FILE:
+                buf = self.view(span.tier, span.offset, span.n_pages * stride)
                 if (handout or span.tier in self.verify_tiers) and not (span.tier == "host" and host_checked_by_caller):
-                    self._verify(buf, span.first_page, span.n_pages, geom, checksums, span.tier)
+                    self.verify(buf, span.first_page, span.n_pages, geom, checksums, span.tier)
                 yield span.first_page, span.n_pages, span.tier, buf
                 continue
+            file_tier = span.tier
             for k in range(0, span.n_pages, per_window):
                 count = min(per_window, span.n_pages - k)
-                disk_jobs.append((span.first_page + k, count, span.offset + k * stride))
-        yield from self._flush_disk(disk_jobs, geom, checksums, priority, on_device, read_ahead)
+                file_jobs.append((span.first_page + k, count, span.offset + k * stride))
+        yield from self._read_windows(file_tier, file_jobs, geom, checksums, priority, on_device, read_ahead)
 
-    def _flush_disk(self, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
-                    priority: int, on_device: bool = False,
-                    read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
-        """Read disk windows read_ahead deep: while the caller uses one window,
-        the next ones are already being read."""
+    def _read_windows(self, tier: str, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
+                      priority: int, on_device: bool = False,
+                      read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
+        """Read windows of a file tier read_ahead deep: while the caller uses
+        one window, the next ones are already being read. Each is checked
+        before the caller sees it."""
         if not jobs:
             return
-        disk = self.tiers["disk"]
+        file = self.tiers[tier]
         stride = geom.stride
         size = max(min(self.window_bytes, max(c for _, c, _ in jobs) * stride), stride)
         buffers = [self._bounce(size, on_device) for _ in range(min(read_ahead, len(jobs)))]
@@ -206,7 +208,7 @@ class CopyEngine:
             if i < len(jobs):
                 _, count, offset = jobs[i]
                 buf = buffers[i % len(buffers)][: count * stride]
-                pending[i] = (disk.read_async(offset, buf, priority), time.perf_counter())
+                pending[i] = (file.read_async(offset, buf, priority), time.perf_counter())
 
         for i in range(len(buffers)):
             start(i)
@@ -214,10 +216,11 @@ class CopyEngine:
             for i, (page, count, _) in enumerate(jobs):
                 futures, t0 = pending.pop(i)
                 wait_all(futures)
-                self.record("disk->device" if on_device else "disk->host", count * stride, time.perf_counter() - t0)
+                self.record(f"{tier}->device" if on_device else f"{tier}->host", count * stride,
+                            time.perf_counter() - t0)
                 buf = buffers[i % len(buffers)][: count * stride]
-                self._verify(buf, page, count, geom, checksums)
-                yield page, count, "disk", buf
+                self.verify(buf, page, count, geom, checksums, tier)
+                yield page, count, tier, buf
                 start(i + len(buffers))  # the caller is done with this buffer
         finally:
             for futures, _ in pending.values():
@@ -245,7 +248,7 @@ class CopyEngine:
         launch: list[gpu.Copy] = []
         touched = []
         for run in block_runs(dst, block_ids, geom.stride, first_page):
-            buf = self._view(run.tier, run.offset, run.count * geom.stride)
+            buf = self.view(run.tier, run.offset, run.count * geom.stride)
             pairs = [(memory.rows(buf, seg_off, run.count, geom.stride, seg.nbytes),
                       memory.rows(engine.regions[seg.region], seg.offset + run.block * seg.stride, run.count,
                                   seg.stride, seg.nbytes))
@@ -256,7 +259,7 @@ class CopyEngine:
                 else:
                     for d, s in pairs:
                         memory.copy(d, s)
-                        self._count()
+                        self.add_copies()
                 touched.append(buf)
                 continue
             per_chunk = max(1, self.hash_chunk_bytes // geom.stride)
@@ -266,7 +269,7 @@ class CopyEngine:
         _run_jobs(jobs)
         if launch:
             self.kernels.copy(launch, Priority.DEMAND)  # every run and segment in one launch
-            self._count()
+            self.add_copies()
         if touched:  # pages in tensors (a save lands in one tier): hashed on the GPU, or from host copies
             memory.synchronize(*touched, *engine.regions)
             sums = self.checksums(dst, geom)
@@ -279,7 +282,7 @@ class CopyEngine:
         """Pages [start, end) of one run: copy every segment, then hash the pages."""
         for d, s in pairs:
             np.copyto(d[start:end], s[start:end])  # numpy copies on this thread, without the GIL
-        self._count(len(pairs))
+        self.add_copies(len(pairs))
         stride = geom.stride
         for i in range(start, end):
             page = run_page + i
@@ -313,14 +316,14 @@ class CopyEngine:
             elif self._reachable(*(v for pair in pairs for v in pair[2:])):
                 launch.extend(gpu.copy_of(d, s) for _, _, d, s in pairs)
                 launched_bytes[tier] = launched_bytes.get(tier, 0) + count * geom.page_bytes
-                if tier == "disk":
+                if self.tiers[tier].medium == FILE:  # its staging buffer is reused for the next window
                     self._launch(launch, launched_bytes, priority, t_call)
                 continue
             else:
                 for _, _, d, s in pairs:
                     memory.copy(d, s)
                 memory.synchronize(buf, *engine.regions)
-            self._count(len(pairs))
+            self.add_copies(len(pairs))
             self.record(f"{tier}->engine", count * geom.page_bytes, time.perf_counter() - t0)
         self._launch(launch, launched_bytes, priority, t_call)
 
@@ -343,14 +346,14 @@ class CopyEngine:
             lo, hi = max(a, start), min(b, start + n)
             if lo < hi:
                 np.copyto(d[lo - start : hi - start], s[lo - start : hi - start])  # without the GIL
-        self._verify(buf[a * geom.stride : b * geom.stride], first + a, b - a, geom, checksums, "host")
+        self.verify(buf[a * geom.stride : b * geom.stride], first + a, b - a, geom, checksums, "host")
 
     def _launch(self, launch: list[gpu.Copy], nbytes: dict[str, int], priority: int, t0: float) -> None:
         """Run the collected copies in one launch and record them."""
         if not launch:
             return
         self.kernels.copy(launch, priority)
-        self._count()
+        self.add_copies()
         seconds = time.perf_counter() - t0
         for tier, b in nbytes.items():
             self.record(f"{tier}->engine", b, seconds)
@@ -365,74 +368,11 @@ class CopyEngine:
         moved = 0
         for run in overlap_runs(src, dst, geom.stride):
             t0 = time.perf_counter()
-            self._routes[(run.src_tier, run.dst_tier)](run, geom, checksums, priority)
+            route_of(self.tiers[run.src_tier], self.tiers[run.dst_tier])(self, run, geom, checksums, priority)
             nbytes = run.count * geom.stride
             self.record(f"{run.src_tier}->{run.dst_tier}", nbytes, time.perf_counter() - t0)
             moved += nbytes
         return moved
-
-    def _view_to_view(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
-        nbytes = run.count * geom.stride
-        src = self._view(run.src_tier, run.src_offset, nbytes)
-        if run.src_tier in self.verify_tiers:
-            self._verify(src, run.page, run.count, geom, checksums, run.src_tier)
-        dst = self._view(run.dst_tier, run.dst_offset, nbytes)
-        if self.kernels is not None:
-            self.kernels.dma(dst, src, priority)  # on the stream of the move's priority
-        else:
-            memory.copy(dst, src)
-            memory.synchronize(dst, src)
-        self._count()
-
-    def _host_to_disk(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
-        src = self._view("host", run.src_offset, run.count * geom.stride)
-        if "host" in self.verify_tiers:
-            self._verify(src, run.page, run.count, geom, checksums, "host")
-        self.tiers["disk"].write(run.dst_offset, src, priority)
-        self._count()
-
-    def _disk_to_host(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
-        dst = self._view("host", run.dst_offset, run.count * geom.stride)
-        self.tiers["disk"].read(run.src_offset, dst, priority)
-        self._count()
-        self._verify(dst, run.page, run.count, geom, checksums)
-
-    def _disk_to_device(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
-        disk = self.tiers["disk"]
-        if disk.device_io:  # straight into VRAM (GPUDirect Storage where the machine has it)
-            dst = self._view("device", run.dst_offset, run.count * geom.stride)
-            disk.read(run.src_offset, dst, priority)
-            self._count()
-            self._verify(dst, run.page, run.count, geom, checksums)
-            return
-        span = Span(run.page, run.count, "disk", run.src_offset)
-        for first, count, _, buf in self.windows([span], geom, checksums, priority):
-            dst = self._view("device", run.dst_offset + (first - run.page) * geom.stride, count * geom.stride)
-            memory.copy(dst, buf)
-            memory.synchronize(dst)
-            self._count()
-
-    def _device_to_disk(self, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
-        disk = self.tiers["disk"]
-        stride = geom.stride
-        if disk.device_io:  # straight from VRAM
-            src = self._view("device", run.src_offset, run.count * stride)
-            if "device" in self.verify_tiers:
-                self._verify(src, run.page, run.count, geom, checksums, "device")
-            disk.write(run.dst_offset, src, priority)
-            self._count()
-            return
-        per_window = max(1, self.window_bytes // stride)
-        bounce = aligned_buffer(min(run.count, per_window) * stride)
-        for k in range(0, run.count, per_window):
-            count = min(per_window, run.count - k)
-            src = self._view("device", run.src_offset + k * stride, count * stride)
-            memory.copy(bounce[: count * stride], src)
-            memory.synchronize(src)
-            if "device" in self.verify_tiers:
-                self._verify(bounce, run.page + k, count, geom, checksums, "device")
-            disk.write(run.dst_offset + k * stride, bounce[: count * stride], priority)
-            self._count()
 
     # -- byte streams (Put / Get) ------------------------------------------------
 
@@ -460,7 +400,7 @@ class CopyEngine:
                 size = geom.size_of(first + i)
                 page = memoryview(host[i * geom.stride : i * geom.stride + size])
                 if tier == "host" and page_checksum(page) != checksums[first + i]:
-                    self._verify(host[i * geom.stride : (i + 1) * geom.stride], first + i, 1, geom, checksums,
+                    self.verify(host[i * geom.stride : (i + 1) * geom.stride], first + i, 1, geom, checksums,
                                  "host")
                 while len(page):
                     if not out and len(page) >= chunk_bytes:
@@ -484,10 +424,10 @@ class CopyEngine:
         segment, into tier pages (host spans); returns their checksums."""
         t0 = time.perf_counter()
         for span in sorted(dst, key=lambda sp: sp.first_page):
-            buf = self._view(span.tier, span.offset, span.n_pages * geom.stride)
+            buf = self.view(span.tier, span.offset, span.n_pages * geom.stride)
             segment.read_into((span.first_page - first_page) * geom.page_bytes, _pages(buf, span.first_page,
                                                                                        span.n_pages, geom))
-            self._count()
+            self.add_copies()
         sums = self.checksums(dst, geom)
         self.record("lease->host", sum(sp.n_pages for sp in dst) * geom.page_bytes, time.perf_counter() - t0)
         return sums
@@ -499,7 +439,7 @@ class CopyEngine:
         for first, count, tier, buf in self.windows(_clip(src, n_pages), geom, checksums, priority, handout=True):
             t0 = time.perf_counter()
             segment.write_from(first * geom.page_bytes, _pages(memory.to_host(buf), first, count, geom))
-            self._count()
+            self.add_copies()
             self.record(f"{tier}->lease", count * geom.page_bytes, time.perf_counter() - t0)
 
     # -- checksums -----------------------------------------------------------
@@ -507,7 +447,7 @@ class CopyEngine:
     def checksums(self, spans: list[Span], geom: Geometry) -> np.ndarray:
         """Checksums of freshly stored pages (host or device spans), page order."""
         spans = sorted(spans, key=lambda s: s.first_page)
-        return self._page_sums([(self._view(s.tier, s.offset, s.n_pages * geom.stride), s.first_page, s.n_pages)
+        return self._page_sums([(self.view(s.tier, s.offset, s.n_pages * geom.stride), s.first_page, s.n_pages)
                                 for s in spans], geom)
 
 
@@ -519,7 +459,7 @@ class PageWriter:
     def __init__(self, copier: CopyEngine, dst: list[Span], geom: Geometry) -> None:
         self._slots = []  # a view of each page's bytes
         for span in sorted(dst, key=lambda s: s.first_page):
-            buf = copier._view(span.tier, span.offset, span.n_pages * geom.stride)
+            buf = copier.view(span.tier, span.offset, span.n_pages * geom.stride)
             for i in range(span.n_pages):
                 self._slots.append(buf[i * geom.stride : i * geom.stride + geom.size_of(span.first_page + i)])
         self.capacity = sum(v.nbytes for v in self._slots)

@@ -1,0 +1,118 @@
+"""Copies between tiers go by medium, not by name: a tier the copy engine has
+never heard of moves bytes through the registered routes as it is."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import host_tier
+from tierd.errors import DataLoss
+from tierd.tiers import MEMORY
+from tierd.tiers.disk import DiskTier, aligned_buffer
+from tierd.tiers.ioqueue import PriorityExecutor
+from tierd.transfer import routes
+from tierd.transfer.copier import CopyEngine
+from tierd.transfer.runs import Geometry, Span
+
+MiB = 1 << 20
+PAGE = 64 << 10
+
+
+class Scratch:
+    """A memory tier of this test's own: one numpy buffer, nothing else. Its
+    buffer starts one byte off a page, so O_DIRECT cannot take it as it is:
+    writes to a disk tier are staged."""
+
+    name, medium, backend = "scratch", MEMORY, "numpy"
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = np.zeros(nbytes + 1, np.uint8)[1:]
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.buf[offset : offset + nbytes]
+
+
+class SecondDisk(DiskTier):
+    name = "nvme1"
+
+
+@pytest.fixture
+def world(tmp_path):
+    ex = PriorityExecutor(2)
+    host = host_tier(16 * MiB, 16 * MiB)
+    tiers = {"host": host, "scratch": Scratch(8 * MiB), "disk": DiskTier(16 * MiB, str(tmp_path / "a"), ex, 8 * MiB),
+             "nvme1": SecondDisk(16 * MiB, str(tmp_path / "b"), ex, 8 * MiB)}
+    yield tiers, CopyEngine(tiers, window_bytes=2 * PAGE)
+    for name in ("host", "disk", "nvme1"):
+        tiers[name].close()
+    ex.shutdown()
+
+
+def _spans(tiers, name, n_pages, geom):
+    if name == "scratch":  # two pieces, out of order, placed by hand
+        half = n_pages // 2
+        return [Span(half, n_pages - half, name, 0), Span(0, half, name, (n_pages - half + 1) * geom.stride)]
+    return [Span(p.first_page, p.n_pages, name, p.offset) for p in tiers[name].alloc_pages(n_pages, geom.stride)]
+
+
+def test_a_tier_of_its_own_moves_through_the_routes_of_its_medium(world):
+    tiers, copier = world
+    n = 11
+    geom = Geometry(PAGE, n, PAGE)
+    data = np.random.default_rng(3).integers(0, 256, n * PAGE, dtype=np.uint8)
+    host = _spans(tiers, "host", n, geom)
+    for s in host:
+        tiers["host"].view(s.offset, s.n_pages * PAGE)[:] = data[s.first_page * PAGE : (s.first_page + s.n_pages) * PAGE]
+    sums = copier.checksums(host, geom)
+    path = [host] + [_spans(tiers, name, n, geom) for name in ("scratch", "nvme1", "host", "disk", "scratch")]
+    for src, dst in zip(path, path[1:]):
+        assert copier.move(src, dst, geom, sums) == n * PAGE
+    back = _spans(tiers, "host", n, geom)
+    copier.move(path[-1], back, geom, sums)
+    got = b"".join(bytes(tiers["host"].view(s.offset, s.n_pages * PAGE)) for s in sorted(back, key=lambda s: s.first_page))
+    assert got == data.tobytes()
+    assert {"host->scratch", "scratch->nvme1", "nvme1->host", "host->disk", "disk->scratch", "scratch->host"} <= set(copier.bandwidth)
+
+
+def test_pages_damaged_in_any_file_tier_are_caught_and_named_by_it(world):
+    tiers, copier = world
+    n = 6
+    geom = Geometry(PAGE, n, PAGE)
+    host = _spans(tiers, "host", n, geom)
+    for s in host:
+        tiers["host"].view(s.offset, s.n_pages * PAGE)[:] = 7
+    sums = copier.checksums(host, geom)
+    a, b = _spans(tiers, "disk", 3, geom), _spans(tiers, "nvme1", 3, geom)
+    mixed = [Span(0, 3, "disk", a[0].offset), Span(3, 3, "nvme1", b[0].offset)]
+    copier.move(host, mixed, geom, sums)
+    assert [(first, count, tier) for first, count, tier, _ in copier.windows(mixed, geom, sums)] == \
+        [(0, 2, "disk"), (2, 1, "disk"), (3, 2, "nvme1"), (5, 1, "nvme1")]
+    page = aligned_buffer(PAGE)
+    tiers["nvme1"].read(b[0].offset + PAGE, page)
+    page[100] ^= 1
+    tiers["nvme1"].write(b[0].offset + PAGE, page)
+    with pytest.raises(DataLoss) as err:
+        list(copier.windows(mixed, geom, sums))
+    assert err.value.details["tier"] == "nvme1" and err.value.details["page"] == 4
+    with pytest.raises(DataLoss):
+        copier.move(mixed, _spans(tiers, "scratch", n, geom), geom, sums)
+
+
+def test_a_medium_without_routes_is_refused_by_name_and_nothing_is_copied(world):
+    tiers, copier = world
+    remote = Scratch(MiB)
+    remote.name, remote.medium = "remote", "object-store"
+    copier.tiers["remote"] = remote
+    geom = Geometry(PAGE, 2, PAGE)
+    host = _spans(tiers, "host", 2, geom)
+    before = copier.copy_ops
+    with pytest.raises(ValueError, match=r"no route copies host \(memory\) into remote \(object-store\)"):
+        copier.move(host, [Span(0, 2, "remote", 0)], geom, copier.checksums(host, geom))
+    assert copier.copy_ops == before and not remote.buf.any()
+    with pytest.raises(ValueError, match=r"no route copies disk \(file\) into nvme1 \(file\)"):
+        copier.move([Span(0, 2, "disk", 0)], [Span(0, 2, "nvme1", 0)], geom, copier.checksums(host, geom))
+
+
+def test_a_route_is_registered_once():
+    with pytest.raises(ValueError, match="registered already"):
+        routes.route(MEMORY, MEMORY)(routes.memory_to_memory)
+    assert routes.ROUTES[(MEMORY, MEMORY)] is routes.memory_to_memory
