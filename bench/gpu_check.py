@@ -36,7 +36,7 @@ from tierd.core.store import Store, make_key
 from tierd.layout import EngineLayout, KVSpec
 from tierd.machine import build
 from tierd.tiers.disk import aligned_buffer
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import EngineMemory
 
 KEY = make_key("default", "gpu-check")
@@ -80,7 +80,7 @@ def raw_disk_read(store: Store, nbytes: int, repeat: int) -> float:
     buf = aligned_buffer(-(-nbytes // 4096) * 4096)
     disk.write(pieces[0].offset, buf)
     disk.sync()
-    seconds = best(lambda: disk.read(pieces[0].offset, buf, Priority.DEMAND), "cpu", repeat)
+    seconds = best(lambda: disk.read(pieces[0].offset, buf, IOClass.DEMAND), "cpu", repeat)
     disk.free(pieces[0])
     return nbytes / seconds
 

@@ -41,7 +41,6 @@ from tierd.core.store import Store
 from tierd.errors import InvalidArgument, TierdError
 from tierd.machine import DiskIOUnavailable, build
 from tierd.metrics import Metrics
-from tierd.sizes import format_size
 from tierd.tiers import shm
 from tierd.v1 import tierd_pb2
 from tierd.wire.fds import FdIntake, intake_path
@@ -268,8 +267,6 @@ def serve(cfg: Config) -> int:
         backends = machine.backends  # each tier's live backend is in its stats and tierd_tier_backend_info
         metrics.set_backends(backends)
         metrics.watch(store)
-        for t in store.stats():
-            log.info("%s tier: budget %s (%s)", t.name, format_size(t.budget), t.backend)
         if store.recovery_problems:
             log.warning("recovery repaired %d problems (see above)", len(store.recovery_problems))
         if cfg.metrics_endpoint:

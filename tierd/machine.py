@@ -23,10 +23,11 @@ from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.store import Store
 from tierd.policy import PolicyConfig
-from tierd.tiers import shm
+from tierd.sizes import format_size
+from tierd.tiers import DEVICE, DISK, FILE, HOST, durable_tier, shm, tier_order
 from tierd.tiers.disk import DiskTier, FileOps
 from tierd.tiers.host import HostTier
-from tierd.tiers.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import IOExecutor
 from tierd.transfer.copier import DEFAULT_WINDOW, CopyEngine
 
 log = logging.getLogger("tierd.machine")
@@ -38,7 +39,7 @@ class Machine:
     tiers: dict
     copier: CopyEngine
     index: DiskIndex | None
-    executor: PriorityExecutor
+    executor: IOExecutor
     backends: dict[str, str] = field(default_factory=dict)  # what was chosen, beside each tier's .backend
     ipc: IpcCache | None = None  # where engines may register GPU memory (CUDA IPC)
     shm_prefix: str = ""  # this run's shared-memory names: the arena's slabs and the lease segments
@@ -52,22 +53,36 @@ class Machine:
 
 
 def policy_of(cfg: Config) -> PolicyConfig:
-    quotas = tuple((tier, q) for tier, q in (("device", cfg.tenant_device_quota), ("host", cfg.tenant_host_quota),
-                                              ("disk", cfg.tenant_disk_quota)) if q)
+    quotas = tuple((tier, q) for tier, q in ((DEVICE, cfg.tenant_device_quota), (HOST, cfg.tenant_host_quota),
+                                              (DISK, cfg.tenant_disk_quota)) if q)
     return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
                         disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions,
                         tenant_leases=cfg.tenant_leases, tenant_lease_bytes=int(cfg.tenant_lease_bytes))
 
 
-def probe_device(cfg: Config):
-    """(DeviceTier or None, description)."""
+@dataclass
+class Site:
+    """What the tier builders are handed: the configuration, this run's
+    shared-memory prefix and I/O threads, and the tiers built so far."""
+
+    cfg: Config
+    data_dir: str
+    shm_prefix: str
+    executor: IOExecutor
+    disk_ops: FileOps | None = None  # the disk tier's file operations, if given (else probed)
+    tiers: dict = field(default_factory=dict)
+
+
+def device_tier(site: Site):
+    """VRAM through torch where CUDA is present (or emulated: device=cpu)."""
+    cfg = site.cfg
     if cfg.device == "none":
         return None, "absent (disabled by configuration)"
     if cfg.device == "cpu":
         from tierd.tiers.device import DeviceTier
 
-        budget = cfg.device_budget if cfg.device_budget != AUTO else 256 << 20
-        return DeviceTier(int(budget), "cpu", cfg.device_slab), "emulated in host memory (device=cpu)"
+        budget = int(cfg.device_budget) if cfg.device_budget != AUTO else 256 << 20
+        return DeviceTier(budget, "cpu", cfg.device_slab), f"emulated in host memory (device=cpu); budget {format_size(budget)}"
     try:
         import torch
     except ImportError:
@@ -80,7 +95,34 @@ def probe_device(cfg: Config):
     dev = torch.device(name)
     total = torch.cuda.get_device_properties(dev).total_memory
     budget = total // 4 if cfg.device_budget == AUTO else int(cfg.device_budget)
-    return DeviceTier(budget, str(dev), cfg.device_slab), f"{torch.cuda.get_device_name(dev)} ({dev}) through torch"
+    return DeviceTier(budget, str(dev), cfg.device_slab), (f"{torch.cuda.get_device_name(dev)} ({dev}) through torch; "
+                                                           f"budget {format_size(budget)}")
+
+
+def host_tier(site: Site):
+    """The shared-memory arena, pinned for DMA where a CUDA device tier is."""
+    tier = HostTier(int(site.cfg.host_budget), site.shm_prefix, int(site.cfg.host_slab), pin=_on_cuda(site))
+    return tier, f"{tier.backend}; budget {format_size(tier.budget)}"
+
+
+def disk_tier(site: Site):
+    """Sparse slab files under the data dir, through kvikio where it passes its self-test, else POSIX."""
+    slabs = os.path.join(site.data_dir, "slabs")
+    ops, why = (site.disk_ops, "given") if site.disk_ops is not None else probe_disk_io(site.cfg, slabs)
+    tier = DiskTier(int(site.cfg.disk_budget), slabs, site.executor, site.cfg.disk_slab, ops=ops)
+    return tier, (f"{tier.backend} I/O under {slabs}{f' ({why})' if ops is None else ''}; "
+                  f"budget {format_size(tier.budget)}")
+
+
+# The tiers a machine may have, each built by its function in this order
+# (the host arena is pinned where the device tier runs on CUDA). A new tier
+# is one more builder here.
+TIERS = (device_tier, host_tier, disk_tier)
+
+
+def _on_cuda(site: Site) -> bool:
+    device = site.tiers.get(DEVICE)
+    return device is not None and device.device.type == "cuda"
 
 
 class DiskIOUnavailable(RuntimeError):
@@ -102,40 +144,45 @@ def probe_disk_io(cfg: Config, directory: str):
 
 def build(cfg: Config, *, policy: PolicyConfig | None = None, clock: Clock | None = None,
           events: StoreEvents | None = None, disk: bool = True, disk_ops: FileOps | None = None,
-          window_bytes: int = DEFAULT_WINDOW) -> Machine:
+          window_bytes: int = DEFAULT_WINDOW, tiers: tuple = TIERS) -> Machine:
     """Tiers, copy engine, index and store for this machine ("auto" budgets
     resolved here), the store's sessions recovered from the index. policy: else
     the configuration's; disk=False: no disk tier (a cache in memory only);
-    disk_ops: the disk tier's file operations (else probed: kvikio or POSIX)."""
+    disk_ops: the disk tier's file operations (else probed: kvikio or POSIX);
+    tiers: the builders of the tiers this machine may have."""
     data_dir = os.path.abspath(cfg.data_dir)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     cfg = resolve_budgets(cfg)
-    executor = PriorityExecutor(cfg.io_workers)
+    executor = IOExecutor(cfg.io_workers)
+    builders = tuple(b for b in tiers if disk or b is not disk_tier)
+    site = Site(cfg, data_dir, "", executor, disk_ops)
     try:
-        return _build(cfg, data_dir, executor, policy or policy_of(cfg), clock, events, disk, disk_ops, window_bytes)
+        return _build(site, builders, policy or policy_of(cfg), clock, events, window_bytes)
     except BaseException:
+        for tier in site.tiers.values():
+            tier.close()
         executor.shutdown()
         raise
 
 
-def _build(cfg: Config, data_dir: str, executor: PriorityExecutor, policy: PolicyConfig, clock: Clock | None,
-           events: StoreEvents | None, disk: bool, disk_ops: FileOps | None, window_bytes: int) -> Machine:
-    device, device_text = probe_device(cfg)
-    log.info("device tier: %s", device_text)
-    prefix = shm.claim_prefix(data_dir)  # random per run; what a killed run left is removed
-    pin = device is not None and device.device.type == "cuda"
-    tiers: dict = {"host": HostTier(int(cfg.host_budget), prefix, int(cfg.host_slab), pin=pin)}
-    index = None
-    if disk:
-        slabs = os.path.join(data_dir, "slabs")
-        ops, why = (disk_ops, "given") if disk_ops is not None else probe_disk_io(cfg, slabs)
-        tiers["disk"] = DiskTier(int(cfg.disk_budget), slabs, executor, cfg.disk_slab, ops=ops)
-        log.info("disk tier: %s I/O under %s%s", tiers["disk"].backend, slabs, f" ({why})" if ops is None else "")
-    if device is not None:
-        tiers["device"] = device
-    verify = ("disk",) if cfg.verify == "disk" else tuple(tiers)
+def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | None, events: StoreEvents | None,
+           window_bytes: int) -> Machine:
+    cfg = site.cfg
+    site.shm_prefix = shm.claim_prefix(site.data_dir)  # random per run; what a killed run left is removed
+    for builder in builders:
+        tier, text = builder(site)
+        if tier is not None:
+            site.tiers[tier.name] = tier
+            log.info("%s tier: %s", tier.name, text)
+        else:
+            log.info("%s tier: %s", builder.__name__.removesuffix("_tier"), text)
+    tiers = {name: site.tiers[name] for name in tier_order(site.tiers)}
+    # Pages read from a file tier are always checked; verify=all checks moves out of memory tiers too.
+    verify = () if cfg.verify == "disk" else tuple(n for n, t in tiers.items() if t.medium != FILE)
+    device = tiers.get(DEVICE)
     backends = {"device": str(device.device) if device is not None else "absent"}
     kernels = None
+    pin = _on_cuda(site)
     if pin:
         from tierd.transfer import gpu
 
@@ -148,18 +195,15 @@ def _build(cfg: Config, data_dir: str, executor: PriorityExecutor, policy: Polic
     ipc = open_ipc() if pin else None
     backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
     copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels)
-    if disk:
-        index = DiskIndex(os.path.join(data_dir, "index.db"))
+    index = DiskIndex(os.path.join(site.data_dir, "index.db")) if durable_tier(tiers) is not None else None
     try:
         store = Store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
-                      shm_prefix=prefix)
+                      shm_prefix=site.shm_prefix)
     except BaseException:
-        for tier in tiers.values():
-            tier.close()
         if index is not None:
             index.close()
         raise
-    return Machine(store, tiers, copier, index, executor, backends, ipc, prefix)
+    return Machine(store, tiers, copier, index, site.executor, backends, ipc, site.shm_prefix)
 
 
 def open_ipc() -> IpcCache | None:

@@ -10,7 +10,7 @@ from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
 from tierd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.policy import PolicyConfig
-from tierd.tiers import TIER_ORDER
+from tierd.tiers import tier_order
 
 KiB = 1 << 10
 BT = SPEC.block_tokens
@@ -169,11 +169,11 @@ class StoreMachine(RuleBasedStateMachine):
         if not hasattr(self, "store"):
             return
         for name, tier in self.store.tiers.items():
-            held = sum(s.snap.bytes_in(name) for s in self.store._sessions.values())
+            keys = self.store.keys()
+            held = sum(self.store.stat(k).tier_bytes.get(name, 0) for k in keys)
             assert held == tier.used, f"{name}: sessions hold {held}, allocator says {tier.used}"
             assert tier.used <= tier.budget or name == "disk"
-            spans = sorted((p.offset, p.alloc_bytes) for s in self.store._sessions.values()
-                           for p in s.snap.pieces(name))
+            spans = sorted((p.offset, p.alloc_bytes) for k in keys for p in self.store.pieces(k, name))
             for (a, n), (b, _) in zip(spans, spans[1:]):
                 assert a + n <= b, f"{name}: pieces overlap"
         assert self.store.check_accounting() == []  # per tenant, and with open leases, too
@@ -186,7 +186,7 @@ class StoreMachine(RuleBasedStateMachine):
         for key, (pages, tokens) in self.model.items():
             info = self.store.stat(key)
             assert (info.num_tokens, info.num_pages) == (tokens, len(pages)) and info.pins >= 0
-            assert info.tier in TIER_ORDER
+            assert info.tier in tier_order()
 
 
 StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,11 +1,10 @@
 """Scenario tests for the store, each step commented, on a fake clock."""
 
-import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine
+from tests.helpers import SPEC, Harness, HostEngine, wait_for
 from tierd.core.store import upkeep as store_module
 from tierd.core.store import make_key
 from tierd.errors import FailedPrecondition, IdentityMismatch, InvalidArgument, NotFound, ResourceExhausted
@@ -149,7 +148,7 @@ def test_room_is_made_now_from_sessions_whose_write_back_is_still_queued(tmp_pat
     fill_released(store, clock, eng)
     clock.advance(2)
     assert {m.reason for m in store.tick()} == {"writeback"}
-    assert {k.session_id for k in store.mover.busy_keys()} == {"a", "b", "c"}  # queued, none running
+    assert {k.session_id for k in store.moves.busy_keys()} == {"a", "b", "c"}  # queued, none running
     clock.advance(1)
     store.save(make_key("default", "d"), eng.memory, SPEC, list(range(120, 160)), 640)
     assert [store.stat(make_key("default", n)).tier for n in "abcd"] == ["disk", "host", "host", "host"]
@@ -223,10 +222,8 @@ def test_restore_mid_prefetch_waits_for_that_move(store):
     store.prefetch(A)
     # Until a mover starts it, the prefetch is only queued and a restore reads from disk
     # itself (through a staging window, counted disk->host too): wait until it runs.
-    deadline = time.monotonic() + 10
-    while A in store.mover.busy_keys() and A not in store.mover.busy_keys(queued=False):
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_for(lambda: A not in store.moves.busy_keys() or A in store.moves.busy_keys(queued=False), 10,
+             "the prefetch to run")
     out = HostEngine(seed=14)
     store.restore(A, out.memory, SPEC, list(range(8)))
     assert out.pages(range(8)) == eng.pages(range(8))
@@ -352,8 +349,8 @@ class Recorder:
 
 
 def test_prefetch_outcomes_ready_in_time_late_and_missed(harness):
+    harness.events = recorder = Recorder()
     store = harness.open()
-    store.events = store.placement.events = Recorder()
     eng = HostEngine(seed=21)
     store.save(A, eng.memory, SPEC, [0, 1], 32)
     assert store.prefetch(A) == "ready"
@@ -366,7 +363,7 @@ def test_prefetch_outcomes_ready_in_time_late_and_missed(harness):
     store.prefetch(A, deadline=harness.clock.now() + 60)
     store.drain(10)
     assert store.stat(A).tier == "host"
-    assert store.events.outcomes == ["ready", "missed", "in_time"]
+    assert recorder.outcomes == ["ready", "missed", "in_time"]
 
 
 def test_put_appends_pages_from_start_token(store):
@@ -400,7 +397,7 @@ def test_a_prefetched_session_waits_in_host_while_others_make_room(tmp_path):
     assert store.stat(make_key("default", "b")).tier == "disk"
     # once restored, a is an ordinary session again
     store.restore(make_key("default", "a"), HostEngine(num_blocks=200).memory, SPEC, list(range(40)))
-    assert not store._sessions[make_key("default", "a")].awaited
+    assert not store.policy_view(make_key("default", "a")).awaited
     h.close()
 
 

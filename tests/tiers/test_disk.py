@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 from tierd.tiers.disk import DiskTier, aligned_buffer, probe_direct_io
-from tierd.tiers.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import IOExecutor
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def executor():
-    ex = PriorityExecutor(2)
+    ex = IOExecutor(2)
     yield ex
     ex.shutdown()
 

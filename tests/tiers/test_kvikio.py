@@ -21,7 +21,7 @@ from tierd.errors import DataLoss
 from tierd.testing import ROOT
 from tierd.tiers import kvikio_io
 from tierd.tiers.disk import DiskTier
-from tierd.tiers.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import IOExecutor
 
 
 class _Future:
@@ -88,7 +88,7 @@ def test_the_disk_tier_reads_and_writes_through_cufile(tmp_path):
     kv = stand_in()
     ops, what = kvikio_io.probe(str(tmp_path), kvikio=kv, need_driver=False)
     assert ops is not None and ops.name == "kvikio-compat" and what == "kvikio (compatibility mode)"
-    executor = PriorityExecutor(2)
+    executor = IOExecutor(2)
     disk = DiskTier(64 << 20, str(tmp_path / "slabs"), executor, 16 << 20, ops=ops)
     try:
         assert disk.backend == "kvikio-compat"

@@ -13,7 +13,7 @@ from tierd.checksum import page_checksum
 from tierd.core.store import make_key
 from tierd.errors import DataLoss
 from tierd.tiers.device import DeviceTier
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Geometry, Span
 
@@ -55,10 +55,10 @@ def test_gather_and_scatter_are_one_launch_each_whatever_the_runs(so, tiers, kin
 
     dst = HostEngine(SPEC, 64, kind, seed=2)
     target = np.array([5, 6, 30, 31, 32, 50, 0])
-    copier.scatter(spans, dst.memory, target, geom, sums, Priority.PREFETCH)
+    copier.scatter(spans, dst.memory, target, geom, sums, IOClass.PREFETCH)
     assert kernels.launches == 3 + 2 + 1  # the pages checked (lanes, merge), then every run copied in one
     assert copier.copy_ops == 2
-    assert kernels.priorities == [Priority.DEMAND, Priority.PREFETCH]
+    assert kernels.priorities == [IOClass.DEMAND, IOClass.PREFETCH]
     assert dst.pages(target) == src.pages(blocks)
     untouched = HostEngine(SPEC, 64, kind, seed=2)
     others = [b for b in range(64) if b not in set(target.tolist())]
@@ -111,11 +111,11 @@ def test_store_round_trip_through_the_kernels(so, tmp_path):
         # Tier moves go through the copy engines, on the stream of their priority.
         shrunk = store.set_budget("device", 0)  # the overflow goes to host at once
         assert shrunk.released_bytes > 0 and store.stat(key).tier == "host"
-        assert kernels.dmas == [Priority.DEMAND]  # the caller waits for the VRAM
+        assert kernels.dmas == [IOClass.DEMAND]  # the caller waits for the VRAM
         store.set_budget("device", 16 * MiB)
         store.prefetch(key, "device")
         assert store.wait_ready(key, "device", timeout=10) == (True, "device")
-        assert kernels.dmas == [Priority.DEMAND, Priority.PREFETCH]
+        assert kernels.dmas == [IOClass.DEMAND, IOClass.PREFETCH]
         out = HostEngine(SPEC, 64, seed=8, device="cpu")
         store.restore(key, out.memory, SPEC, [0, 1, 2, 3])
         assert out.pages([0, 1, 2, 3]) == eng.pages([3, 4, 5, 20])

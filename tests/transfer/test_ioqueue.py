@@ -1,17 +1,17 @@
 import threading
 
-from tierd.tiers.ioqueue import Priority, PriorityExecutor, wait_all
+from tierd.tiers.ioqueue import IOClass, IOExecutor, wait_all
 
 
 def test_most_urgent_work_runs_first():
-    ex = PriorityExecutor(1)
+    ex = IOExecutor(1)
     gate = threading.Event()
     order = []
-    blocker = ex.submit(Priority.WRITEBACK, gate.wait)
-    futures = [ex.submit(Priority.WRITEBACK, order.append, "writeback"),
-               ex.submit(Priority.DEMOTION, order.append, "demotion"),
-               ex.submit(Priority.DEMAND, order.append, "demand"),
-               ex.submit(Priority.PREFETCH, order.append, "prefetch")]
+    blocker = ex.submit(IOClass.WRITEBACK, gate.wait)
+    futures = [ex.submit(IOClass.WRITEBACK, order.append, "writeback"),
+               ex.submit(IOClass.DEMOTION, order.append, "demotion"),
+               ex.submit(IOClass.DEMAND, order.append, "demand"),
+               ex.submit(IOClass.PREFETCH, order.append, "prefetch")]
     gate.set()
     wait_all([blocker, *futures])
     assert order == ["demand", "prefetch", "demotion", "writeback"]
@@ -19,7 +19,7 @@ def test_most_urgent_work_runs_first():
 
 
 def test_wait_all_raises_after_every_call_finished():
-    ex = PriorityExecutor(2)
+    ex = IOExecutor(2)
     done = []
 
     def boom():

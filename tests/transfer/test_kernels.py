@@ -122,7 +122,7 @@ def _cuda() -> bool:
 def test_kernels_on_the_gpu_agree_with_the_cpu():
     import torch
 
-    from tierd.tiers.ioqueue import Priority
+    from tierd.tiers.ioqueue import IOClass
 
     kernels = gpu.Kernels(0)
     src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device="cuda")
@@ -139,5 +139,5 @@ def test_kernels_on_the_gpu_agree_with_the_cpu():
         for i in range(r):
             want[do + i * dp : do + i * dp + w] = host[so + i * sp : so + i * sp + w]
     kernels.copy([(src.data_ptr() + so, dst.data_ptr() + do, sp, dp, w, r) for so, do, sp, dp, w, r in entries],
-                 Priority.DEMAND)
+                 IOClass.DEMAND)
     assert np.array_equal(dst.cpu().numpy(), want) and kernels.launches == 3

@@ -6,9 +6,9 @@ import pytest
 
 from tests.helpers import host_tier
 from tierd.errors import DataLoss
-from tierd.tiers import MEMORY
+from tierd.tiers import FILE, MEMORY
 from tierd.tiers.disk import DiskTier, aligned_buffer
-from tierd.tiers.ioqueue import PriorityExecutor
+from tierd.tiers.ioqueue import IOExecutor
 from tierd.transfer import routes
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Geometry, Span
@@ -32,12 +32,12 @@ class Scratch:
 
 
 class SecondDisk(DiskTier):
-    name = "nvme1"
+    name, medium = "nvme1", FILE  # unregistered: the copy engine needs only its medium
 
 
 @pytest.fixture
 def world(tmp_path):
-    ex = PriorityExecutor(2)
+    ex = IOExecutor(2)
     host = host_tier(16 * MiB, 16 * MiB)
     tiers = {"host": host, "scratch": Scratch(8 * MiB), "disk": DiskTier(16 * MiB, str(tmp_path / "a"), ex, 8 * MiB),
              "nvme1": SecondDisk(16 * MiB, str(tmp_path / "b"), ex, 8 * MiB)}

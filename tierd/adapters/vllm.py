@@ -29,6 +29,11 @@ and vLLM recomputes them: a failure costs time, never correctness.
 extra config: address (default: TIERD_SOCKET or the daemon's default socket),
 token (default: TIERD_TOKEN), timeout_seconds (per call, default 30),
 lease_seconds (default 60).
+
+Runs in vLLM's processes: the scheduler-side methods in the scheduler, the
+worker-side ones and the load and save threads in each worker. One module
+over 300 lines because vLLM loads a connector as one class by module path,
+and its two halves share the spec, the client and the jobs they hand over.
 """
 
 from __future__ import annotations

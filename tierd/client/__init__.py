@@ -2,7 +2,9 @@
 (asyncio), with the same methods. gRPC errors become the typed exceptions
 below, each carrying the daemon's message."""
 
-from tierd.client.calls import AsyncClient, AsyncEngine, Client, Engine, default_address
+from tierd.client.calls import AsyncEngine, Engine
+from tierd.client.channel import default_address
+from tierd.client.clients import AsyncClient, Client
 from tierd.client.shm import Arena, SharedKVCache
 from tierd.errors import (
     DataLoss,

@@ -1,27 +1,21 @@
-"""The clients, run in the caller's process (engines, adapters, the CLI).
-Every unary call is written once, in _Calls, and returns whatever the
-client's _call returns: a value for Client, an awaitable for AsyncClient.
-Put and Get stream, so each client has its own. Requests are built through
-`pb`, which refuses a caller's bad value as InvalidArgument; both clients'
-channels take _OPTIONS (message sizes, reconnecting)."""
+"""The calls, in the caller's process. Every unary call is written once, in
+Calls, and returns whatever the client's _call returns: a value for Client,
+an awaitable for AsyncClient (client/clients.py); an engine's Save and
+Restore likewise, in EngineCalls. Put's messages and both byte streams are
+built here for both clients."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
-import stat
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import numpy as np
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
-from tierd.config import default_runtime_dir
-from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
+from tierd.client.channel import pb
+from tierd.client.regions import as_bytes, engine_regions
+from tierd.errors import InvalidArgument, shown
 from tierd.layout import EngineLayout, KVSpec
 from tierd.types import (
     Advice,
@@ -32,15 +26,10 @@ from tierd.types import (
     SessionInfo,
     TierStats,
 )
-from tierd.v1 import tierd_pb2
-from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire.chunks import (
     GET_METHOD,
     PUT_METHOD,
     chunk_message,
-    put_accepted,
-    read_chunk,
-    read_header,
 )
 from tierd.wire.convert import (
     info_from_pb,
@@ -49,187 +38,9 @@ from tierd.wire.convert import (
     optional_spec_to_pb,
     spec_to_pb,
 )
-from tierd.wire.fds import hand_over, intake_path
-from tierd.wire.status import from_rpc_error
-
-DEFAULT_CHUNK = 1 << 20
-MAX_MESSAGE = 64 << 20
-RECONNECT_MS = 500
-# Both clients' channels. gRPC waits 1 s after a failed connection attempt and
-# 1.6 times longer after each next one, up to 120 s: after a 30 s outage a
-# client found the restarted daemon ~10 s late. The daemon is local, or one
-# hop away, so a client tries every RECONNECT_MS (+-20% jitter) while it is
-# down, whatever the outage lasted. (grpc.min_reconnect_backoff_ms is not a
-# backoff but how long one attempt may take; its 20 s stays.) Calls do not
-# wait_for_ready: while the daemon is down they fail at once with
-# UNAVAILABLE, and the caller (the vLLM connector: recompute) decides.
-_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-            ("grpc.initial_reconnect_backoff_ms", RECONNECT_MS), ("grpc.max_reconnect_backoff_ms", RECONNECT_MS)]
-_HOLDS = {FieldDescriptor.TYPE_UINT32: "integers from 0 to 2**32-1",
-          FieldDescriptor.TYPE_UINT64: "integers from 0 to 2**64-1",
-          FieldDescriptor.TYPE_INT32: "integers from -2**31 to 2**31-1",
-          FieldDescriptor.TYPE_INT64: "integers from -2**63 to 2**63-1",
-          FieldDescriptor.TYPE_DOUBLE: "numbers", FieldDescriptor.TYPE_STRING: "text",
-          FieldDescriptor.TYPE_BOOL: "true or false", FieldDescriptor.TYPE_BYTES: "bytes"}
 
 
-class _Checked:
-    """A message class whose constructor turns protobuf's refusal of a value
-    (a negative count, an integer past its field's range, text where a number
-    goes: a bare ValueError or TypeError) into the InvalidArgument the daemon
-    gives for a bad value, naming the field."""
-
-    def __init__(self, cls: type) -> None:
-        self._cls = cls
-
-    def __call__(self, **fields: Any) -> Any:
-        try:
-            return self._cls(**fields)
-        except (TypeError, ValueError) as exc:
-            name, value = next(((k, v) for k, v in fields.items() if not self._takes(k, v)), (None, None))
-            if name is None:
-                raise InvalidArgument(f"{self._cls.__name__}: {exc}") from None
-            holds = _HOLDS.get(self._cls.DESCRIPTOR.fields_by_name[name].type, "values of another type")
-            raise InvalidArgument(f"{name} cannot be {shown(value)}: it holds {holds}", field=name,
-                                  value=value) from None
-
-    def _takes(self, name: str, value: Any) -> bool:
-        try:
-            self._cls(**{name: value})
-        except (TypeError, ValueError):
-            return False
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cls, name)
-
-
-class _Messages:
-    """tierd_pb2 with every message class _Checked: the clients build each
-    request from a caller's values through it."""
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(tierd_pb2, name)
-        if isinstance(attr, type) and issubclass(attr, Message):
-            attr = _Checked(attr)
-        setattr(self, name, attr)  # looked up once
-        return attr
-
-
-pb: Any = _Messages()
-
-
-def default_address() -> str:
-    """TIERD_SOCKET if set, else the daemon's default socket. A client given no
-    address connects here only through a directory of its own user."""
-    path = os.environ.get("TIERD_SOCKET") or os.path.join(default_runtime_dir(), "tierd.sock")
-    return "unix:" + os.path.abspath(path)
-
-
-def _private_socket_dir(directory: str) -> None:
-    """Refuse to connect through a socket directory that another user owns or
-    can write to: they could stand in for the daemon and receive this client's
-    token and KV (a local user can create /tmp/tierd-UID before the daemon
-    first starts). Where it is missing, claim it (0700) as the daemon would:
-    nobody else can make it later, and this user's daemon accepts it."""
-    try:
-        os.mkdir(directory, 0o700)
-    except (FileExistsError, FileNotFoundError, PermissionError):
-        pass  # there already, or a parent is missing or not ours to write: no one else's either
-    try:
-        st = os.lstat(directory)
-    except FileNotFoundError:
-        return
-    uid = os.geteuid()
-    if not stat.S_ISDIR(st.st_mode):
-        problem = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
-    elif st.st_uid != uid:
-        problem = f"belongs to uid {st.st_uid}, not to you (uid {uid})"
-    elif st.st_mode & 0o022:
-        problem = f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
-    else:
-        return
-    raise FailedPrecondition(f"the socket directory {directory} {problem}: whoever else controls it could stand in "
-                             "for the daemon and receive your calls. Remove it if you do not know why it is there, "
-                             "or give the daemon's address explicitly", directory=directory)
-
-
-def _target(address: str | None) -> str:
-    if address is None:
-        target = default_address()
-        _private_socket_dir(os.path.dirname(target[len("unix:"):]))
-        return target
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or (":" in address and not address.startswith("/")):
-        return address
-    return "unix:" + os.path.abspath(address)
-
-
-def as_bytes(data: Any) -> memoryview:
-    """bytes, bytearray, memoryview, numpy arrays and torch tensors as a flat byte view."""
-    if isinstance(data, (bytes, bytearray)):
-        return memoryview(data)
-    if isinstance(data, memoryview):
-        return data.cast("B") if data.contiguous else memoryview(data.tobytes())
-    if isinstance(data, np.ndarray):
-        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    if type(data).__module__.startswith("torch"):
-        import torch
-
-        t = data.detach().contiguous().cpu()
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-    raise InvalidArgument(f"data must be bytes, memoryview, a numpy array or a torch tensor, not {type(data).__name__}")
-
-
-def _shm_regions(pairs: list[tuple[int, int]], address: str, metadata: tuple) -> tuple[list[pb.Region], str]:
-    """Hand the memory's descriptors to the daemon (it maps only memory handed
-    over, never a name); the region messages and the ticket that names them."""
-    if not address.startswith("unix:"):
-        raise FailedPrecondition("shared-memory engine memory needs the daemon's Unix socket, on this machine",
-                                 field="regions")
-    for memory, _ in pairs:
-        if isinstance(memory, bool) or not isinstance(memory, int):
-            raise InvalidArgument(f"shared memory is handed over as an open memfd sealed against shrinking (a "
-                                  f"SharedKVCache's fds), not {shown(memory)}", field="regions")
-    token = next((v[len("Bearer "):] for k, v in metadata if k == "authorization"), None)
-    ticket = hand_over(intake_path(address[len("unix:"):]), [fd for fd, _ in pairs], token)
-    return [pb.Region(shm_fd=i, size=size) for i, (_, size) in enumerate(pairs)], ticket
-
-
-def _regions(regions: Any, address: str, metadata: tuple) -> tuple[list[pb.Region], EngineLayout | None, bool, str]:
-    """Region messages, the layout they carry if any, whether they are GPU
-    memory, and the ticket of shared memory handed over."""
-    if hasattr(regions, "fds") and hasattr(regions, "layout"):  # a SharedKVCache
-        msgs, ticket = _shm_regions(list(zip(regions.fds, regions.sizes)), address, metadata)
-        return msgs, regions.layout, False, ticket
-    regions = list(regions)
-    cuda = [bool(getattr(r, "is_cuda", False)) for r in regions]
-    if any(cuda):
-        if not all(cuda):
-            raise InvalidArgument("regions are all CUDA tensors or all (memfd, size) pairs", field="regions")
-        return [cuda_region(t) for t in regions], None, True, ""
-    msgs, ticket = _shm_regions(regions, address, metadata)
-    return msgs, None, False, ticket
-
-
-def cuda_region(tensor: Any) -> pb.Region:
-    """A contiguous CUDA tensor's bytes as a region the daemon opens through
-    CUDA IPC: the handle of the allocation holding it, and where it starts."""
-    import torch
-
-    from tierd import cuda_driver
-
-    if not tensor.is_contiguous():
-        raise InvalidArgument("a GPU region must be a contiguous tensor", field="regions")
-    with torch.cuda.device(tensor.device):
-        torch.cuda.synchronize()  # the device's context is current on this thread, and earlier writes are done
-        base, _ = cuda_driver.allocation(tensor.data_ptr())
-        handle = cuda_driver.ipc_handle(base)
-        uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
-    return pb.Region(cuda_ipc=pb.CudaIpcMemory(handle=handle, offset=tensor.data_ptr() - base, device_uuid=uuid),
-                     size=tensor.numel() * tensor.element_size())
-
-
-def _put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
+def put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
                   priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest | bytes]:
     """The header message, then the chunks in wire format (see tierd.wire.chunks).
     The arguments are checked and the header built before the stream starts:
@@ -248,7 +59,7 @@ def _serialize(msg: pb.PutRequest | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def _byte_streams(channel: Any) -> tuple[Any, Any]:
+def byte_streams(channel: Any) -> tuple[Any, Any]:
     """Get and Put on a channel (sync or asyncio), their chunk messages in
     wire format both ways (see tierd.wire.chunks)."""
     return (channel.unary_stream(GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
@@ -283,7 +94,7 @@ def _list(r: pb.ListResponse) -> tuple[list[SessionInfo], str]:
     return [info_from_pb(i) for i in r.sessions], r.next_page_token
 
 
-class _Calls:
+class Calls:
     """The unary calls, shared by both clients."""
 
     _call: Callable[..., Any]
@@ -397,7 +208,7 @@ class _Calls:
         blocks once the kernels writing them are done
         (torch.cuda.current_stream().synchronize()); restore returns with the
         blocks written. Returns an Engine with save and restore."""
-        msgs, cache_layout, gpu, ticket = _regions(regions, self.address, self._metadata)
+        msgs, cache_layout, gpu, ticket = engine_regions(regions, self.address, self._metadata)
         layout = layout or cache_layout
         req = pb.RegisterEngineRequest(spec=spec_to_pb(spec), regions=msgs, fd_ticket=ticket,
                                        pid=(os.getpid() if gpu else 0) if pid is None else pid)
@@ -415,7 +226,7 @@ class _Calls:
         raise NotImplementedError
 
 
-class _EngineCalls:
+class EngineCalls:
     """Save and restore through registered engine memory (no KV bytes in messages)."""
 
     def __init__(self, client: Any, engine_id: str, spec: KVSpec) -> None:
@@ -442,7 +253,7 @@ class _EngineCalls:
         return self.client._call("UnregisterEngine", pb.EngineRequest(engine_id=self.engine_id), lambda r: None)
 
 
-class Engine(_EngineCalls):
+class Engine(EngineCalls):
     def __enter__(self) -> Engine:
         return self
 
@@ -450,214 +261,8 @@ class Engine(_EngineCalls):
         self.close()
 
 
-class AsyncEngine(_EngineCalls):
+class AsyncEngine(EngineCalls):
     async def __aenter__(self) -> AsyncEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-def _read(path_or_pem: str | bytes | None) -> bytes | None:
-    if path_or_pem is None or isinstance(path_or_pem, bytes):
-        return path_or_pem
-    with open(path_or_pem, "rb") as f:
-        return f.read()
-
-
-def _channel_args(address: str | None, token: str | None, tls_ca: Any, tls_cert: Any,
-                  tls_key: Any) -> tuple[str, tuple, grpc.ChannelCredentials | None]:
-    target = _target(address)
-    token = token if token is not None else os.environ.get("TIERD_TOKEN") or None
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    creds = None
-    if tls_ca is not None or tls_cert is not None:
-        creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
-    return target, metadata, creds
-
-
-class Client(_Calls):
-    """A blocking client. `address`: a socket path, "unix:PATH" or "HOST:PORT"
-    (default: TIERD_SOCKET or the daemon's default socket). `token` (default:
-    TIERD_TOKEN) authenticates; `tls_ca` (and `tls_cert`, `tls_key` for mutual
-    TLS), as paths or PEM bytes, secure a TCP connection."""
-
-    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0, *,
-                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
-                 tls_key: str | bytes | None = None) -> None:
-        self.address, self._metadata, creds = _channel_args(address, token, tls_ca, tls_cert, tls_key)
-        self.timeout = timeout
-        self._channel = (grpc.secure_channel(self.address, creds, options=_OPTIONS) if creds else
-                         grpc.insecure_channel(self.address, options=_OPTIONS))
-        self._stub = pb_grpc.TierdStub(self._channel)
-        self._get, self._put = _byte_streams(self._channel)
-
-    def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
-        try:
-            reply = getattr(self._stub, rpc)(request, timeout=timeout or self.timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return parse(reply)
-
-    def _engine(self, engine_id: str, spec: KVSpec) -> Engine:
-        return Engine(self, engine_id, spec)
-
-    def health(self, timeout: float = 5.0) -> str:
-        """The daemon's grpc.health.v1 status ("SERVING" when all is well)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                    timeout=timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-    def list(self, all_tenants: bool = False) -> list[SessionInfo]:
-        """Every session of this tenant (of every tenant, for admin tokens)."""
-        out, token = [], ""
-        while True:
-            page, token = self.list_page(500, token, all_tenants)
-            out += page
-            if not token:
-                return out
-
-    def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-            priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
-        """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
-        with start_token (KV specs), the bytes are the pages from there on, appended."""
-        messages = _put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids)
-        started = threading.Event()
-        call: list = []
-
-        def requests() -> Iterator[pb.PutRequest | bytes]:
-            yield next(messages)  # the header; the chunks only once the daemon has taken it
-            started.wait()
-            if put_accepted(call[0].initial_metadata()):
-                yield from messages
-
-        try:
-            call.append(self._put.future(requests(), timeout=self.timeout, metadata=self._metadata))
-            started.set()
-            reply = call[0].result()
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return info_from_pb(reply)
-
-    def get(self, session_id: str, chunk_bytes: int = 0) -> bytes:
-        """The session's snapshot as bytes."""
-        return b"".join(self.get_stream(session_id, chunk_bytes)[1])
-
-    def get_stream(self, session_id: str, chunk_bytes: int = 0) -> tuple[SessionInfo, Iterator[memoryview]]:
-        """The session's info and an iterator over its bytes, chunk by chunk:
-        each a read-only memoryview of the message it came in (no copy)."""
-        stream = self._get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
-                           metadata=self._metadata)
-        try:
-            head = read_header(next(stream))
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-        def chunks() -> Iterator[memoryview]:
-            try:
-                for n, raw in enumerate(stream):
-                    yield read_chunk(raw, n)
-            except grpc.RpcError as err:
-                raise from_rpc_error(err) from None
-
-        return info_from_pb(head), chunks()
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class AsyncClient(_Calls):
-    """The asyncio client: the same methods as Client, awaited."""
-
-    def __init__(self, address: str | None = None, token: str | None = None, timeout: float | None = 60.0, *,
-                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
-                 tls_key: str | bytes | None = None) -> None:
-        self.address, self._metadata, creds = _channel_args(address, token, tls_ca, tls_cert, tls_key)
-        self.timeout = timeout
-        self._channel = (grpc.aio.secure_channel(self.address, creds, options=_OPTIONS) if creds else
-                         grpc.aio.insecure_channel(self.address, options=_OPTIONS))
-        self._stub = pb_grpc.TierdStub(self._channel)
-        self._get, self._put = _byte_streams(self._channel)
-
-    async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
-        try:
-            reply = await getattr(self._stub, rpc)(request, timeout=timeout or self.timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        return parse(reply)
-
-    def _engine(self, engine_id: str, spec: KVSpec) -> AsyncEngine:
-        return AsyncEngine(self, engine_id, spec)
-
-    async def list(self, all_tenants: bool = False) -> list[SessionInfo]:
-        out, token = [], ""
-        while True:
-            page, token = await self.list_page(500, token, all_tenants)
-            out += page
-            if not token:
-                return out
-
-    async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-                  priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
-        messages = _put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids)
-        call = self._put(timeout=self.timeout, metadata=self._metadata)
-        try:
-            try:
-                await call.write(next(messages))
-                # The chunks go only once the daemon has taken the header: a refusal then comes with its own
-                # status (grpc.aio reports a write that fails as the call ends as INTERNAL, not the status).
-                if put_accepted(await call.initial_metadata()):
-                    for message in messages:
-                        await call.write(message)
-                    await call.done_writing()
-            except asyncio.InvalidStateError:
-                pass  # the call ended while writing: its status says why
-            return info_from_pb(await call)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-
-    async def get(self, session_id: str, chunk_bytes: int = 0) -> bytes:
-        info, chunks = await self.get_stream(session_id, chunk_bytes)
-        return b"".join([c async for c in chunks])
-
-    async def get_stream(self, session_id: str,
-                         chunk_bytes: int = 0) -> tuple[SessionInfo, AsyncIterator[memoryview]]:
-        stream = self._get(pb.GetRequest(session_id=session_id, chunk_bytes=chunk_bytes), timeout=self.timeout,
-                           metadata=self._metadata)
-        try:
-            head = await stream.read()
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        if head is grpc.aio.EOF:
-            raise DataLoss("the Get stream ended before its header")
-        header = read_header(head)
-
-        async def chunks() -> AsyncIterator[memoryview]:
-            n = 0
-            try:
-                while (raw := await stream.read()) is not grpc.aio.EOF:
-                    yield read_chunk(raw, n)
-                    n += 1
-            except grpc.RpcError as err:
-                raise from_rpc_error(err) from None
-
-        return info_from_pb(header), chunks()
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

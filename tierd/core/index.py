@@ -14,6 +14,10 @@ ResourceExhausted or Unavailable, with the transaction rolled back: callers
 write the index before they change anything in memory. At start, rows that
 do not parse are quarantined (recover), and a file that is not a sound
 database any more is moved aside for a fresh one.
+
+Over 300 lines because it is the one place that knows the schema: its
+transactions, the reads recovery makes and the quarantine of damaged rows
+share one connection and its lock (row checks are in core/rows.py).
 """
 
 from __future__ import annotations

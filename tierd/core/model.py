@@ -17,7 +17,7 @@ import numpy as np
 
 from tierd.core import tokens
 from tierd.layout import KVSpec
-from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers import tier_order
 from tierd.tiers.allocator import Piece
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionKey
@@ -64,7 +64,7 @@ class Snapshot:
         return {t: sum(p.alloc_bytes for p in pieces) for t, pieces in self.placement.items() if pieces}
 
     def tiers_held(self) -> list[str]:
-        return [t for t in TIER_ORDER if self.placement.get(t)]
+        return list(tier_order(t for t, pieces in self.placement.items() if pieces))
 
     def add_pieces(self, tier: str, pieces: list[Piece]) -> None:
         merged = self.placement.get(tier, []) + pieces
@@ -87,12 +87,12 @@ class Snapshot:
             mask &= self.covered(among)
         return _ranges(mask)
 
-    def best_spans(self, usable: tuple[str, ...] | list[str] = TIER_ORDER) -> list[Span]:
-        """For each page, the fastest copy among usable tiers, as spans in page order."""
+    def best_spans(self, usable: tuple[str, ...] | list[str] | None = None) -> list[Span]:
+        """For each page, the fastest copy among usable tiers (default: all), as spans in page order."""
         spans: list[Span] = []
         stride = self.geometry.stride
         todo = np.ones(self.n_pages, dtype=bool)
-        for tier in sorted(usable, key=tier_rank):
+        for tier in tier_order(self.placement if usable is None else usable):
             for p in self.pieces(tier):
                 part = todo[p.first_page : p.first_page + p.n_pages]
                 for first, count in _ranges(part):
@@ -108,7 +108,7 @@ class Snapshot:
         if self.n_pages == 0:
             return None
         ranges: list[tuple[int, int]] = []
-        for tier in TIER_ORDER:
+        for tier in self.tiers_held():
             ranges += [(p.first_page, p.first_page + p.n_pages) for p in self.pieces(tier)]
             covered = 0
             for lo, hi in sorted(ranges):

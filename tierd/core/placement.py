@@ -2,8 +2,8 @@
 
 Runs inside the store, called with the session's op lock held. Every move is
 prepare (allocate in the destination), copy, complete: the new pieces join
-the snapshot only after the copy succeeded (and, for disk, after fdatasync and
-the index commit); on failure they are freed and the old copies stay
+the snapshot only after the copy succeeded (and, for the durable tier, after
+fdatasync and the index commit); on failure they are freed and the old copies stay
 authoritative. Where to make room is the store's business (make_room).
 """
 
@@ -18,32 +18,33 @@ from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
-from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers import durable_tier, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Span
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
-MakeRoom = Callable[[str, int, SessionKey, Priority, "str | None"], bool]
+MakeRoom = Callable[[str, int, SessionKey, IOClass, "str | None"], bool]
 
 
 class Placement:
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, events: StoreEvents,
                  lock: threading.RLock) -> None:
         self.tiers = tiers
+        self.durable = durable_tier(tiers)  # the tier the index records (disk), if there is one
         self.copier = copier
         self.index = index
         self.events = events
         self.lock = lock
-        self.make_room: MakeRoom = lambda tier, need, protect, klass, tenant: False
+        self.make_room: MakeRoom = lambda tier, need, protect, io_class, tenant: False
         self.quota: Callable[[str], int | None] = lambda tier: None
 
     # -- allocation ------------------------------------------------------------
 
     def alloc(self, tier: str, ranges: list[tuple[int, int]], stride: int, protect: SessionKey,
-              klass: Priority) -> list[Piece]:
+              io_class: IOClass) -> list[Piece]:
         """Pieces in `tier` for page ranges [(first, count)], making room if
         needed. All or nothing; raises ResourceExhausted."""
         t = self.tiers[tier]
@@ -53,7 +54,7 @@ class Placement:
         if quota is not None and t.used_by(tenant) + total > quota:
             # Over the tenant's quota: only the tenant's own sessions make room.
             over = t.used_by(tenant) + total - quota
-            if total > quota or not self.make_room(tier, over, protect, klass, tenant) or \
+            if total > quota or not self.make_room(tier, over, protect, io_class, tenant) or \
                     t.used_by(tenant) + total > quota:
                 raise ResourceExhausted(
                     f"tenant {shown(tenant)} may hold {quota} bytes of the {tier} tier; it holds {t.used_by(tenant)} "
@@ -79,7 +80,7 @@ class Placement:
                                   "frees", tier=tier)
             # First ask for what the budget lacks; if fragmentation still bites, for all of it.
             need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
-            if total > t.budget or not self.make_room(tier, need, protect, klass, None):
+            if total > t.budget or not self.make_room(tier, need, protect, io_class, None):
                 break
         raise ResourceExhausted(  # bytes used are every tenant's: in the details, not the caller's message
             f"the {tier} tier has no room for {total} bytes (budget {t.budget})",
@@ -111,43 +112,43 @@ class Placement:
 
     # -- moves -------------------------------------------------------------------
 
-    def promote(self, session: Session, target: str, klass: Priority) -> int:
+    def promote(self, session: Session, target: str, io_class: IOClass) -> int:
         """Copy into `target` every page whose fastest copy is slower; returns bytes moved."""
         snap = session.snap
-        missing = snap.missing([t for t in TIER_ORDER if tier_rank(t) <= tier_rank(target)])
+        missing = snap.missing([t for t in self.tiers if tier_rank(t) <= tier_rank(target)])
         if not missing:
             return 0
-        return self.copy_in(session, target, missing, klass, "prefetch")
+        return self.copy_in(session, target, missing, io_class, "prefetch")
 
-    def demote(self, session: Session, target: str, klass: Priority, reason: str) -> None:
+    def demote(self, session: Session, target: str, io_class: IOClass, reason: str) -> None:
         """Leave no page faster than `target`: copy the faster pages that
         `target` lacks into it (to disk: every page), then free the faster pieces."""
         snap = session.snap
-        faster = [t for t in TIER_ORDER if tier_rank(t) < tier_rank(target) and snap.pieces(t)]
+        faster = [t for t in tier_order(self.tiers) if tier_rank(t) < tier_rank(target) and snap.pieces(t)]
         if not faster:
             return
-        if target == "disk":
-            self.write_disk(session, klass, reason)
+        if target == self.durable:
+            self.write_durable(session, io_class, reason)
         else:
             missing = snap.missing([target], among=faster)
             if missing:
-                self.copy_in(session, target, missing, klass, reason)
+                self.copy_in(session, target, missing, io_class, reason)
         with self.lock:
             dropped = {t: snap.remove_tier(t) for t in faster}
         self.retire(session, [(t, p) for t, pieces in dropped.items() for p in pieces])
         for t in dropped:
             self.events.evicted(t, reason)
 
-    def copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], klass: Priority,
+    def copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], io_class: IOClass,
                  reason: str) -> int:
         snap = session.snap
         geom = snap.geometry
-        pieces = self.alloc(target, missing, geom.stride, session.key, klass)
+        pieces = self.alloc(target, missing, geom.stride, session.key, io_class)
         dst = [Span(p.first_page, p.n_pages, target, p.offset) for p in pieces]
         src = [s for s in snap.best_spans() if s.tier != target]
         t0 = time.perf_counter()
         try:
-            moved = self.copier.move(src, dst, geom, snap.checksums, klass)
+            moved = self.copier.move(src, dst, geom, snap.checksums, io_class)
         except BaseException as exc:
             self.free(target, pieces)
             if isinstance(exc, DataLoss):
@@ -161,34 +162,35 @@ class Placement:
         self.events.moved(source, target, reason, moved, time.perf_counter() - t0)
         return moved
 
-    def write_disk(self, session: Session, klass: Priority, reason: str = "writeback") -> None:
-        """Give every page a disk copy and record the session as durable."""
-        if self.index is None or "disk" not in self.tiers:
+    def write_durable(self, session: Session, io_class: IOClass, reason: str = "writeback") -> None:
+        """Give every page a copy in the durable tier and record the session as durable."""
+        durable = self.durable
+        if self.index is None or durable is None:
             raise ResourceExhausted("there is no disk tier")
         snap = session.snap
         if session.durable:
             return
-        missing = snap.missing(["disk"])
+        missing = snap.missing([durable])
         pieces: list[Piece] = []
         if missing:
             geom = snap.geometry
-            pieces = self.alloc("disk", missing, geom.stride, session.key, klass)
-            dst = [Span(p.first_page, p.n_pages, "disk", p.offset) for p in pieces]
-            src = [s for s in snap.best_spans() if s.tier != "disk"]
+            pieces = self.alloc(durable, missing, geom.stride, session.key, io_class)
+            dst = [Span(p.first_page, p.n_pages, durable, p.offset) for p in pieces]
+            src = [s for s in snap.best_spans() if s.tier != durable]
             t0 = time.perf_counter()
-            epoch = self.tiers["disk"].epoch()
+            epoch = self.tiers[durable].epoch()
             try:
-                moved = self.copier.move(src, dst, geom, snap.checksums, klass)
-                self.tiers["disk"].sync(epoch)
+                moved = self.copier.move(src, dst, geom, snap.checksums, io_class)
+                self.tiers[durable].sync(epoch)
             except BaseException as exc:
-                self.free("disk", pieces)
+                self.free(durable, pieces)
                 if isinstance(exc, DataLoss):
                     self.mark_damaged(session, exc)
                 elif isinstance(exc, OSError):
                     raise self.io_failed("write", exc, session.key) from exc
                 raise
             source = max((s.tier for s in src), key=tier_rank)
-            self.events.moved(source, "disk", reason, moved, time.perf_counter() - t0)
+            self.events.moved(source, durable, reason, moved, time.perf_counter() - t0)
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
                   session.priority)
         try:
@@ -196,10 +198,10 @@ class Placement:
                                                  snap.token_hashes[p.first_page : p.first_page + p.n_pages])
                                                 for p in pieces], row)
         except BaseException:
-            self.free("disk", pieces)
+            self.free(durable, pieces)
             raise
         with self.lock:
-            snap.add_pieces("disk", pieces)
+            snap.add_pieces(durable, pieces)
             session.row, session.row_version = row, snap.version
 
     def truncate(self, session: Session, n_pages: int) -> list[tuple[str, Piece]]:
@@ -207,7 +209,7 @@ class Placement:
         snap = session.snap
         if n_pages >= snap.n_pages:
             return []
-        if self.index is not None and (snap.pieces("disk") or session.row is not None):
+        if self.index is not None and (snap.pieces(self.durable) or session.row is not None):
             row = session.row
             if row is not None and row.num_pages > n_pages:
                 row = None if snap.spec.is_opaque or n_pages == 0 else Row(
@@ -223,7 +225,7 @@ class Placement:
     def unindex(self, session: Session) -> None:
         """Remove the session's index entry, the first step of forgetting it:
         if the index cannot be written, this raises and nothing has changed."""
-        if self.index is not None and (session.row is not None or session.snap.pieces("disk")):
+        if self.index is not None and (session.row is not None or session.snap.pieces(self.durable)):
             self.index.delete(session.key)
             session.row = None
 
@@ -246,4 +248,4 @@ class Placement:
         log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)
         with self.lock:
             session.damaged = True
-        self.events.checksum_failed(str(exc.details.get("tier", "disk")))
+        self.events.checksum_failed(str(exc.details.get("tier", self.durable)))

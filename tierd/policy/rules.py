@@ -1,13 +1,20 @@
 """What to move and when: idle demotion (and when it is next due),
 watermarks, eviction order, budget changes, TTL, and the
-restore-or-recompute estimate."""
+restore-or-recompute estimate.
+
+Pure functions over what policy may know of sessions (SessionView) and the
+tiers present, called by the store from the policy tick and from the calls
+that need room. Tiers are known by their registered order (tiers.tier_order):
+a session leaving a tier goes to the next lower tier present; write-backs go
+to the durable one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers import DEVICE, HOST, durable_tier, tier_order
 from tierd.types import Advice, SessionKey
 
 DROP = "drop"
@@ -26,6 +33,17 @@ class PolicyConfig:
     tenant_sessions: int = 0  # sessions each tenant may hold (0: no limit)
     tenant_leases: int = 0  # leases each tenant may hold open (0: no limit)
     tenant_lease_bytes: int = 0  # bytes of open leases each tenant may hold (0: no limit)
+    tier_idle: tuple[tuple[str, float], ...] = ()  # (tier, seconds idle before leaving it) for tiers besides
+    #                                                 device and host, whose thresholds are the fields above
+
+    def idle(self, tier: str) -> float | None:
+        """Seconds idle before a session leaves `tier` for the next lower one
+        (None: it leaves only to make room)."""
+        if tier == DEVICE:
+            return self.device_idle
+        if tier == HOST:
+            return self.host_idle
+        return dict(self.tier_idle).get(tier)
 
     def quota(self, tier: str) -> int | None:
         """Bytes of `tier` each tenant may hold, or None for no limit."""
@@ -36,6 +54,9 @@ class PolicyConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must not be negative, got {value}")
+        for tier, value in self.tier_idle:
+            if value < 0:
+                raise ValueError(f"the idle time of the {tier} tier must not be negative, got {value}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
 
@@ -57,8 +78,8 @@ class SessionView:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """Make `key` live no faster than `target` (a tier name), keep a disk copy
-    (target "disk" with keep=True), or drop it (target DROP)."""
+    """Make `key` live no faster than `target` (a tier name), keep a copy in
+    the durable tier (target that tier with keep=True), or drop it (target DROP)."""
 
     key: SessionKey
     target: str
@@ -71,7 +92,8 @@ def _value(v: SessionView, cfg: PolicyConfig) -> float:
 
 
 def _next_lower(tier: str, present: Iterable[str]) -> str:
-    lower = [t for t in TIER_ORDER if tier_rank(t) > tier_rank(tier) and t in present]
+    order = tier_order(present)
+    lower = order[order.index(tier) + 1 :] if tier in order else ()
     return lower[0] if lower else DROP
 
 
@@ -97,31 +119,34 @@ def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: I
     return moves if freed >= need else None
 
 
-def _idle_rules(v: SessionView, cfg: PolicyConfig, present: set[str]) -> list[tuple[float, Move]]:
+def _idle_rules(v: SessionView, cfg: PolicyConfig, order: tuple[str, ...]) -> list[tuple[float, Move]]:
     """The idle moves that apply to a released session, first to last in
-    precedence, each with the seconds idle it waits for."""
-    held = {t for t, n in v.tier_bytes.items() if n}
+    precedence (a drop, then the deepest demotion first), each with the
+    seconds idle it waits for. Demotion into order[i] waits for the idle time
+    of order[i - 1], the tier it leaves, and applies while the session holds
+    pages faster than order[i]."""
     rules = []
     if cfg.disk_ttl is not None:
         rules.append((cfg.disk_ttl, Move(v.key, DROP, "ttl")))
-    if "disk" in present and held & {"device", "host"}:
-        rules.append((cfg.host_idle, Move(v.key, "disk", "idle")))
-    if "host" in present and "device" in held:
-        rules.append((cfg.device_idle, Move(v.key, "host", "idle")))
-    if "disk" in present and not v.durable and cfg.writeback_idle is not None:
-        rules.append((cfg.writeback_idle, Move(v.key, "disk", "writeback", keep=True)))
+    for i in range(len(order) - 1, 0, -1):
+        after = cfg.idle(order[i - 1])
+        if after is not None and any(v.tier_bytes.get(t) for t in order[:i]):
+            rules.append((after, Move(v.key, order[i], "idle")))
+    durable = durable_tier(order)
+    if durable is not None and not v.durable and cfg.writeback_idle is not None:
+        rules.append((cfg.writeback_idle, Move(v.key, durable, "writeback", keep=True)))
     return rules
 
 
 def idle_moves(views: Iterable[SessionView], now: float, cfg: PolicyConfig, present: Iterable[str]) -> list[Move]:
     """Demotions, write-backs and TTL drops due for released sessions."""
-    present = set(present)
+    order = tier_order(present)
     moves = []
     for v in views:
         if v.released_at is None or v.pinned or v.busy:
             continue
         idle = now - v.released_at
-        moves += [move for after, move in _idle_rules(v, cfg, present) if idle >= after][:1]
+        moves += [move for after, move in _idle_rules(v, cfg, order) if idle >= after][:1]
     return moves
 
 
@@ -132,7 +157,7 @@ def idle_due(v: SessionView, cfg: PolicyConfig, present: Iterable[str]) -> float
     a busy session is due again as soon as it is not."""
     if v.released_at is None or v.pinned:
         return None
-    rules = _idle_rules(v, cfg, set(present))
+    rules = _idle_rules(v, cfg, tier_order(present))
     return v.released_at + min(after for after, _ in rules) if rules else None
 
 

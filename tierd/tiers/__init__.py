@@ -1,35 +1,98 @@
 """Tiers: where bytes live (device VRAM, host shared memory, disk slabs).
 
 Mechanism only: a tier allocates, frees and exposes its bytes; it never
-decides what to move or why. Names are ordered fastest first.
+decides what to move or why. Every kind of tier is registered here once
+(register): its name, its rank in the order (fastest first), its medium and
+its role. The rest of tierd asks the registry, never a literal list: where
+a session goes when it leaves a tier, which tier is durable (the one the
+index records), which tiers a save or a prefetch may target.
 
 Each tier is of one medium, which decides how the copy engine reaches its
 bytes (transfer/routes.py): MEMORY tiers hand out views (MemoryTier), FILE
-tiers read and write by offset through the I/O threads (FileTier).
+tiers read and write by offset through the I/O threads (FileTier). A new
+tier is one module (its Tier class and its register() line), the routes of
+its medium if that medium is new, and one builder in machine.TIERS.
+Registration happens at import, on the main thread, before anything runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tierd.tiers.allocator import Piece
 
-TIER_ORDER = ("device", "host", "disk")
 MEMORY = "memory"  # bytes reached as views: the host arena, VRAM
 FILE = "file"  # bytes reached by reads and writes at offsets: the disk slabs
 
 
+@dataclass(frozen=True, slots=True)
+class TierKind:
+    name: str
+    rank: int  # place in the order, fastest first; leave gaps so a new tier fits between two
+    medium: str  # MEMORY or FILE (or a medium of a new tier's own, with routes registered for it)
+    durable: bool = False  # survives restarts: holds the pages the disk index records
+    bandwidth: float = 1e9  # bytes/s assumed for restore advice until a copy out of it is measured
+
+
+_KINDS: dict[str, TierKind] = {}
+
+
+def register(kind: TierKind) -> str:
+    """Add a kind of tier; returns its name. A name or rank is taken once;
+    one kind is durable (the index records one tier's pages)."""
+    if kind.name in _KINDS:
+        raise ValueError(f"a tier named {kind.name!r} is registered already")
+    if any(k.rank == kind.rank for k in _KINDS.values()):
+        raise ValueError(f"rank {kind.rank} is taken: {kind.name!r} needs a place of its own in the order")
+    if kind.durable and any(k.durable for k in _KINDS.values()):
+        raise ValueError(f"{kind.name!r}: one durable tier is registered already")
+    _KINDS[kind.name] = kind
+    return kind.name
+
+
+def kind_of(name: str) -> TierKind:
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ValueError(f"no tier named {name!r} is registered") from None
+
+
+def is_tier(name: object) -> bool:
+    return isinstance(name, str) and name in _KINDS
+
+
 def tier_rank(name: str) -> int:
-    return TIER_ORDER.index(name)
+    return kind_of(name).rank
+
+
+def tier_order(names: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The given tier names (default: every registered one), fastest first."""
+    return tuple(sorted(_KINDS if names is None else names, key=tier_rank))
+
+
+def durable_tier(names: Iterable[str]) -> str | None:
+    """The durable tier among these names, if any."""
+    return next((n for n in names if kind_of(n).durable), None)
+
+
+DEVICE = register(TierKind("device", 10, MEMORY, bandwidth=200e9))  # VRAM
+HOST = register(TierKind("host", 20, MEMORY, bandwidth=10e9))  # the shared arena: Puts and leases land here
+DISK = register(TierKind("disk", 30, FILE, durable=True, bandwidth=1e9))  # slab files under the index
 
 
 class Tier(Protocol):
-    name: str
-    medium: str  # MEMORY or FILE
+    """What the store and the copy engine call on every tier. Pieces are
+    extents of the tier's address space (offset, bytes), owned by a tenant."""
+
+    name: str  # a registered kind's
+    medium: str  # the kind's: MEMORY or FILE
     budget: int
     backend: str  # the mechanism behind it, for logs and metrics
     out_of_space: bool  # the system refused room the budget allows
+    allocator: Any  # the extent allocator: round(nbytes) is what an allocation of nbytes takes
 
     @property
     def used(self) -> int: ...
@@ -37,15 +100,23 @@ class Tier(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    def alloc_pages(self, n_pages: int, page_bytes: int, owner: str = "") -> list[Piece] | None: ...
+    def alloc_pages(self, n_pages: int, page_bytes: int, owner: str = "") -> list[Piece] | None:
+        """Room for n_pages pages, in as few pieces as it takes, or None (all or nothing)."""
+        ...
 
     def used_by(self, owner: str) -> int: ...
 
     def free(self, piece: Piece) -> None: ...
 
+    def reserve(self, pieces: list[tuple[Piece, str]]) -> None:
+        """Mark (piece, owner) pairs found at recovery as allocated."""
+        ...
+
     def set_budget(self, nbytes: int) -> None: ...
 
-    def maintain(self) -> int: ...
+    def maintain(self) -> int:
+        """Periodic housekeeping (on the policy tick); returns bytes released."""
+        ...
 
     def close(self) -> None: ...
 
@@ -58,16 +129,35 @@ class MemoryTier(Tier, Protocol):
 
 class FileTier(Tier, Protocol):
     device_io: bool  # reads and writes take GPU memory as well as host arrays
+    slab_bytes: int
 
     def takes(self, buf: Any) -> bool:
         """Whether read and write take buf as it is (else the caller stages it in host memory)."""
         ...
 
-    def read(self, offset: int, buf: Any, priority: int) -> None: ...
+    def read(self, offset: int, buf: Any, io_class: int) -> None: ...
 
-    def read_async(self, offset: int, buf: Any, priority: int) -> list[Future]: ...
+    def read_async(self, offset: int, buf: Any, io_class: int) -> list[Future]: ...
 
-    def write(self, offset: int, buf: Any, priority: int) -> None: ...
+    def write(self, offset: int, buf: Any, io_class: int) -> None: ...
 
 
-__all__ = ["FILE", "MEMORY", "TIER_ORDER", "FileTier", "MemoryTier", "Piece", "Tier", "tier_rank"]
+class DurableTier(FileTier, Protocol):
+    """The tier the index records: what it holds survives restarts."""
+
+    def open_existing(self) -> dict[int, int | None]:
+        """Open what a previous run left (before recovery); returns, per slab
+        that is missing or short, the bytes it held (None: no file)."""
+        ...
+
+    def epoch(self) -> int:
+        """A mark to pass to sync() after writing."""
+        ...
+
+    def sync(self, since: int | None = None) -> None:
+        """Make every write so far durable; with since, fail if a sync failed after that mark."""
+        ...
+
+
+__all__ = ["DEVICE", "DISK", "FILE", "HOST", "MEMORY", "DurableTier", "FileTier", "MemoryTier", "Piece", "Tier", "TierKind",
+           "durable_tier", "is_tier", "kind_of", "register", "tier_order", "tier_rank"]

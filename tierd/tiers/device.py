@@ -10,15 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tierd.tiers import MEMORY
+from tierd.tiers import DEVICE
 from tierd.tiers.slabs import SlabTier
 
 log = logging.getLogger("tierd.tiers.device")
 
 
 class DeviceTier(SlabTier):
-    name = "device"
-    medium = MEMORY
+    name = DEVICE
 
     def __init__(self, budget: int, device: str = "cuda", slab_bytes: int = 1 << 30) -> None:
         super().__init__(budget, slab_bytes)

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from tierd.tiers import FILE
+from tierd.tiers import DISK
 from tierd.tiers.allocator import Piece
-from tierd.tiers.ioqueue import Priority, PriorityExecutor, wait_all
+from tierd.tiers.ioqueue import IOClass, IOExecutor, wait_all
 from tierd.tiers.slabs import SlabTier
 
 log = logging.getLogger("tierd.tiers.disk")
@@ -95,10 +95,9 @@ def probe_direct_io(directory: str) -> bool:
 
 
 class DiskTier(SlabTier):
-    name = "disk"
-    medium = FILE
+    name = DISK
 
-    def __init__(self, budget: int, directory: str, executor: PriorityExecutor, slab_bytes: int = 1 << 30,
+    def __init__(self, budget: int, directory: str, executor: IOExecutor, slab_bytes: int = 1 << 30,
                  direct: bool | None = None, ops: FileOps | None = None) -> None:
         super().__init__(budget, slab_bytes, granule=ALIGN)
         self.ops = ops or FileOps()
@@ -232,24 +231,24 @@ class DiskTier(SlabTier):
         if self.direct and (buf.ctypes.data % ALIGN or buf.nbytes % ALIGN or offset % ALIGN):
             raise ValueError("O_DIRECT I/O needs a 4096-aligned buffer, length and offset")
 
-    def read(self, offset: int, buf: Any, priority: int = Priority.DEMAND) -> None:
+    def read(self, offset: int, buf: Any, io_class: int = IOClass.DEMAND) -> None:
         """Fill buf (uint8, contiguous; GPU memory too where device_io) from the tier's bytes at offset."""
-        wait_all(self.read_async(offset, buf, priority))
+        wait_all(self.read_async(offset, buf, io_class))
 
-    def read_async(self, offset: int, buf: Any, priority: int = Priority.DEMAND) -> list[Future]:
+    def read_async(self, offset: int, buf: Any, io_class: int = IOClass.DEMAND) -> list[Future]:
         """Queue the reads that fill buf; wait_all(result) waits for them."""
         self._check_buffer(buf, offset)
-        return [self._executor.submit(priority, self._pread_exact, fd, buf[pos : pos + n], foff)
+        return [self._executor.submit(io_class, self._pread_exact, fd, buf[pos : pos + n], foff)
                 for fd, foff, pos, n in self._spans(offset, buf.nbytes)]
 
-    def write(self, offset: int, buf: Any, priority: int = Priority.DEMOTION) -> None:
+    def write(self, offset: int, buf: Any, io_class: int = IOClass.DEMOTION) -> None:
         """Write buf at offset; durable only after sync()."""
         self._check_buffer(buf, offset)
         slab, _ = self.locate(offset)
         with self._lock:
             self._dirty.add(slab)
         try:
-            wait_all([self._executor.submit(priority, self._pwrite_exact, fd, buf[pos : pos + n], foff)
+            wait_all([self._executor.submit(io_class, self._pwrite_exact, fd, buf[pos : pos + n], foff)
                       for fd, foff, pos, n in self._spans(offset, buf.nbytes)])
         except OSError as exc:
             if exc.errno == errno.ENOSPC:

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from tierd.tiers import MEMORY, shm
+from tierd.tiers import HOST, shm
 from tierd.tiers.allocator import Piece
 from tierd.tiers.slabs import SlabTier
 
@@ -28,8 +28,7 @@ SHM_DIR = shm.SHM_DIR
 
 
 class HostTier(SlabTier):
-    name = "host"
-    medium = MEMORY
+    name = HOST
 
     def __init__(self, budget: int, prefix: str, slab_bytes: int = 1 << 30, shm_dir: str = SHM_DIR,
                  pin: bool = False) -> None:

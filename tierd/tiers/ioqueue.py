@@ -1,4 +1,4 @@
-"""A thread pool that serves the most urgent work first.
+"""A thread pool that serves the most urgent work first (by I/O class).
 
 Disk I/O is cut into chunks and queued here, so a demand restore overtakes a
 background demotion at chunk granularity, and the bytes in flight are bounded
@@ -15,8 +15,9 @@ from enum import IntEnum
 from typing import Any, Callable
 
 
-class Priority(IntEnum):
-    """Lower runs first."""
+class IOClass(IntEnum):
+    """How urgent a copy or an I/O request is; lower runs first. (A
+    session's priority is another thing: its weight in eviction order.)"""
 
     DEMAND = 0  # a restore or get the engine waits on
     PREFETCH = 1  # a promotion asked for ahead of a turn
@@ -24,7 +25,7 @@ class Priority(IntEnum):
     WRITEBACK = 3  # background copy to disk for durability
 
 
-class PriorityExecutor:
+class IOExecutor:
     def __init__(self, workers: int, name: str = "tierd-io") -> None:
         self._heap: list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...]]] = []
         self._seq = itertools.count()
@@ -34,12 +35,12 @@ class PriorityExecutor:
         for t in self._threads:
             t.start()
 
-    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, io_class: int, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("executor is shut down")
-            heapq.heappush(self._heap, (int(priority), next(self._seq), future, fn, args))
+            heapq.heappush(self._heap, (int(io_class), next(self._seq), future, fn, args))
             self._cond.notify()
         return future
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 
+from tierd.tiers import kind_of
 from tierd.tiers.allocator import ExtentAllocator, Piece
 
 log = logging.getLogger("tierd.tiers")
 
 
 class SlabTier:
-    name = "tier"
+    name = "tier"  # a registered kind's (tiers.register)
     backend = "slabs"
     out_of_space = False  # the system refused room the budget allows (the disk tier sets it)
 
@@ -48,6 +49,10 @@ class SlabTier:
         """Return the piece's memory to the system where that is cheap."""
 
     # Tier -------------------------------------------------------------------
+
+    @property
+    def medium(self) -> str:
+        return kind_of(self.name).medium
 
     @property
     def used(self) -> int:

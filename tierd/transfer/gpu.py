@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tierd.tiers import cuda_host
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 
 log = logging.getLogger("tierd.transfer.gpu")
 
@@ -89,7 +89,7 @@ def copy_of(dst: Any, src: Any) -> Copy:
 
 
 class Kernels:
-    """kernels.cu compiled for the current device, with a stream per priority class."""
+    """kernels.cu compiled for the current device, with a stream per I/O class."""
 
     def __init__(self, device: int = 0) -> None:
         import cupy
@@ -121,15 +121,15 @@ class Kernels:
         """nbytes of GPU memory (a uint8 tensor), for staging."""
         return self._torch.empty(nbytes, dtype=self._torch.uint8, device=f"cuda:{self.device}")
 
-    def stream(self, priority: int) -> Any:
-        return self.demand if priority <= Priority.PREFETCH else self.background
+    def stream(self, io_class: int) -> Any:
+        return self.demand if io_class <= IOClass.PREFETCH else self.background
 
-    def copy(self, copies: Sequence[Copy], priority: int = Priority.DEMAND) -> None:
+    def copy(self, copies: Sequence[Copy], io_class: int = IOClass.DEMAND) -> None:
         """All the copies in one launch; returns when they are done."""
         plan = plan_copies(copies)
         if not len(plan):
             return
-        stream = self.stream(priority)
+        stream = self.stream(io_class)
         cp = self._cp
         with cp.cuda.Device(self.device), cp.cuda.ExternalStream(stream.cuda_stream):
             table = cp.asarray(plan.reshape(-1))
@@ -137,25 +137,25 @@ class Kernels:
             self.launches += 1
         stream.synchronize()
 
-    def dma(self, dst: Any, src: Any, priority: int = Priority.DEMOTION) -> None:
+    def dma(self, dst: Any, src: Any, io_class: int = IOClass.DEMOTION) -> None:
         """dst[...] = src through the GPU's copy engines (no SM time taken from
-        the inference engine) on the priority's stream; returns when done."""
+        the inference engine) on the stream of its I/O class; returns when done."""
         torch = self._torch
         d = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
         s = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
-        stream = self.stream(priority)
+        stream = self.stream(io_class)
         with torch.cuda.stream(stream):
             d.copy_(s, non_blocking=True)
         stream.synchronize()
 
-    def checksums(self, pages: Sequence[tuple[int, int]], priority: int = Priority.DEMAND) -> np.ndarray:
+    def checksums(self, pages: Sequence[tuple[int, int]], io_class: int = IOClass.DEMAND) -> np.ndarray:
         """XXH3-64 of each (device address, length) page, every length > SHORT_PAGE."""
         n = len(pages)
         if n == 0:
             return np.empty(0, dtype=np.uint64)
         if min(length for _, length in pages) <= SHORT_PAGE:
             raise ValueError(f"pages of {SHORT_PAGE} bytes or fewer are hashed on the CPU")
-        stream = self.stream(priority)
+        stream = self.stream(io_class)
         cp = self._cp
         with cp.cuda.Device(self.device), cp.cuda.ExternalStream(stream.cuda_stream):
             table = cp.asarray(np.asarray(pages, dtype=np.uint64).reshape(-1))

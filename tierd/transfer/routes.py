@@ -28,9 +28,9 @@ from tierd.transfer import memory
 from tierd.transfer.runs import Geometry, MoveRun, Span
 
 if TYPE_CHECKING:
-    from tierd.transfer.copier import CopyEngine
+    from tierd.transfer.pages import PageCopier
 
-Route = Callable[["CopyEngine", MoveRun, Geometry, np.ndarray, int], None]
+Route = Callable[["PageCopier", MoveRun, Geometry, np.ndarray, int], None]
 ROUTES: dict[tuple[str, str], Route] = {}
 
 
@@ -55,15 +55,15 @@ def route_of(src: Any, dst: Any) -> Route:
 
 
 @route(MEMORY, MEMORY)
-def memory_to_memory(copier: CopyEngine, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
-    """View to view: one copy (a DMA on the priority's stream where the GPU kernels run)."""
+def memory_to_memory(copier: PageCopier, run: MoveRun, geom: Geometry, checksums: np.ndarray, io_class: int) -> None:
+    """View to view: one copy (a DMA on the stream of its I/O class where the GPU kernels run)."""
     nbytes = run.count * geom.stride
     src = copier.view(run.src_tier, run.src_offset, nbytes)
     if run.src_tier in copier.verify_tiers:
         copier.verify(src, run.page, run.count, geom, checksums, run.src_tier)
     dst = copier.view(run.dst_tier, run.dst_offset, nbytes)
     if copier.kernels is not None:
-        copier.kernels.dma(dst, src, priority)
+        copier.kernels.dma(dst, src, io_class)
     else:
         memory.copy(dst, src)
         memory.synchronize(dst, src)
@@ -71,7 +71,7 @@ def memory_to_memory(copier: CopyEngine, run: MoveRun, geom: Geometry, checksums
 
 
 @route(MEMORY, FILE)
-def memory_to_file(copier: CopyEngine, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+def memory_to_file(copier: PageCopier, run: MoveRun, geom: Geometry, checksums: np.ndarray, io_class: int) -> None:
     """Written straight from the view where the file tier takes that memory
     (host arrays; GPU memory through kvikio), else staged window by window
     through an aligned host buffer."""
@@ -81,7 +81,7 @@ def memory_to_file(copier: CopyEngine, run: MoveRun, geom: Geometry, checksums: 
     if file.takes(src):
         if verify:
             copier.verify(src, run.page, run.count, geom, checksums, run.src_tier)
-        file.write(run.dst_offset, src, priority)
+        file.write(run.dst_offset, src, io_class)
         copier.add_copies()
         return
     per_window = max(1, copier.window_bytes // stride)
@@ -93,24 +93,24 @@ def memory_to_file(copier: CopyEngine, run: MoveRun, geom: Geometry, checksums: 
         memory.synchronize(part)
         if verify:
             copier.verify(bounce, run.page + k, count, geom, checksums, run.src_tier)
-        file.write(run.dst_offset + k * stride, bounce[: count * stride], priority)
+        file.write(run.dst_offset + k * stride, bounce[: count * stride], io_class)
         copier.add_copies()
 
 
 @route(FILE, MEMORY)
-def file_to_memory(copier: CopyEngine, run: MoveRun, geom: Geometry, checksums: np.ndarray, priority: int) -> None:
+def file_to_memory(copier: PageCopier, run: MoveRun, geom: Geometry, checksums: np.ndarray, io_class: int) -> None:
     """Read straight into the view where the file tier takes that memory
     (host arrays; VRAM through GPUDirect Storage), else through the copy
     engine's staging windows (read ahead), each checked before it is copied on."""
     file, stride = copier.tiers[run.src_tier], geom.stride
     dst = copier.view(run.dst_tier, run.dst_offset, run.count * stride)
     if file.takes(dst):
-        file.read(run.src_offset, dst, priority)
+        file.read(run.src_offset, dst, io_class)
         copier.add_copies()
         copier.verify(dst, run.page, run.count, geom, checksums, run.src_tier)
         return
     span = Span(run.page, run.count, run.src_tier, run.src_offset)
-    for first, count, _, buf in copier.windows([span], geom, checksums, priority):
+    for first, count, _, buf in copier.windows([span], geom, checksums, io_class):
         part = dst[(first - run.page) * stride : (first - run.page + count) * stride]
         memory.copy(part, buf[: count * stride])
         memory.synchronize(part)

@@ -8,7 +8,7 @@ from tierd.core.store.leases import _SaveLease
 from tierd.core.store.upkeep import Upkeep
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.tiers import tier_rank
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionInfo, TierStats
 
 
@@ -45,23 +45,24 @@ class Inspection(Upkeep):
                 for name, t in sorted(self.tiers.items(), key=lambda kv: tier_rank(kv[0]))]
 
     def scan(self) -> list[str]:
-        """An integrity scan of the disk tier: every committed page reads back
+        """An integrity scan of the durable tier (disk): every committed page reads back
         with its checksum, pieces lie inside the slabs and never overlap, the
         index holds exactly the pieces in memory, and the accounting holds
         (check_accounting). Returns the problems."""
         problems: list[str] = []
         if self.index is None:
             return problems
-        disk = self.tiers["disk"]
+        durable = self.placement.durable
+        disk = self.tiers[durable]
         extents = []
         for key in self.keys():
             with self._held(key) as session:
                 snap = session.snap
-                pieces = snap.pieces("disk")
+                pieces = snap.pieces(durable)
                 extents += [(p.offset, p.alloc_bytes, key) for p in pieces]
-                spans = [s for s in snap.spans("disk")]
+                spans = snap.spans(durable)
                 try:
-                    for _ in self.copier.windows(spans, snap.geometry, snap.checksums, Priority.WRITEBACK):
+                    for _ in self.copier.windows(spans, snap.geometry, snap.checksums, IOClass.WRITEBACK):
                         pass
                 except (DataLoss, OSError) as exc:
                     problems.append(f"{key.tenant}/{key.session_id}: {exc}")
@@ -84,7 +85,7 @@ class Inspection(Upkeep):
         held: dict[str, dict[str, int]] = {name: {} for name in self.tiers}
         with self._lock:
             holders = [(s.key.tenant, s.snap.placement) for s in self._sessions.values()]
-            holders += [(lease.key.tenant, {"host": lease.write.pieces}) for lease in self._leases.values()
+            holders += [(lease.key.tenant, {lease.write.tier: lease.write.pieces}) for lease in self._leases.values()
                         if isinstance(lease, _SaveLease)]
             holders += [(s.key.tenant, {tier: [p]}) for s in self._sessions.values() for tier, p in s.deferred]
             for tenant, placement in holders:

@@ -36,7 +36,7 @@ from tierd.errors import (
     shown,
 )
 from tierd.layout import KVSpec
-from tierd.tiers import shm, tier_rank
+from tierd.tiers import HOST, shm, tier_rank
 from tierd.transfer.runs import Geometry
 from tierd.types import Lease, SessionInfo, SessionKey, Slot
 
@@ -107,7 +107,7 @@ class Leases(Reads):
         """A lease's end: its segment is kept for the tenant's next lease (its
         pages resident: a fresh segment cost ~0.6 ms per MiB in page faults),
         up to the tenant's lease bytes, or goes."""
-        keep = self.policy.tenant_lease_bytes or self.tiers["host"].budget // 4
+        keep = self.policy.tenant_lease_bytes or self.tiers[HOST].budget // 4
         with self._lock:
             spares = self._spares.setdefault(tenant, [])
             if segment is not None and not self._closed and sum(seg.size for seg, _ in spares) + segment.size <= keep:
@@ -158,7 +158,7 @@ class Leases(Reads):
         nbytes = count * spec.page_bytes
         segment = self._open_lease(key.tenant, nbytes)
         try:
-            w = self._begin_write(key, spec, "host", first_page, num_tokens, n_pages * spec.page_bytes,
+            w = self._begin_write(key, spec, HOST, first_page, num_tokens, n_pages * spec.page_bytes,
                                   Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
         except BaseException:
             self._close_lease(key.tenant, segment, nbytes)

@@ -9,7 +9,7 @@ import logging
 import time
 
 from tierd.core.model import Session
-from tierd.core.mover import Job
+from tierd.core.move_queue import Job
 from tierd.core.store.leases import Leases
 from tierd.errors import (
     DataLoss,
@@ -20,9 +20,9 @@ from tierd.errors import (
     shown,
 )
 from tierd.policy.rules import DROP
-from tierd.tiers import TIER_ORDER, tier_rank
+from tierd.tiers import DISK, HOST, MEMORY, is_tier, kind_of, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionInfo, SessionKey
 
 log = logging.getLogger("tierd.core.store")
@@ -54,7 +54,7 @@ class Lifecycle(Leases):
 
     def drop(self, key: SessionKey) -> None:
         """Forget the session everywhere; a queued move for it is cancelled."""
-        self.mover.cancel(key)
+        self.moves.cancel(key)
         with self._held(key) as session:
             self._forget(session)
 
@@ -76,22 +76,25 @@ class Lifecycle(Leases):
             self.events.evicted(t, reason)
         self._notify()
 
-    def prefetch(self, key: SessionKey, tier: str = "host", priority: int = 0,
+    def prefetch(self, key: SessionKey, tier: str = HOST, priority: int = 0,
                  deadline: float | None = None) -> str:
-        """Start promoting the session toward `tier`; returns "ready" if it is
-        there already, else "queued". Never waits for the move."""
-        if tier not in ("device", "host"):
-            raise InvalidArgument(f"prefetch goes to 'host' or 'device', not {shown(tier)}", field="tier", value=tier)
+        """Start promoting the session toward `tier` (a memory tier); returns
+        "ready" if it is there already, else "queued". Never waits for the move."""
+        if not is_tier(tier) or kind_of(tier).medium != MEMORY:
+            targets = ", ".join(repr(t) for t in tier_order() if kind_of(t).medium == MEMORY)
+            raise InvalidArgument(f"prefetch goes to a memory tier ({targets}), not {shown(tier)}", field="tier",
+                                  value=tier)
         if tier not in self.tiers:
             raise FailedPrecondition(f"there is no {tier} tier on this machine", field="tier", value=tier)
         session = self._get(key)
         if session.damaged:
             raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)
-        if tier_rank(session.snap.slowest_tier() or "device") <= tier_rank(tier):
+        where = session.snap.slowest_tier()
+        if where is None or tier_rank(where) <= tier_rank(tier):
             self._expect(session)
             self.events.prefetch_outcome("ready")
             return "ready"
-        self.mover.submit(Job(key, tier, "prefetch", Priority.PREFETCH, priority, deadline), _merge_prefetch)
+        self.moves.submit(Job(key, tier, "prefetch", IOClass.PREFETCH, priority, deadline), _merge_prefetch)
         return "queued"
 
     def _expect(self, session: Session) -> float:
@@ -105,9 +108,9 @@ class Lifecycle(Leases):
                 self._schedule(session)  # promoted: an earlier threshold may apply
         return now
 
-    def ready(self, key: SessionKey, tier: str = "host") -> tuple[bool, str | None]:
+    def ready(self, key: SessionKey, tier: str = HOST) -> tuple[bool, str | None]:
         """Whether the whole session is in `tier` or faster, and the tier it is in; never waits."""
-        if tier not in TIER_ORDER:
+        if not is_tier(tier):
             raise InvalidArgument(f"unknown tier {shown(tier)}", field="tier", value=tier)
         with self._lock:
             session = self._get(key)
@@ -116,7 +119,7 @@ class Lifecycle(Leases):
             where = session.snap.slowest_tier()
         return where is not None and tier_rank(where) <= tier_rank(tier), where
 
-    def wait_ready(self, key: SessionKey, tier: str = "host", timeout: float = 30.0) -> tuple[bool, str | None]:
+    def wait_ready(self, key: SessionKey, tier: str = HOST, timeout: float = 30.0) -> tuple[bool, str | None]:
         """Wait until the whole session is in `tier` or faster; returns
         (ready, the tier it is in). (The API waits on its event loop instead, through ready() and subscribe().)"""
         end = time.monotonic() + max(0.0, timeout)
@@ -148,15 +151,15 @@ class Lifecycle(Leases):
             with self._lock:
                 session.moving = True
             if job.reason == "prefetch":
-                self.placement.promote(session, job.target, Priority.PREFETCH)
+                self.placement.promote(session, job.target, IOClass.PREFETCH)
                 now = self._expect(session)
                 self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
             elif job.target == DROP:
                 self._forget(session, job.reason)
             elif job.keep:
-                self.placement.write_disk(session, job.klass, job.reason)
+                self.placement.write_durable(session, job.io_class, job.reason)
             else:
-                self._demote(session, job.target, job.klass, job.reason)
+                self._demote(session, job.target, job.io_class, job.reason)
         except TierdError as exc:
             if job.reason == "prefetch":
                 self.events.prefetch_outcome("missed")
@@ -168,13 +171,13 @@ class Lifecycle(Leases):
             session.op.release()
             self._notify()
 
-    def _demote(self, session: Session, target: str, klass: Priority, reason: str) -> None:
+    def _demote(self, session: Session, target: str, io_class: IOClass, reason: str) -> None:
         """Demote toward target, or further down where target cannot take it;
         where no lower tier can, the session is dropped (it is a cache)."""
-        lower = [] if target == DROP else [t for t in TIER_ORDER if t in self.tiers and tier_rank(t) >= tier_rank(target)]
+        lower = [] if target == DROP else [t for t in tier_order(self.tiers) if tier_rank(t) >= tier_rank(target)]
         for tier in lower:
             try:
-                self.placement.demote(session, tier, klass, reason)
+                self.placement.demote(session, tier, io_class, reason)
                 return
             except ResourceExhausted as exc:
                 log.info("cannot demote %s/%s to %s: %s", *session.key, tier, exc)
@@ -182,21 +185,21 @@ class Lifecycle(Leases):
             log.info("dropping %s/%s: no lower tier has room", *session.key)
         self._forget(session, reason)
 
-    def demote(self, key: SessionKey, tier: str = "disk", reason: str = "request") -> SessionInfo:
+    def demote(self, key: SessionKey, tier: str = DISK, reason: str = "request") -> SessionInfo:
         """Move the session down to `tier` now (its faster copies go), under its
         lock, as an idle demotion would; what the tests and benches use to
         put a session in a tier."""
         if tier not in self.tiers:
             raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier")
         with self._held(key) as session:
-            self.placement.demote(session, tier, Priority.DEMOTION, reason)
+            self.placement.demote(session, tier, IOClass.DEMOTION, reason)
             with self._lock:
                 return self._info(session)
 
     def write_back(self, key: SessionKey) -> SessionInfo:
-        """Give every page of the session a disk copy now, keeping the faster ones."""
+        """Give every page of the session a copy in the durable tier (disk) now, keeping the faster ones."""
         with self._held(key) as session:
-            self.placement.write_disk(session, Priority.WRITEBACK)
+            self.placement.write_durable(session, IOClass.WRITEBACK)
             with self._lock:
                 return self._info(session)
 
@@ -207,7 +210,7 @@ class Lifecycle(Leases):
 
     def drain(self, timeout: float | None = 60.0) -> bool:
         """Wait until no move is queued or running."""
-        return self.mover.drain(timeout)
+        return self.moves.drain(timeout)
 
 
 def _merge_prefetch(old: Job, new: Job) -> bool:
@@ -215,7 +218,7 @@ def _merge_prefetch(old: Job, new: Job) -> bool:
     priority, the earlier deadline; a prefetch replaces a queued demotion."""
     changed = False
     if old.reason != "prefetch":
-        old.target, old.reason, old.klass, old.keep = new.target, "prefetch", new.klass, False
+        old.target, old.reason, old.io_class, old.keep = new.target, "prefetch", new.io_class, False
         old.priority, old.deadline = new.priority, new.deadline
         return True
     if tier_rank(new.target) < tier_rank(old.target):

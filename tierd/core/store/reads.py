@@ -18,7 +18,7 @@ from tierd.core.store.checks import check_blocks, check_identity, check_readable
 from tierd.core.store.writes import Writes
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.layout import KVSpec
-from tierd.tiers import tier_rank
+from tierd.tiers import HOST, tier_rank
 from tierd.transfer.copier import EngineMemory
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
@@ -90,7 +90,7 @@ class Reads(Writes):
             raise self.placement.io_failed("read", exc, session.key) from None
         with self._lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
-        self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else "host", geom.nbytes,
+        self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else HOST, geom.nbytes,
                              time.perf_counter() - t0)
 
     def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None) -> LookupResult:

@@ -11,12 +11,13 @@ from tierd.core import recovery
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.model import Session, Snapshot
-from tierd.core.mover import Mover
+from tierd.core.move_queue import MoveQueue
 from tierd.core.rows import Problem
 from tierd.core.store.inspection import Inspection
 from tierd.errors import TierdError
 from tierd.policy import PolicyConfig
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers import HOST, durable_tier
+from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
 
 log = logging.getLogger("tierd.core.store")
@@ -26,22 +27,23 @@ class Store(Inspection):
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *,
                  clock: Clock | None = None, policy: PolicyConfig | None = None,
                  events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None) -> None:
-        if "host" not in tiers:
+        if HOST not in tiers:
             raise ValueError("the host tier is required")
-        if (index is None) != ("disk" not in tiers):
-            raise ValueError("a disk tier and its index come together")
+        if (index is None) != (durable_tier(tiers) is None):
+            raise ValueError("a durable (disk) tier and its index come together")
         super().__init__(tiers, copier, index, clock, policy, events, shm_prefix)
         self.placement.make_room = self._make_room
         self.placement.quota = self.policy.quota
         self.recovery_problems = self._recover() if index is not None else []
-        self.mover = Mover(self._run_job, movers)
+        self.moves = MoveQueue(self._run_job, movers)
 
     def _recover(self) -> list[Problem]:
         assert self.index is not None
-        kept, problems = recovery.recover(self.index, self.tiers["disk"], self.events)
+        durable = self.placement.durable
+        kept, problems = recovery.recover(self.index, self.tiers[durable], self.events)
         now = self.clock.now()
         for rec in kept:
-            snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {"disk": rec.pieces},
+            snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {durable: rec.pieces},
                             token_hashes=rec.token_hashes)
             session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
                               priority=rec.row.priority, row=rec.row, row_version=snap.version)
@@ -56,7 +58,7 @@ class Store(Inspection):
         if self._closed:
             return
         self._closed = True
-        self.mover.close()
+        self.moves.close()
         self.expire_leases(everything=True)
         if flush and self.index is not None:
             for session in list(self._sessions.values()):
@@ -64,7 +66,7 @@ class Store(Inspection):
                     if session.dropped or session.durable or session.damaged:
                         continue
                     try:
-                        self.placement.write_disk(session, Priority.WRITEBACK, "shutdown")
+                        self.placement.write_durable(session, IOClass.WRITEBACK, "shutdown")
                     except (TierdError, OSError) as exc:
                         log.warning("shutdown: %s/%s not flushed: %s", *session.key, exc)
         for tier in self.tiers.values():

@@ -123,6 +123,12 @@ class SessionTable:
         with self._lock:
             return self._info(session)
 
+    def policy_view(self, key: SessionKey) -> SessionView:
+        """What policy knows of the session now (its idle clock, whether it is awaited, busy, ...)."""
+        session = self._get(key)
+        with self._lock:
+            return self._view(session, self.moves.busy_keys())
+
     def keys(self) -> list[SessionKey]:
         with self._lock:
             return list(self._sessions)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from tierd.core.model import Session
-from tierd.core.mover import Job
+from tierd.core.move_queue import Job
 from tierd.core.store.lifecycle import Lifecycle
 from tierd.errors import FailedPrecondition, InvalidArgument, TierdError, shown
 from tierd.policy import (
@@ -26,12 +26,11 @@ from tierd.policy import (
     plan_eviction,
     pressure_moves,
 )
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers import HOST, kind_of
+from tierd.tiers.ioqueue import IOClass
 from tierd.types import BudgetResult, SessionKey
 
 log = logging.getLogger("tierd.core.store")
-# Used by advise() until a route has been measured (bytes/s).
-DEFAULT_BANDWIDTH = {"device": 200e9, "host": 10e9, "disk": 1e9}
 CHECKS_PER_LOCK = 256  # sessions the tick looks at per hold of the store lock (~5 ms)
 REPLANS = 8  # eviction plans tried when their sessions got busy before they could be moved
 
@@ -45,7 +44,7 @@ class Upkeep(Lifecycle):
         write-backs run; the queued move then finds its work done."""
         with self._lock:
             sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
-        busy = self.mover.busy_keys(queued=queued_busy)
+        busy = self.moves.busy_keys(queued=queued_busy)
         return [self._view(s, busy) for s in sessions]
 
     def _due(self, now: float) -> list[Session]:
@@ -60,7 +59,7 @@ class Upkeep(Lifecycle):
                     due.append(session)
         return due
 
-    def _execute(self, moves: list[Move], klass: Priority) -> int:
+    def _execute(self, moves: list[Move], io_class: IOClass) -> int:
         """Carry out eviction moves now, skipping sessions busy by then."""
         done = 0
         for mv in moves:
@@ -70,7 +69,7 @@ class Upkeep(Lifecycle):
                 continue
             try:
                 if not session.dropped:
-                    self._demote(session, mv.target, klass, mv.reason)
+                    self._demote(session, mv.target, io_class, mv.reason)
                     done += 1
             except TierdError as exc:
                 log.warning("evicting %s/%s failed: %s", mv.key.tenant, mv.key.session_id, exc)
@@ -78,7 +77,7 @@ class Upkeep(Lifecycle):
                 session.op.release()
         return done
 
-    def _make_room(self, tier: str, need: int, protect: SessionKey, klass: Priority, tenant: str | None) -> bool:
+    def _make_room(self, tier: str, need: int, protect: SessionKey, io_class: IOClass, tenant: str | None) -> bool:
         """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
         bytes are free. False when no set of movable sessions holds that much."""
         for _ in range(REPLANS):
@@ -87,7 +86,7 @@ class Upkeep(Lifecycle):
             plan = plan_eviction(views, tier, need, self.tiers, self.policy)
             if plan is None:
                 return False
-            if self._execute(plan, klass):
+            if self._execute(plan, io_class):
                 return True
             # Each planned session got busy in between (a queued move of it started): plan again.
         return False
@@ -103,7 +102,7 @@ class Upkeep(Lifecycle):
         # stored, looking at each every tick held the store lock (and the GIL)
         # for tens of ms, and every call waited behind it.
         due = self._due(now)
-        busy = self.mover.busy_keys()
+        busy = self.moves.busy_keys()
         moves: list[Move] = []
         for i in range(0, len(due), CHECKS_PER_LOCK):  # the lock is let go between batches
             batch = due[i : i + CHECKS_PER_LOCK]
@@ -126,8 +125,8 @@ class Upkeep(Lifecycle):
             if mv.key in seen:
                 continue
             seen.add(mv.key)
-            klass = Priority.WRITEBACK if mv.keep else Priority.DEMOTION
-            self.mover.submit(Job(mv.key, mv.target, mv.reason, klass, keep=mv.keep), lambda old, new: False)
+            io_class = IOClass.WRITEBACK if mv.keep else IOClass.DEMOTION
+            self.moves.submit(Job(mv.key, mv.target, mv.reason, io_class, keep=mv.keep), lambda old, new: False)
         return moves
 
     def set_budget(self, tier: str, nbytes: int) -> BudgetResult:
@@ -145,7 +144,7 @@ class Upkeep(Lifecycle):
                 f"pinned or busy sessions hold more of the {tier} tier than {nbytes} bytes; unpin some first",
                 tier=tier, used=t.used, budget=nbytes)
         t.budget = nbytes  # no new allocation past the new budget from here on
-        moved = self._execute(plan, Priority.DEMAND)
+        moved = self._execute(plan, IOClass.DEMAND)
         t.set_budget(nbytes)
         return BudgetResult(tier, old, nbytes, max(0, used0 - t.used), moved, time.perf_counter() - t0)
 
@@ -155,7 +154,8 @@ class Upkeep(Lifecycle):
         session = self._get(key)
         with self._lock:
             snap = session.snap
-            source = snap.slowest_tier() or "host"
+            source = snap.slowest_tier() or HOST
             nbytes, tokens = snap.nbytes, snap.num_tokens
-        bandwidth = self.copier.bandwidth.get(f"{source}->engine", DEFAULT_BANDWIDTH[source])
+        # Until a copy out of the tier has been measured, its kind's nominal figure.
+        bandwidth = self.copier.bandwidth.get(f"{source}->engine", kind_of(source).bandwidth)
         return advise(nbytes, source, bandwidth, tokens, float(prefill_tokens_per_s))

@@ -34,8 +34,9 @@ from tierd.errors import (
     shown,
 )
 from tierd.layout import KVSpec
+from tierd.tiers import DEVICE, HOST, MEMORY, tier_order
 from tierd.tiers.allocator import Piece
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import EngineMemory, PageWriter
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionInfo, SessionKey
@@ -76,9 +77,10 @@ class PendingWrite:
 
 class Writes(SessionTable):
     def _landing(self, engine: EngineMemory | None) -> str:
-        if engine is not None and engine.medium == "device" and "device" in self.tiers:
-            return "device"
-        return "host"
+        """Where a save's pages land by default: VRAM for GPU engines where there is a device tier, else the host arena."""
+        if engine is not None and engine.on_device and DEVICE in self.tiers:
+            return DEVICE
+        return HOST
 
     def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int,
                       hashes: np.ndarray | None = None) -> None:
@@ -147,7 +149,7 @@ class Writes(SessionTable):
         try:
             self._check_append(key, session, spec, first_page * spec.block_tokens if first_page else 0, hashes)
             pieces = self.placement.alloc(tier, [(first_page, geom.n_pages - first_page)], geom.stride, key,
-                                          Priority.DEMAND)
+                                          IOClass.DEMAND)
         finally:
             lock.release()
         return PendingWrite(key, spec, tier, first_page, num_tokens, nbytes, geom, pieces, hashes, priority,
@@ -193,8 +195,10 @@ class Writes(SessionTable):
         tokens [0, num_tokens)) lets lookup() match later prompts against the
         pages, and refuses an append onto pages that hold other tokens."""
         check_priority(priority)
-        if tier is not None and (tier not in self.tiers or tier == "disk"):
-            raise InvalidArgument(f"save lands in 'host' or 'device' where present, not {shown(tier)}", field="tier")
+        if tier is not None and (tier not in self.tiers or self.tiers[tier].medium != MEMORY):
+            targets = ", ".join(repr(t) for t in tier_order(self.tiers) if self.tiers[t].medium == MEMORY)
+            raise InvalidArgument(f"a save lands in a memory tier of this machine ({targets}), not {shown(tier)}",
+                                  field="tier")
         first_page = check_blocks_range(spec, start_token, num_tokens)
         ids = check_blocks(block_ids, engine.layout.num_blocks)
         tok = token_hashes(spec, token_ids, num_tokens)
@@ -241,12 +245,12 @@ class Writes(SessionTable):
                     f"for this spec, not {nbytes}", field="size", want=want, got=nbytes)
             last = spec.page_bytes
         tok = token_hashes(spec, token_ids, num_tokens)
-        tier_budget = self.tiers["host"].budget
+        tier_budget = self.tiers[HOST].budget
         if nbytes > tier_budget:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
                                     need=nbytes, budget=tier_budget)
         geom = Geometry(spec.page_bytes, n_pages, last)
-        w = self._begin_write(key, spec, "host", first_page, num_tokens, first_page * spec.page_bytes + nbytes, geom,
+        w = self._begin_write(key, spec, HOST, first_page, num_tokens, first_page * spec.page_bytes + nbytes, geom,
                               tok, priority)
         w.writer = self.copier.page_writer(w.spans, geom)
         return w

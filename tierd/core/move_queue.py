@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierd.tiers.ioqueue import Priority
+from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionKey
 
-log = logging.getLogger("tierd.core.mover")
+log = logging.getLogger("tierd.core.move_queue")
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ class Job:
     key: SessionKey
     target: str  # a tier name, or "drop"
     reason: str  # prefetch, idle, pressure, writeback, ttl, ...
-    klass: Priority
+    io_class: IOClass
     priority: int = 0
     deadline: float | None = None
     keep: bool = False  # write a disk copy, keep the faster ones
@@ -35,10 +35,10 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
 
     def sort_key(self) -> tuple[int, int, int]:
-        return (int(self.klass), -self.priority, self.seq)
+        return (int(self.io_class), -self.priority, self.seq)
 
 
-class Mover:
+class MoveQueue:
     def __init__(self, run: Callable[[Job], None], workers: int = 2) -> None:
         self._run = run
         self._heap: list[tuple[tuple[int, int, int], Job]] = []

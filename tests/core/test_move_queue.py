@@ -1,8 +1,8 @@
 import threading
 
 from tests.helpers import wait_for
-from tierd.core.mover import Job, Mover
-from tierd.tiers.ioqueue import Priority
+from tierd.core.move_queue import Job, MoveQueue
+from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionKey
 
 
@@ -20,15 +20,15 @@ def test_jobs_run_by_class_then_priority_and_merge_per_session():
             gate.wait()
         ran.append((job.key.session_id, job.priority))
 
-    mover = Mover(run, workers=1)
+    mover = MoveQueue(run, workers=1)
     key = lambda n: SessionKey("t", n)  # noqa: E731
-    mover.submit(Job(key("blocker"), "host", "prefetch", Priority.PREFETCH), _merge)
+    mover.submit(Job(key("blocker"), "host", "prefetch", IOClass.PREFETCH), _merge)
     wait_for(lambda: key("blocker") in mover.busy_keys(queued=False), 10, "the only worker to be busy")
-    mover.submit(Job(key("wb"), "disk", "writeback", Priority.WRITEBACK), _merge)
-    mover.submit(Job(key("low"), "host", "prefetch", Priority.PREFETCH, priority=1), _merge)
-    mover.submit(Job(key("x"), "host", "prefetch", Priority.PREFETCH, priority=0), _merge)
-    mover.submit(Job(key("x"), "host", "prefetch", Priority.PREFETCH, priority=9), _merge)  # merged: x jumps ahead
-    mover.submit(Job(key("gone"), "host", "prefetch", Priority.PREFETCH), _merge)
+    mover.submit(Job(key("wb"), "disk", "writeback", IOClass.WRITEBACK), _merge)
+    mover.submit(Job(key("low"), "host", "prefetch", IOClass.PREFETCH, priority=1), _merge)
+    mover.submit(Job(key("x"), "host", "prefetch", IOClass.PREFETCH, priority=0), _merge)
+    mover.submit(Job(key("x"), "host", "prefetch", IOClass.PREFETCH, priority=9), _merge)  # merged: x jumps ahead
+    mover.submit(Job(key("gone"), "host", "prefetch", IOClass.PREFETCH), _merge)
     assert mover.cancel(key("gone")).cancelled
     gate.set()
     assert mover.drain(5)
@@ -45,10 +45,10 @@ def test_one_move_per_session_at_a_time():
             gate.wait()
         ran.append(job.reason)
 
-    mover = Mover(run, workers=2)
-    mover.submit(Job(key, "host", "first", Priority.PREFETCH), lambda o, n: False)
+    mover = MoveQueue(run, workers=2)
+    mover.submit(Job(key, "host", "first", IOClass.PREFETCH), lambda o, n: False)
     wait_for(lambda: key in mover.busy_keys(queued=False), 10, "the first move to run")
-    mover.submit(Job(key, "disk", "second", Priority.DEMOTION), lambda o, n: False)
+    mover.submit(Job(key, "disk", "second", IOClass.DEMOTION), lambda o, n: False)
     assert ran == [] and key in mover.busy_keys(queued=True)  # the second stays queued while the session is busy
     gate.set()
     assert mover.drain(5)
