@@ -55,6 +55,7 @@ class Harness:
     disk_ops: object = None  # a FileOps for the disk tier (fault injection)
     movers: int = 2  # background move threads; 0 leaves every queued move queued
     events: object = None  # what the store reports to (tierd.metrics.Metrics, say); None: nothing
+    window_bytes: int = 4 * MiB  # the copy engine's staging window
     store: Store | None = None
     machine: Machine | None = None
 
@@ -67,7 +68,7 @@ class Harness:
                      device_budget=self.device_budget or 0, device_slab=8 * MiB,
                      verify="all" if set(self.verify) != {"disk"} else "disk", io_workers=4, movers=self.movers)
         self.machine = build(cfg, policy=self.policy, clock=self.clock, events=self.events, disk=self.disk,
-                             disk_ops=self.disk_ops, window_bytes=4 * MiB)
+                             disk_ops=self.disk_ops, window_bytes=self.window_bytes)
         self.store, self.prefix = self.machine.store, self.machine.shm_prefix
         return self.store
 

@@ -3,12 +3,12 @@ config): a session restored from any tier continues bit for bit as if it had
 never left, for a grouped-query Llama and for a Gemma 2 with sliding-window
 layers, through shared memory and through bytes."""
 
-import time
 
 import pytest
 import torch
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from tests.helpers import wait_for
 from tierd.adapters.hf import CacheStore, forward, spec_for
 from tierd.client import IdentityMismatch
 
@@ -37,10 +37,7 @@ def turn(model, ids, cache, steps=6):
 
 
 def wait_on_disk(client, sid, timeout=30):
-    deadline = time.monotonic() + timeout
-    while set(client.stat(sid).tier_bytes) != {"disk"}:
-        assert time.monotonic() < deadline, client.stat(sid)
-        time.sleep(0.05)
+    wait_for(lambda: set(client.stat(sid).tier_bytes) == {"disk"}, timeout, f"{sid} on disk alone")
 
 
 @pytest.mark.parametrize("transport", ["shm", "bytes"])
@@ -98,10 +95,7 @@ def test_resume_after_kill_9_is_bitwise_equal(daemon):
         turn(model, turn1, cache)
         store.save("chat", cache)
         client.release("chat")
-        deadline = time.monotonic() + 20
-        while not client.stat("chat").durable:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: client.stat("chat").durable, 20, "the write-back")
         store.close()
     daemon.kill()
     daemon.start()

@@ -36,13 +36,11 @@ def _blocks(kv, ids):
 
 
 def _wait_tier(client, sid, tier, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def there():
         info = client.stat(sid)
-        if info.tier == tier and set(info.tier_bytes) == {tier}:
-            return info
-        time.sleep(0.05)
-    raise AssertionError(f"{sid} never reached {tier}: {client.stat(sid)}")
+        return info if info.tier == tier and set(info.tier_bytes) == {tier} else None
+
+    return wait_for(there, timeout, f"{sid} reaching {tier} alone")
 
 
 def test_save_release_demote_prefetch_restore_through_shared_memory(daemon):
@@ -92,10 +90,7 @@ def test_kill_9_and_restart_keeps_every_durable_session(daemon):
             c.put(sid, data, spec, num_tokens=len(data))
             c.release(sid)
         for sid in payloads:
-            deadline = time.monotonic() + 20
-            while not c.stat(sid).durable:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for(lambda sid=sid: c.stat(sid).durable, 20, f"{sid} written back")
         c.put("not-yet", b"x" * 1000, spec, num_tokens=1)  # active: not written back
     daemon.kill()
     daemon.start()

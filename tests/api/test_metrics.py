@@ -2,13 +2,13 @@
 
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import wait_for
 from tierd.client import KVSpec
 
 PROMTOOL = shutil.which("promtool") or str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "promtool")
@@ -29,10 +29,7 @@ def test_metrics_follow_the_naming_rules_and_report_the_work(daemon):
     with daemon.client() as c:
         c.put("secret-session-id", b"k" * 300_000, spec, num_tokens=1)
         c.release("secret-session-id")
-        deadline = time.monotonic() + 20
-        while c.stat("secret-session-id").tier != "disk":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: c.stat("secret-session-id").tier == "disk", 20, "the demotion to disk")
         c.get("secret-session-id")
         try:
             c.stat("missing")

@@ -55,16 +55,12 @@ def test_calls_past_the_concurrency_cap_are_resource_exhausted(tmp_path):
 
 
 def test_prefetch_outcomes_are_counted(daemon):
-    import time
     import urllib.request
 
     with daemon.client() as c:
         c.put("late", b"x" * 100_000, KVSpec.opaque("m"), num_tokens=1)
         c.release("late")
-        deadline = time.monotonic() + 20
-        while c.stat("late").tier != "disk":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: c.stat("late").tier == "disk", 20, "the demotion to disk")
         assert c.prefetch("late", deadline_seconds=30) == "queued"
         assert c.wait_ready("late", timeout=10) == (True, "host")
     text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
@@ -85,12 +81,8 @@ def test_an_emulated_device_tier_serves_through_the_daemon(tmp_path):
             assert c.wait_ready("s", tier="device", timeout=10) == (True, "device")
             assert c.wait_ready("s", tier="host", timeout=1) == (True, "device")  # faster than asked is ready
             c.release("s")
-            import time
-
-            deadline = time.monotonic() + 10
-            while "device" in c.stat("s").tier_bytes:  # idle past --device-idle: back to host
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            # idle past --device-idle: back to host
+            wait_for(lambda: "device" not in c.stat("s").tier_bytes, 10, "the demotion from device")
             assert c.get("s") == b"d" * 100_000
     finally:
         d.close()

@@ -11,7 +11,7 @@ import torch  # noqa: F401  (loaded before measuring, as in the daemon, which pr
 from tests.helpers import Harness
 from tierd.core.store import make_key
 from tierd.layout import KVSpec
-from tierd.transfer.copier import CopyEngine
+from tierd.transfer.copier import DEFAULT_WINDOW
 
 MiB = 1 << 20
 SPEC = KVSpec("test/big", num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_tokens=16)
@@ -49,9 +49,8 @@ def main(root: str, what: str, nbytes: int) -> None:
         h.close()
     else:
         base = rss()
+        h.window_bytes = DEFAULT_WINDOW  # the daemon's staging window
         store = h.open()
-        store.copier = CopyEngine(store.tiers)  # the default 64 MiB bounce window
-        store.placement.copier = store.copier
         report["recovery_delta"] = peak() - base
         if what == "restore":
             from tests.helpers import HostEngine

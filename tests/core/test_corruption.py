@@ -14,10 +14,9 @@ B = make_key("default", "b")
 
 
 def _flip(store, key, page):
-    session = store._sessions[key]
-    piece = next(p for p in session.snap.pieces("disk") if p.first_page <= page < p.first_page + p.n_pages)
+    piece = next(p for p in store.pieces(key, "disk") if p.first_page <= page < p.first_page + p.n_pages)
     disk = store.tiers["disk"]
-    slab, off = disk.locate(piece.offset + (page - piece.first_page) * session.snap.geometry.stride)
+    slab, off = disk.locate(piece.offset + (page - piece.first_page) * store.stat(key).spec.page_bytes)
     with open(disk.slab_path(slab), "r+b") as f:
         f.seek(off + 1234)
         byte = f.read(1)

@@ -64,7 +64,7 @@ def test_from_disk_each_bounce_window_adds_at_most_one_split(saved):
     out = HostEngine(SPEC, num_blocks=3700, seed=4)
     ops = store.copier.copy_ops
     store.restore(K, out.memory, SPEC, table)
-    windows = -(-PAGES * store._sessions[K].snap.geometry.stride // store.copier.window_bytes)
+    windows = -(-PAGES * SPEC.page_bytes // store.copier.window_bytes)
     assert store.copier.copy_ops - ops <= (len(RUNS) + windows) * SPEC.num_layers * 2
     assert _same_blocks(out, table, src, np.arange(PAGES))
 

@@ -233,8 +233,12 @@ def test_commit_fails_cleanly_when_the_session_was_dropped_meanwhile(store, aren
 def test_a_damaged_session_is_not_leased(store, arena):
     lease, _ = lease_save(store, arena, A, 16)
     store.commit_save("default", lease.lease_id)
-    store._get(A).damaged = True
+    page = store.copier.view("host", store.pieces(A, "host")[0].offset, 1)
+    page[0] ^= 1  # damaged behind the store's back ...
     with pytest.raises(DataLoss):
+        store.begin_restore(A)
+    page[0] ^= 1  # ... and mended: the session stays damaged all the same
+    with pytest.raises(DataLoss, match="damaged"):
         store.begin_restore(A)
 
 
