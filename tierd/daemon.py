@@ -231,6 +231,7 @@ def serve(cfg: Config) -> int:
     # umask, lock and slab files, shared memory) is its user's alone.
     os.umask(0o077)
     trim = tune_malloc()  # before the daemon's threads start: they take their heaps from the first malloc on
+    _raise_fd_limit()
     if trim is None:
         log.info("malloc: not glibc; freed memory goes back to the system by the C library's own policy")
     try:
@@ -271,7 +272,11 @@ def serve(cfg: Config) -> int:
             log.warning("recovery repaired %d problems (see above)", len(store.recovery_problems))
         if cfg.metrics_endpoint:
             host, port = cfg.metrics_endpoint
-            httpd, thread = start_http_server(port, host, registry=registry)
+            try:
+                httpd, thread = start_http_server(port, host, registry=registry)
+            except OSError as exc:  # taken (by another daemon, or another local user first)
+                raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; choose another "
+                                   "--metrics address, or --metrics off") from None
             stack.callback(httpd.shutdown)
             log.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
         engines = EngineRegistry(ipc=machine.ipc)
@@ -287,6 +292,23 @@ def serve(cfg: Config) -> int:
         log.info("flushing and closing")
     log.info("stopped")
     return 0
+
+
+def _raise_fd_limit() -> None:
+    """Take the hard limit on open descriptors as the soft one: engines'
+    mappings, leases' segments, slab files and connections all hold
+    descriptors, each tenant's within its own caps (core/engines.py,
+    wire/fds.py), and the sum of them must not meet a default of 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    log.info("open descriptors: up to %s", "no limit" if soft == resource.RLIM_INFINITY else soft)
 
 
 def _run(coro) -> None:

@@ -25,10 +25,15 @@ from tierd.client import (
     FailedPrecondition,
     InvalidArgument,
     KVSpec,
+    ResourceExhausted,
     SharedKVCache,
 )
+from tierd.client.shm import sealed_memfd
+from tierd.core import engines as engines_module
+from tierd.core.engines import EngineRegistry
 from tierd.testing import Daemon
 from tierd.tiers import shm
+from tierd.types import Lease, Slot
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire.convert import spec_to_pb
@@ -247,3 +252,102 @@ def test_huge_page_memory_is_refused(secured):
             secured.client(token=TOKENS["bob"]).register_engine(SPEC, [(fd, size)], EngineLayout.cross_layer(SPEC, 64))
     finally:
         os.close(fd)
+
+
+def _open_fds(d) -> int:
+    return len(os.listdir(f"/proc/{d.pid()}/fd"))
+
+
+def test_regions_naming_one_memory_map_it_once(secured):
+    """Every region held a descriptor of the daemon's for as long as its engine
+    was registered, however many regions named the same memfd: seven engines
+    of 581 regions each took all of the daemon's 4,096, and no other tenant
+    could register (the descriptor intake stopped accepting). One mapping,
+    and one descriptor, per memory handed over."""
+    wide = KVSpec("test/wide", "r1", num_layers=500, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    layout = EngineLayout.layer_major(wide, 4)  # 1,000 regions
+    size = 4 * layout.segments[0].stride
+    fd = sealed_memfd("one", size)
+    stub = pb_grpc.TierdStub(grpc.insecure_channel("unix:" + secured.socket))
+    auth = (("authorization", f"Bearer {TOKENS['alice']}"),)
+    try:
+        before = _open_fds(secured)
+        for _ in range(8):  # each engine: one descriptor handed over, named by all 1,000 regions
+            ticket = hand_over(intake_path(secured.socket), [fd], TOKENS["alice"])
+            req = pb.RegisterEngineRequest(spec=spec_to_pb(wide), num_blocks=4, fd_ticket=ticket,
+                                           regions=[pb.Region(shm_fd=0, size=size)] * len(layout.segments))
+            req.segments.extend(pb.Segment(region=s.region, offset=s.offset, stride=s.stride, nbytes=s.nbytes)
+                                for s in layout.segments)
+            stub.RegisterEngine(req, metadata=auth)
+        assert _open_fds(secured) - before <= 8 + 4  # one each (and a few the calls may hold)
+        with random_cache() as kv:
+            secured.client(token=TOKENS["bob"]).register_engine(SPEC, kv).save("b", [0], 16)
+    finally:
+        os.close(fd)
+
+
+def test_a_tenants_engines_map_a_bounded_number_of_memories(monkeypatch):
+    """Past its cap a tenant's next engine is RESOURCE_EXHAUSTED and maps
+    nothing; other tenants register as before, and an engine unregistered
+    makes room again."""
+    monkeypatch.setattr(engines_module, "MAX_MAPPED_PER_TENANT", 4)
+    registry = EngineRegistry()
+    layout = EngineLayout.cross_layer(SPEC, 4)
+    size = 4 * layout.segments[0].stride
+    fds = [sealed_memfd(f"m{i}", size) for i in range(6)]
+    try:
+        mine = [registry.register("alice", SPEC, [(fd, size)], layout) for fd in fds[:4]]
+        with pytest.raises(ResourceExhausted, match="may map 4 shared-memory descriptors"):
+            registry.register("alice", SPEC, [(fds[4], size)], layout)
+        assert len(registry) == 4
+        registry.register("bob", SPEC, [(fds[5], size)], layout)
+        registry.unregister("alice", mine[0].engine_id)
+        registry.register("alice", SPEC, [(fds[4], size)], layout)
+    finally:
+        registry.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_the_arena_maps_nothing_planted_under_a_lease_name(tmp_path):
+    """Once the daemon has removed a lease's segment, another local user may
+    put a link to a file of the engine's user (or a file of their own) under
+    its name; an engine that touched the lease again wrote its KV there, or
+    handed it to them. Only a regular file of this user, private to it, is mapped."""
+    name = f"tierd-test-{os.getpid()}.lease.{os.urandom(4).hex()}"
+    lease = Lease(name, [Slot(name, 0, 0, 1)], page_bytes=4096, page_stride=4096, first_page=0, num_pages=1,
+                  num_tokens=16, ttl=1.0)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"\0" * 4096)
+    path = f"/dev/shm/{name}"
+    arena = Arena()
+    try:
+        os.symlink(victim, path)
+        with pytest.raises(FailedPrecondition, match="symbolic link"):
+            arena.pages(lease)[0][:] = 7
+        os.unlink(path)
+        with open(path, "wb") as f:  # a plain file others may open (theirs, or one left open to them)
+            f.write(b"\0" * 4096)
+        os.chmod(path, 0o644)
+        with pytest.raises(FailedPrecondition, match="not a lease segment of the daemon"):
+            arena.pages(lease)
+        assert victim.read_bytes() == b"\0" * 4096
+    finally:
+        arena.close()
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
+def test_a_metrics_port_taken_first_is_a_clear_start_up_error(tmp_path):
+    """Another local user may bind the metrics port before the daemon: it
+    exited with a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = Daemon(tmp_path, "--metrics", f"127.0.0.1:{port}")
+        with pytest.raises(RuntimeError, match=f"cannot serve metrics on 127.0.0.1:{port}: Address already in use"):
+            d.start()
+        assert d.proc.wait(10) == 1 and "Traceback" not in d.log()

@@ -9,13 +9,16 @@ could be cut short under it would fault the daemon in the middle of a copy.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import stat
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tierd.errors import FailedPrecondition
 from tierd.layout import EngineLayout, KVSpec
 
 if TYPE_CHECKING:
@@ -109,9 +112,21 @@ class Arena:
             raise ValueError(f"not a segment name: {name!r}")
         for old in [n for n, (fd, _, _) in self._maps.items() if os.fstat(fd).st_nlink == 0]:
             self._unmap(old)  # removed by the daemon
-        fd = os.open(os.path.join(self.shm_dir, name), os.O_RDWR | os.O_CLOEXEC)
+        # Not through a link, and only a file of this user that no one else may open: after the
+        # daemon removed a segment, another local user could plant something under its name.
+        try:
+            fd = os.open(os.path.join(self.shm_dir, name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise FailedPrecondition(f"shared memory {name!r} is a symbolic link, not a lease segment of the "
+                                     "daemon: not mapped", segment=name) from None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise FailedPrecondition(f"shared memory {name!r} is not a lease segment of the daemon (owner uid "
+                                         f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): not mapped",
+                                         segment=name)
             have = self._maps.get(name)
             if have is not None and os.fstat(have[0]).st_ino == st.st_ino:
                 os.close(fd)

@@ -38,6 +38,10 @@ from tierd.transfer.copier import EngineMemory
 
 log = logging.getLogger("tierd.core.engines")
 MAX_ENGINES_PER_TENANT = 64
+MAX_REGIONS = 4096  # regions one engine may name (a layer-major layout has two a layer)
+# Mappings of shared memory a tenant's engines may hold at once: each keeps a
+# descriptor open in the daemon, and the daemon's descriptors serve everyone.
+MAX_MAPPED_PER_TENANT = 2048
 
 
 @dataclass(eq=False)
@@ -140,6 +144,9 @@ class EngineRegistry:
         (the caller closes the descriptors) or IpcRegions, not both."""
         if not regions:
             raise InvalidArgument("an engine needs at least one memory region", field="regions")
+        if len(regions) > MAX_REGIONS:
+            raise InvalidArgument(f"an engine names at most {MAX_REGIONS} regions, not {len(regions)}",
+                                  field="regions")
         ipc = [r for r in regions if isinstance(r, IpcRegion)]
         if ipc and len(ipc) != len(regions):
             raise InvalidArgument("an engine's regions are all shared memory or all CUDA IPC", field="regions")
@@ -154,8 +161,14 @@ class EngineRegistry:
         engine = self._open(tenant, spec, regions, ipc, layout)
         engine.process = process
         with self._lock:
-            self._engines[engine.engine_id] = engine
-        return engine
+            held = sum(len(e._maps) for e in self._engines.values() if e.tenant == tenant)
+            if held + len(engine._maps) <= MAX_MAPPED_PER_TENANT:
+                self._engines[engine.engine_id] = engine
+                return engine
+        engine.close()
+        raise ResourceExhausted(f"a tenant's engines may map {MAX_MAPPED_PER_TENANT} shared-memory descriptors at "
+                                f"once; this tenant's map {held} and this engine {len(engine._maps)} more: "
+                                "unregister some", limit=MAX_MAPPED_PER_TENANT, held=held)
 
     def _open(self, tenant: str, spec: KVSpec, regions: list, ipc: list[IpcRegion], layout: EngineLayout) -> Engine:
         if ipc:
@@ -171,16 +184,22 @@ class EngineRegistry:
                 raise
             return Engine(uuid.uuid4().hex, tenant, spec, EngineMemory(layout, tensors), _ipc=opened,
                           _ipc_cache=self.ipc)
-        maps: list[mmap.mmap] = []
+        # One mapping per descriptor, however many regions name it (each keeps a descriptor open).
+        sizes: dict[int, tuple[int, int]] = {}  # fd -> (bytes the largest region needs, first region's index)
+        for i, (fd, size) in enumerate(regions):
+            if size <= 0:
+                raise InvalidArgument(f"region {i} needs a positive size", field="regions")
+            sizes[fd] = (max(size, sizes[fd][0]), sizes[fd][1]) if fd in sizes else (size, i)
+        maps: dict[int, mmap.mmap] = {}
         try:
-            for i, (fd, size) in enumerate(regions):
-                maps.append(map_fd(fd, size, i))
+            for fd, (size, i) in sizes.items():
+                maps[fd] = map_fd(fd, size, i)
         except BaseException:
-            for m in maps:
+            for m in maps.values():
                 m.close()
             raise
-        memory = EngineMemory(layout, [np.frombuffer(m, dtype=np.uint8) for m in maps])
-        return Engine(uuid.uuid4().hex, tenant, spec, memory, maps)
+        memory = EngineMemory(layout, [np.frombuffer(maps[fd], dtype=np.uint8, count=size) for fd, size in regions])
+        return Engine(uuid.uuid4().hex, tenant, spec, memory, list(maps.values()))
 
     def get(self, tenant: str, engine_id: str) -> Engine:
         with self._lock:
