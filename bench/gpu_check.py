@@ -35,7 +35,7 @@ from tierd.config import Config
 from tierd.core.store import Store, make_key
 from tierd.layout import EngineLayout, KVSpec
 from tierd.machine import build
-from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.fileops import aligned_buffer
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import EngineMemory
 

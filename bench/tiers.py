@@ -18,7 +18,7 @@ from tierd.core.store import Store, make_key
 from tierd.layout import KVSpec
 from tierd.machine import build
 from tierd.policy import PolicyConfig
-from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.fileops import aligned_buffer
 
 MiB = 1 << 20
 # Qwen2.5-7B's KV shape: 28 layers, 4 KV heads, head dim 128, bf16: 57,344 bytes per token.

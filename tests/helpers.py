@@ -157,6 +157,15 @@ def flip_in_arena(data_dir: str, needle: bytes) -> None:
     assert hits == 1
 
 
+def tokens_file(root: Path, tokens: dict[str, str]) -> str:
+    """A --auth-tokens file under root for these tenants and their tokens; its path."""
+    import hashlib
+
+    path = Path(root) / "tokens"
+    path.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}\n" for t, s in tokens.items()))
+    return str(path)
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "the condition"):
     """Poll predicate until it returns something true; fail after timeout seconds."""
     deadline = time.monotonic() + timeout

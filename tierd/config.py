@@ -161,7 +161,9 @@ class Config:
     movers: int = _opt(_positive_int, "background move threads", 2)
     rpc_workers: int = _opt(_positive_int, "threads running data calls", 8)
     max_concurrent_rpcs: int = _opt(_positive_int, "calls in flight before RESOURCE_EXHAUSTED", 256)
-    max_message_bytes: int = _opt(parse_size, "largest gRPC message", 64 << 20)
+    # gRPC takes in a whole message before the daemon sees it: each call in flight may hold one.
+    # 16 MiB carries the token ids of a prompt of about five million tokens.
+    max_message_bytes: int = _opt(parse_size, "largest gRPC message", 16 << 20)
     chunk_bytes: int = _opt(parse_size, "Get stream chunk size", 1 << 20)
     tick_seconds: float = _opt(_seconds, "how often policy runs", 0.5)
     grace_seconds: float = _opt(_seconds, "time in-flight calls get to finish at shutdown", 10.0)

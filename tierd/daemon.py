@@ -12,7 +12,6 @@ survive, release everything, exit 0.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import fcntl
 import gc
 import logging
@@ -41,18 +40,17 @@ from tierd.core.store import Store
 from tierd.errors import InvalidArgument, TierdError
 from tierd.machine import DiskIOUnavailable, build
 from tierd.metrics import Metrics
+from tierd.process import TRIM_SECONDS, raise_fd_limit, tune_malloc
 from tierd.tiers import shm
 from tierd.v1 import tierd_pb2
 from tierd.wire.fds import FdIntake, intake_path
 
 log = logging.getLogger("tierd")
-TRIM_SECONDS = 10.0  # how often freed heap memory goes back to the system
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
-ARENAS = 2
-HEAP_BUFFERS = 32 << 20  # buffers up to this size come from the heap (glibc's largest mmap threshold)
-TRIM_AT = 64 << 20  # free bytes at a heap's top that glibc hands back on free(); the tick trims the rest
 SERVICE = tierd_pb2.DESCRIPTOR.services_by_name["Tierd"].full_name
 OPEN_CALLS = 16  # health and reflection calls at once: they answer without a token
+
+
+HANDSHAKE_SECONDS = 10
 
 
 class StartupError(RuntimeError):
@@ -60,7 +58,11 @@ class StartupError(RuntimeError):
 
 
 def _lock(path: str, what: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:  # a read-only file system, a directory not ours, a link planted there
+        raise StartupError(f"cannot open the lock file {path} of the {what}: {exc.strerror or exc}; tierd needs "
+                           "to write there (its lock, its index, its slab files)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -137,7 +139,9 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
         # each, so 24 streams of Put chunks held 230 MiB of heap (99 MiB now), for Puts as fast.
         options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
                  ("grpc.max_send_message_length", cfg.max_message_bytes),
-                 ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1 << 20)],
+                 ("grpc.so_reuseport", 0), ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1 << 20),
+                 # A connection holds a descriptor: one that never says a word goes after 10 s, not 120.
+                 ("grpc.server_handshake_timeout_ms", HANDSHAKE_SECONDS * 1000)],
         maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         interceptors=[OpenServices(OPEN_CALLS, cfg.stream_idle_seconds)],
     )
@@ -204,26 +208,6 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     policy.shutdown()
 
 
-def tune_malloc() -> Callable[[], object] | None:
-    """Keep the daemon's memory flat under a steady stream of MiB-sized
-    messages without faulting in fresh pages for each: at most ARENAS heaps
-    (one per thread, by default); buffers up to HEAP_BUFFERS from the heap,
-    which keeps them once freed (glibc's default returns a buffer over its
-    mmap or trim threshold to the system, and every page of the next one
-    faults: 0.8 ms per MiB on a virtual machine, more than streaming it); and
-    the returned malloc_trim hands all free heap pages back (the policy loop
-    calls it every TRIM_SECONDS). None where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt, trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    mallopt(M_ARENA_MAX, ARENAS)
-    mallopt(M_MMAP_THRESHOLD, HEAP_BUFFERS)
-    mallopt(M_TRIM_THRESHOLD, TRIM_AT)
-    return lambda: trim(0)
-
-
 def serve(cfg: Config) -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
     # Before anything is created: every file and directory the daemon makes (the
@@ -231,7 +215,7 @@ def serve(cfg: Config) -> int:
     # umask, lock and slab files, shared memory) is its user's alone.
     os.umask(0o077)
     trim = tune_malloc()  # before the daemon's threads start: they take their heaps from the first malloc on
-    _raise_fd_limit()
+    raise_fd_limit()
     if trim is None:
         log.info("malloc: not glibc; freed memory goes back to the system by the C library's own policy")
     try:
@@ -292,23 +276,6 @@ def serve(cfg: Config) -> int:
         log.info("flushing and closing")
     log.info("stopped")
     return 0
-
-
-def _raise_fd_limit() -> None:
-    """Take the hard limit on open descriptors as the soft one: engines'
-    mappings, leases' segments, slab files and connections all hold
-    descriptors, each tenant's within its own caps (core/engines.py,
-    wire/fds.py), and the sum of them must not meet a default of 1,024."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    log.info("open descriptors: up to %s", "no limit" if soft == resource.RLIM_INFINITY else soft)
 
 
 def _run(coro) -> None:

@@ -25,7 +25,8 @@ from tierd.core.store import Store
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
 from tierd.tiers import DEVICE, DISK, FILE, HOST, durable_tier, shm, tier_order
-from tierd.tiers.disk import DiskTier, FileOps
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.fileops import FileOps
 from tierd.tiers.host import HostTier
 from tierd.tiers.ioqueue import IOExecutor
 from tierd.transfer.copier import DEFAULT_WINDOW, CopyEngine
@@ -82,7 +83,8 @@ def device_tier(site: Site):
         from tierd.tiers.device import DeviceTier
 
         budget = int(cfg.device_budget) if cfg.device_budget != AUTO else 256 << 20
-        return DeviceTier(budget, "cpu", cfg.device_slab), f"emulated in host memory (device=cpu); budget {format_size(budget)}"
+        return (DeviceTier(budget, "cpu", cfg.device_slab),
+                f"emulated in host memory (device=cpu); budget {format_size(budget)}")
     try:
         import torch
     except ImportError:

@@ -90,7 +90,7 @@ def test_an_emulated_device_tier_serves_through_the_daemon(tmp_path):
 
 TRIM_CHILD = """
 import threading
-from tierd.daemon import tune_malloc
+from tierd.process import tune_malloc
 
 def anon():
     with open("/proc/self/status") as f:

@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine
 from tierd.core.store import make_key
 from tierd.errors import TierdError
-from tierd.tiers.disk import FileOps
+from tierd.tiers.fileops import FileOps
 
 A, B, C = (make_key("default", n) for n in "abc")
 

@@ -5,6 +5,7 @@ no byte is left held by no session; a restart on the full disk serves every
 durable session; once space frees, the refused calls go through."""
 
 import os
+import subprocess
 import sqlite3
 import urllib.request
 
@@ -229,6 +230,19 @@ def test_a_daemon_starts_on_a_full_disk_that_lacks_its_lock_file(daemon_on):
     with d.start().client() as c:  # the lock file is created, its pid cannot be written
         assert c.list() == []
     assert "cannot write the pid" in d.log()
+
+
+def test_a_read_only_data_dir_is_a_clear_start_up_error(daemon_on):
+    """A data dir on a file system remounted read-only stopped the start with a traceback."""
+    d, fs = daemon_on
+    d.start().stop()
+    subprocess.run(["mount", "-o", "remount,ro", str(fs.path)], check=True, capture_output=True, timeout=30)
+    try:
+        with pytest.raises(RuntimeError, match="cannot open the lock file .*tierd.lock of the data dir .*: Read-only"):
+            d.start()
+        assert d.proc.wait(10) == 1 and "Traceback" not in d.log()
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(fs.path)], check=True, capture_output=True, timeout=30)
 
 
 def test_drop_and_overwrite_on_a_full_index_answer_and_change_nothing(daemon_on):

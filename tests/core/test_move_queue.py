@@ -54,3 +54,29 @@ def test_one_move_per_session_at_a_time():
     assert mover.drain(5)
     assert ran == ["first", "second"]
     mover.close()
+
+
+def test_tenants_take_turns_within_a_class_whatever_their_priority():
+    """The queue ran jobs by class, then by priority alone: one tenant's
+    prefetches at the highest priority kept every other tenant's waiting
+    (a prefetch of bob's missed its 20 s while alice's flooded)."""
+    gate, ran = threading.Event(), []
+
+    def run(job):
+        if job.key.session_id == "blocker":
+            gate.wait()
+        ran.append(job.key.session_id)
+
+    queue = MoveQueue(run, workers=1)
+    queue.submit(Job(SessionKey("alice", "blocker"), "host", "prefetch", IOClass.PREFETCH), _merge)
+    wait_for(lambda: queue.busy_keys(queued=False), 10, "the only worker to be busy")
+    # alice: five prefetches at the top priority and a write-back; bob and carol: one each, at 0
+    for i in range(5):
+        queue.submit(Job(SessionKey("alice", f"a{i}"), "host", "prefetch", IOClass.PREFETCH, priority=1000 - i), _merge)
+    queue.submit(Job(SessionKey("alice", "wb"), "disk", "writeback", IOClass.WRITEBACK), _merge)
+    queue.submit(Job(SessionKey("bob", "b0"), "host", "prefetch", IOClass.PREFETCH), _merge)
+    queue.submit(Job(SessionKey("carol", "c0"), "host", "prefetch", IOClass.PREFETCH), _merge)
+    gate.set()
+    assert queue.drain(5)
+    assert ran == ["blocker", "a0", "b0", "c0", "a1", "a2", "a3", "a4", "wb"]
+    queue.close()

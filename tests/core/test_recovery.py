@@ -57,6 +57,43 @@ def serves_exactly(store, content):
     assert store.scan() == [] and store.check_accounting() == []
 
 
+def test_a_stray_slab_file_is_left_alone_and_every_session_serves(six, caplog):
+    """An empty file named slab-099999.bin in the slab directory made the next
+    start create and open 100,000 slabs, and the daemon never started."""
+    h, metrics, content, _ = six
+    stray = Path(h.root, "slabs", "slab-099999.bin")
+    stray.touch()
+    with caplog.at_level(logging.WARNING, logger="tierd"):
+        store = h.open()
+    serves_exactly(store, content)
+    assert "ignoring 1 slab files past" in caplog.text
+    assert len(os.listdir(Path(h.root, "slabs"))) == 4 and stray.stat().st_size == 0
+
+
+def test_a_slab_file_deleted_while_running_is_retired_and_what_is_reported_durable_survives(tmp_path, caplog):
+    """A session written into a slab file deleted under the daemon was synced
+    and reported durable, and was gone after the next start."""
+    h = Harness(str(tmp_path), disk_slab=MiB)
+    store = h.open()
+    eng = HostEngine(num_blocks=3 * PAGES, seed=2)
+    a, b = make_key("default", "a"), make_key("default", "b")
+    store.save(a, eng.memory, SPEC, list(range(PAGES)), PAGES * SPEC.block_tokens)
+    assert store.write_back(a).durable
+    os.unlink(os.path.join(h.root, "slabs", "slab-000000.bin"))  # a's
+    with caplog.at_level(logging.ERROR, logger="tierd"):
+        store.tick()  # noticed on the tick
+    assert "slab-000000.bin was deleted while in use" in caplog.text
+    assert not store.stat(a).durable  # its pages are in the deleted file: gone at the next start
+    store.save(b, eng.memory, SPEC, list(range(PAGES, 2 * PAGES)), PAGES * SPEC.block_tokens)
+    assert store.write_back(b).durable  # into another slab: the deleted one takes nothing more
+    assert all(p.offset >= MiB for p in store.pieces(b, "disk")) and store.check_accounting() == []
+    want = b"".join(eng.pages(range(PAGES, 2 * PAGES)))
+    store = h.reopen()
+    assert store.keys() == [b]  # a is quarantined (missing_slab), b serves
+    assert b"".join(bytes(c) for c in store.get(b)[1]) == want
+    h.close()
+
+
 @pytest.mark.parametrize("damage", ["deleted", "cut short"])
 def test_a_lost_slab_costs_only_the_sessions_in_it(six, caplog, damage):
     h, metrics, content, slab_of = six

@@ -10,14 +10,13 @@ host tier were changed behind the daemon's back, through every read path.
 
 import fcntl
 import glob
-import hashlib
 import os
 
 import grpc
 import numpy as np
 import pytest
 
-from tests.helpers import flip_in_arena
+from tests.helpers import flip_in_arena, tokens_file
 from tierd.client import (
     Arena,
     DataLoss,
@@ -46,9 +45,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def secured(tmp_path):
-    tokens = tmp_path / "tokens"
-    tokens.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}\n" for t, s in TOKENS.items()))
-    d = Daemon(tmp_path, "--auth-tokens", str(tokens), "--writeback-idle", "off", "--host-idle", "600").start()
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS), "--writeback-idle", "off",
+               "--host-idle", "600").start()
     yield d
     d.close()
 

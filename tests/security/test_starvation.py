@@ -6,7 +6,6 @@ what the others (another tenant, the policy tick, a clean stop) still get.
 Waits are on conditions with deadlines.
 """
 
-import hashlib
 import threading
 import time
 
@@ -14,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
+from tests import helpers
 from tests.helpers import metric
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.errors import DeadlineExceeded
@@ -29,9 +29,7 @@ MiB = 1 << 20
 
 
 def tokens_file(root):
-    path = root / "tokens"
-    path.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}\n" for t, s in TOKENS.items()))
-    return str(path)
+    return helpers.tokens_file(root, TOKENS)
 
 
 def until(predicate, timeout=20.0, what="the condition"):

@@ -3,7 +3,8 @@ import os
 import numpy as np
 import pytest
 
-from tierd.tiers.disk import DiskTier, aligned_buffer, probe_direct_io
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.fileops import aligned_buffer, probe_direct_io
 from tierd.tiers.ioqueue import IOExecutor
 
 MiB = 1 << 20
@@ -63,7 +64,7 @@ def test_existing_slabs_are_reopened(tmp_path, executor):
     disk.alloc_pages(1, 8 * MiB)
     disk.close()
     again = DiskTier(32 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
-    assert again.open_existing() == {}  # nothing lost
+    assert again.open_existing(again.max_slabs()) == {}  # nothing lost
     assert again.allocator.num_slabs == 2
     again.close()
 
@@ -76,10 +77,24 @@ def test_slabs_are_found_by_name_and_lost_ones_are_reported(tmp_path, executor):
     os.unlink(disk.slab_path(1))
     os.truncate(disk.slab_path(2), MiB)
     again = DiskTier(64 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
-    assert again.open_existing() == {1: None, 2: MiB}
+    assert again.open_existing(again.max_slabs()) == {1: None, 2: MiB}
     assert again.allocator.num_slabs == 4  # the intact slab after them is kept
     for index in range(4):  # made whole again, sparse
         assert os.path.getsize(again.slab_path(index)) == 8 * MiB
+    again.close()
+
+
+def test_a_stray_slab_file_far_past_the_budget_is_left_alone(tmp_path, executor):
+    """An empty slab-099999.bin made the tier create and open 100,000 slabs at
+    start: the daemon ran out of descriptors and never started again."""
+    disk = DiskTier(32 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
+    disk.alloc_pages(1, 8 * MiB)
+    disk.close()
+    stray = tmp_path / "slab-099999.bin"
+    stray.touch()
+    again = DiskTier(32 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
+    assert again.open_existing(again.max_slabs()) == {}
+    assert again.allocator.num_slabs == 1 and len(os.listdir(tmp_path)) == 2 and stray.stat().st_size == 0
     again.close()
 
 
@@ -94,4 +109,26 @@ def test_buffered_fallback_roundtrip(tmp_path, executor):
     back = aligned_buffer(4096)
     disk.read(piece.offset, back)
     assert (back == 9).all()
+    disk.close()
+
+
+def test_a_slab_file_deleted_under_the_tier_fails_the_syncs_of_writes_there(tmp_path, executor):
+    """Written, then its file deleted before the sync: the sync fails (the
+    write is not durable), later allocations there fail, and other slabs'
+    writes sync as before."""
+    disk = DiskTier(32 * MiB, str(tmp_path), executor, slab_bytes=8 * MiB)
+    first = disk.alloc_pages(1, 8 * MiB)[0]  # fills slab 0
+    epoch = disk.epoch()
+    disk.write(first.offset, aligned_buffer(MiB))
+    os.unlink(disk.slab_path(0))
+    with pytest.raises(OSError, match="deleted while in use"):
+        disk.sync(epoch)
+    assert disk.unusable == 0  # slab 0 is all first's
+    disk.free(first)  # ... and stays out of use: retired
+    assert disk.unusable == 8 * MiB and disk.used == 8 * MiB
+    other = disk.alloc_pages(2, 4 * MiB)
+    assert other is not None and {disk.locate(p.offset)[0] for p in other} == {1}
+    epoch = disk.epoch()
+    disk.write(other[0].offset, aligned_buffer(MiB))
+    disk.sync(epoch)  # writes elsewhere sync as before
     disk.close()

@@ -7,7 +7,8 @@ import pytest
 from tests.helpers import host_tier
 from tierd.errors import DataLoss
 from tierd.tiers import FILE, MEMORY
-from tierd.tiers.disk import DiskTier, aligned_buffer
+from tierd.tiers.disk import DiskTier
+from tierd.tiers.fileops import aligned_buffer
 from tierd.tiers.ioqueue import IOExecutor
 from tierd.transfer import routes
 from tierd.transfer.copier import CopyEngine
@@ -61,16 +62,18 @@ def test_a_tier_of_its_own_moves_through_the_routes_of_its_medium(world):
     data = np.random.default_rng(3).integers(0, 256, n * PAGE, dtype=np.uint8)
     host = _spans(tiers, "host", n, geom)
     for s in host:
-        tiers["host"].view(s.offset, s.n_pages * PAGE)[:] = data[s.first_page * PAGE : (s.first_page + s.n_pages) * PAGE]
+        first = s.first_page * PAGE
+        tiers["host"].view(s.offset, s.n_pages * PAGE)[:] = data[first : first + s.n_pages * PAGE]
     sums = copier.checksums(host, geom)
     path = [host] + [_spans(tiers, name, n, geom) for name in ("scratch", "nvme1", "host", "disk", "scratch")]
     for src, dst in zip(path, path[1:]):
         assert copier.move(src, dst, geom, sums) == n * PAGE
     back = _spans(tiers, "host", n, geom)
     copier.move(path[-1], back, geom, sums)
-    got = b"".join(bytes(tiers["host"].view(s.offset, s.n_pages * PAGE)) for s in sorted(back, key=lambda s: s.first_page))
-    assert got == data.tobytes()
-    assert {"host->scratch", "scratch->nvme1", "nvme1->host", "host->disk", "disk->scratch", "scratch->host"} <= set(copier.bandwidth)
+    back.sort(key=lambda s: s.first_page)
+    assert b"".join(bytes(tiers["host"].view(s.offset, s.n_pages * PAGE)) for s in back) == data.tobytes()
+    routes = {"host->scratch", "scratch->nvme1", "nvme1->host", "host->disk", "disk->scratch", "scratch->host"}
+    assert routes <= set(copier.bandwidth)
 
 
 def test_pages_damaged_in_any_file_tier_are_caught_and_named_by_it(world):

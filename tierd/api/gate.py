@@ -39,7 +39,11 @@ log = logging.getLogger("tierd.api")
 CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller")  # set by the gate, for the handler
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Tierd"]
-
+# Requests without long id lists (packed.FIELDS) are small: a RegisterEngine of
+# 4,096 regions and segments is about 150 KiB. Past this, one is refused before
+# protobuf parses it on the loop (60 MB of empty segments: 4 s, 1.7 GB).
+SMALL_REQUEST = 1 << 20
+LATE_SECONDS = 0.01  # a call that made something (a lease, an engine) with less time left takes it back
 
 
 class ClientGone(Exception):
@@ -70,9 +74,10 @@ class Call:
     async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         if isinstance(exc, ClientGone) or context.cancelled() or context.done():
             # The client left (or the call is over): nobody to tell, nothing the daemon did wrong.
+            # Ended as a cancelled call: gRPC then sends nothing (a response would be serialized).
             self.count("CANCELLED")
             log.debug("%s: the client went away (%s)", self.method, type(exc).__name__)
-            return
+            raise asyncio.CancelledError()
         self.count(exc.code if isinstance(exc, TierdError) else "INTERNAL")
         await abort(context, exc)
 
@@ -91,9 +96,10 @@ def parse(cls: type, raw: bytes | memoryview) -> packed.Request:
 def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
     """Wrap fn(self, request, caller) -> response as a timed async handler that
     parses the request (the gate has checked the caller); blocking ones run on
-    the RPC threads. If the
-    call is cancelled while fn runs, undo(self, caller, response) takes back
-    what fn made for a client that will never hear of it."""
+    the RPC threads. If the call is cancelled while fn runs, or ends without
+    its answer reaching the client (its deadline passed as the answer went
+    out), undo(self, caller, response) takes back what fn made for a client
+    that will never hear of it (on an RPC thread)."""
 
     def wrap(fn: Callable) -> Callable:
         cls = getattr(pb, SERVICE.methods_by_name[fn.__name__].input_type.name)
@@ -105,8 +111,19 @@ def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | Non
                 caller = CALLER.get()
                 req = parse(cls, raw)
                 if blocking:
-                    return await self.blocking(caller.tenant, fn, self, req, caller,
-                                               undo=undo and functools.partial(undo, self, caller))
+                    take_back = undo and functools.partial(undo, self, caller)
+                    response = await self.blocking(caller.tenant, fn, self, req, caller, undo=take_back)
+                    if take_back is not None:
+                        left = context.time_remaining()
+                        if left is not None and left < LATE_SECONDS:
+                            # The client gives up before (or as) the answer reaches it, yet the
+                            # call would end well on this side: nobody would end what it made.
+                            self.executor.submit(_take_back, take_back, response)
+                            raise DeadlineExceeded(f"the {fn.__name__} call's deadline passed as it was answered; "
+                                                   "what it made is taken back")
+                        context.add_done_callback(
+                            lambda ctx: ctx.cancelled() and self.executor.submit(_take_back, take_back, response))
+                    return response
                 return fn(self, req, caller)
             except Exception as exc:
                 await call.fail(context, exc)
@@ -116,6 +133,13 @@ def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | Non
         return handler
 
     return wrap
+
+
+def _take_back(undo: Callable[[Any], None], response: Any) -> None:
+    try:
+        undo(response)
+    except TierdError:
+        pass  # ended some other way meanwhile (expired, say)
 
 
 async def within(op: Any, seconds: float, stalled: str) -> Any:
@@ -134,7 +158,12 @@ async def within(op: Any, seconds: float, stalled: str) -> Any:
         raise ClientGone() from exc
 
 
-def gated(servicer: Any, fn: Callable, read: bool) -> Callable:
+def request_limit(method: Any) -> int | None:
+    """The most bytes a request of this method may have (None: the server's message limit)."""
+    return None if method.input_type.name in packed.FIELDS or method.client_streaming else SMALL_REQUEST
+
+
+def gated(servicer: Any, fn: Callable, read: bool, limit: int | None = None) -> Callable:
     """fn as the call's behavior, behind a gate that runs as the call starts,
     before any message is read: the caller's token is checked (a call
     without a valid one is refused at once, holding nothing) and the call is
@@ -153,6 +182,8 @@ def gated(servicer: Any, fn: Callable, read: bool) -> Callable:
                 raw = await servicer._read(context, f"the {fn.__name__} call")
                 if raw is grpc.aio.EOF:
                     raise InvalidArgument(f"the {fn.__name__} call carried no request")
+                if limit is not None and len(raw) > limit:
+                    raise InvalidArgument(f"a {fn.__name__} request is at most {limit} bytes, not {len(raw)}")
                 return await fn(raw, context)
         except grpc.aio.AbortError:
             raise  # fn has told the client already
@@ -207,14 +238,30 @@ class OpenServices(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(behavior, deserializer, handler.response_serializer)
 
 
+class _ClientLeft(logging.Filter):
+    """gRPC logs a call whose status it could not send, after the handler
+    returned, at ERROR with a traceback: the client had gone (its deadline
+    passed, or it hung up). Nothing the daemon did wrong: one line at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("ExecuteBatchError raised in core"):
+            log.debug("%s: the client went away", record.getMessage())
+            return False
+        return True
+
+
+_CLIENT_LEFT = _ClientLeft()
+
+
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     """Register the servicer's handlers, each behind its gate (gated). Every
     request reaches its handler as the bytes received (parsed there), and
     Get's responses are sent as the bytes the handler built (tierd.wire.chunks)."""
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_CLIENT_LEFT)  # (once: filters are a set)
     handlers = {}
     for method in SERVICE.methods:
         fn = getattr(servicer, method.name)
-        behavior = gated(servicer, fn, read=not method.client_streaming)
+        behavior = gated(servicer, fn, read=not method.client_streaming, limit=request_limit(method))
         if method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, None, None)
         else:

@@ -270,6 +270,15 @@ class DiskIndex:
     def delete(self, key: SessionKey) -> None:
         self._tx(self._delete_stmts(key))
 
+    def highest_offset(self) -> int | None:
+        """The highest piece offset recorded (None: none, or the index cannot say)."""
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT MAX(offset) FROM pieces WHERE typeof(offset) = 'integer'").fetchone()
+        except sqlite3.Error:
+            return None  # recover() finds out what is wrong with it
+        return row[0] if row and isinstance(row[0], int) and row[0] >= 0 else None
+
     def recover(self, check: Callable[[list[Recovered]], list[Problem]] | None = None,
                 ) -> tuple[list[Recovered], list[Problem]]:
         """Every complete session whose rows are sound (and pass `check`, which

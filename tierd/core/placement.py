@@ -18,7 +18,7 @@ from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
-from tierd.tiers import durable_tier, tier_order, tier_rank
+from tierd.tiers import DISK, durable_tier, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
@@ -66,7 +66,7 @@ class Placement:
                     pieces = t.alloc_pages(n, stride, owner=tenant)
                 except OSError as exc:
                     self.free(tier, got)
-                    raise self.io_failed("allocation", exc, protect) from exc
+                    raise self.io_failed("allocation", exc, protect, tier) from exc
                 if pieces is None:
                     break
                 got += [Piece(p.offset, p.alloc_bytes, p.first_page + first, p.n_pages) for p in pieces]
@@ -236,12 +236,13 @@ class Placement:
             session.snap.placement.clear()
         self.retire(session, [(t, p) for t, pieces in placement.items() for p in pieces])
 
-    def io_failed(self, op: str, exc: OSError, key: SessionKey) -> Unavailable:
-        """Disk I/O failed while moving or serving a session: counted, logged, and
-        retryable (nothing was served or changed; the old copies stay authoritative)."""
+    def io_failed(self, op: str, exc: OSError, key: SessionKey, tier: str = DISK) -> Unavailable:
+        """A tier's I/O (the disk's, mostly) failed while moving or serving a
+        session: counted, logged, and retryable (nothing was served or changed;
+        the old copies stay authoritative)."""
         self.events.disk_error(op)
-        log.error("disk %s for %s/%s failed: %s", op, key.tenant, key.session_id, exc)
-        return Unavailable(f"a disk {op} for session {shown(key.session_id)} failed ({exc.strerror or exc}); "
+        log.error("%s %s for %s/%s failed: %s", tier, op, key.tenant, key.session_id, exc)
+        return Unavailable(f"a {tier} {op} for session {shown(key.session_id)} failed ({exc.strerror or exc}); "
                            "nothing was changed, try again", op=op, session_id=key.session_id)
 
     def mark_damaged(self, session: Session, exc: DataLoss) -> None:

@@ -26,7 +26,10 @@ log = logging.getLogger("tierd.core.recovery")
 
 def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents) -> tuple[list[Recovered], list[Problem]]:
     """The sessions to serve, reserved in the disk tier, and what was repaired."""
-    lost = disk.open_existing()
+    # Slabs the budget allows, or as many as the index records pieces in: a stray
+    # file named slab-099999.bin made the disk tier create and open 100,000 slabs.
+    top = index.highest_offset()
+    lost = disk.open_existing(max(disk.max_slabs(), 0 if top is None else top // disk.slab_bytes + 1))
     found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
     disk.reserve([(p, rec.key.tenant) for rec in found for p in rec.pieces])
     for problem in problems:

@@ -93,6 +93,7 @@ class Tier(Protocol):
     backend: str  # the mechanism behind it, for logs and metrics
     out_of_space: bool  # the system refused room the budget allows
     allocator: Any  # the extent allocator: round(nbytes) is what an allocation of nbytes takes
+    unusable: int  # bytes of `used` that no session holds: room retired after a fault
 
     @property
     def used(self) -> int: ...
@@ -145,13 +146,18 @@ class FileTier(Tier, Protocol):
 class DurableTier(FileTier, Protocol):
     """The tier the index records: what it holds survives restarts."""
 
-    def open_existing(self) -> dict[int, int | None]:
-        """Open what a previous run left (before recovery); returns, per slab
-        that is missing or short, the bytes it held (None: no file)."""
+    def open_existing(self, max_slabs: int) -> dict[int, int | None]:
+        """Open what a previous run left in slabs below max_slabs (before
+        recovery); returns, per slab that is missing or short, the bytes it
+        held (None: no file)."""
         ...
 
     def epoch(self) -> int:
         """A mark to pass to sync() after writing."""
+        ...
+
+    def retired(self, offset: int) -> bool:
+        """Whether that byte's slab was lost under the daemon (its pieces are not durable any more)."""
         ...
 
     def sync(self, since: int | None = None) -> None:
@@ -159,5 +165,6 @@ class DurableTier(FileTier, Protocol):
         ...
 
 
-__all__ = ["DEVICE", "DISK", "FILE", "HOST", "MEMORY", "DurableTier", "FileTier", "MemoryTier", "Piece", "Tier", "TierKind",
+__all__ = ["DEVICE", "DISK", "FILE", "HOST", "MEMORY", "DurableTier", "FileTier", "MemoryTier", "Piece", "Tier",
+           "TierKind",
            "durable_tier", "is_tier", "kind_of", "register", "tier_order", "tier_rank"]

@@ -60,6 +60,17 @@ class ExtentAllocator:
     def slab_is_free(self, index: int) -> bool:
         return self._by_start.get(index * self.slab_bytes) == self.slab_bytes
 
+    def take_free(self, index: int) -> int:
+        """Mark every free extent of slab `index` used (a slab that must not
+        be allocated from any more); returns the bytes taken."""
+        base, end = index * self.slab_bytes, (index + 1) * self.slab_bytes
+        taken = 0
+        for start, size in [(s, n) for s, n in self._by_start.items() if base <= s < end]:
+            self._remove(start, size)
+            taken += size
+        self.used += taken
+        return taken
+
     def remove_last_slab(self) -> bool:
         """Drop the last slab if nothing in it is allocated."""
         index = self.num_slabs - 1

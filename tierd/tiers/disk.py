@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -26,72 +25,14 @@ import numpy as np
 
 from tierd.tiers import DISK
 from tierd.tiers.allocator import Piece
+from tierd.tiers.fileops import ALIGN, FileOps, probe_direct_io
 from tierd.tiers.ioqueue import IOClass, IOExecutor, wait_all
 from tierd.tiers.slabs import SlabTier
 
 log = logging.getLogger("tierd.tiers.disk")
-ALIGN = 4096
 IO_CHUNK = 4 << 20
 SLAB_FILE = re.compile(r"slab-(\d{6})\.bin")
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-
-
-class FileOps:
-    """The disk tier's system calls, in one place: a fault-injection harness
-    replaces them to make any call fail, and the kvikio backend routes reads
-    and writes through kvikio (tiers/kvikio_io.py)."""
-
-    name: str | None = None  # the backend, if not plain POSIX
-    aligns_itself = False  # reads and writes take any buffer (the tier's own descriptors carry no data)
-    device_io = False  # reads and writes also take GPU memory (straight to and from VRAM)
-
-    def open(self, path: str, flags: int, mode: int) -> int:
-        return os.open(path, flags, mode)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-    def fallocate(self, fd: int, offset: int, length: int) -> None:
-        os.posix_fallocate(fd, offset, length)
-
-    def truncate(self, fd: int, length: int) -> None:
-        os.ftruncate(fd, length)
-
-    def pread(self, fd: int, view: np.ndarray, offset: int) -> int:
-        return os.preadv(fd, [view], offset)
-
-    def pwrite(self, fd: int, view: np.ndarray, offset: int) -> int:
-        return os.pwritev(fd, [view], offset)
-
-    def fdatasync(self, fd: int) -> None:
-        os.fdatasync(fd)
-
-
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT."""
-    size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)[:nbytes]
-
-
-def probe_direct_io(directory: str) -> bool:
-    """True if O_DIRECT writes and reads work in this directory."""
-    path = os.path.join(directory, ".direct-io-probe")
-    buf = aligned_buffer(ALIGN)
-    buf[:] = 0x5A
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return False
-    try:
-        os.pwritev(fd, [buf], 0)
-        back = aligned_buffer(ALIGN)
-        os.preadv(fd, [back], 0)
-        return bool(np.array_equal(back, buf))
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path)
 
 
 class DiskTier(SlabTier):
@@ -102,6 +43,7 @@ class DiskTier(SlabTier):
         super().__init__(budget, slab_bytes, granule=ALIGN)
         self.ops = ops or FileOps()
         self._failed_syncs = 0
+        self._unlinked: set[int] = set()  # slabs whose files were deleted while in use
         self.directory = directory
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.direct = False if self.ops.aligns_itself else probe_direct_io(directory) if direct is None else direct
@@ -114,14 +56,20 @@ class DiskTier(SlabTier):
     def slab_path(self, index: int) -> str:
         return os.path.join(self.directory, f"slab-{index:06d}.bin")
 
-    def open_existing(self) -> dict[int, int | None]:
+    def open_existing(self, max_slabs: int) -> dict[int, int | None]:
         """Map the slab files a previous run left into the address space
-        (before recovery): slabs 0 to the highest-numbered file. A file that
-        is missing or short is made whole again, sparse; returns how many bytes
+        (before recovery): slabs 0 to the highest-numbered file below
+        max_slabs (files past it are left alone, logged). A file that is
+        missing or short is made whole again, sparse; returns how many bytes
         each of those held (None: no file), so that recovery drops the
         sessions whose pages were there, and only those."""
         sizes = {int(m.group(1)): entry.stat(follow_symlinks=False).st_size for entry in os.scandir(self.directory)
                  if (m := SLAB_FILE.fullmatch(entry.name))}
+        stray = sorted(i for i in sizes if i >= max_slabs)
+        if stray:
+            log.warning("disk tier: ignoring %d slab files past the %d this tier may use and the index records "
+                        "(%s...): no session lies there", len(stray), max_slabs, self.slab_path(stray[0]))
+            sizes = {i: n for i, n in sizes.items() if i < max_slabs}
         lost: dict[int, int | None] = {}
         with self._lock:
             for index in range(max(sizes, default=-1) + 1):
@@ -163,6 +111,8 @@ class DiskTier(SlabTier):
         try:
             if slab not in self._fds:
                 self._open_slab(slab)  # its file could not be opened at start
+            if not self._linked(slab, self._fds[slab]):  # (the tier's lock is held: retired here)
+                raise OSError(errno.ENOENT, f"slab file {self.slab_path(slab)} was deleted while in use")
             self.ops.fallocate(self._fds[slab], off, piece.alloc_bytes)
         except OSError as exc:
             if exc.errno not in NO_ROOM:
@@ -178,7 +128,11 @@ class DiskTier(SlabTier):
         self.out_of_space = True
 
     def maintain(self) -> int:
-        """Resume once the file system has a slab's worth of room again."""
+        """Notice slab files deleted under the daemon (see _linked); resume once
+        the file system has a slab's worth of room again."""
+        with self._lock:
+            for slab, fd in self._fds.items():
+                self._linked(slab, fd)
         if self.out_of_space and shutil.disk_usage(self.directory).free >= self.slab_bytes:
             self.out_of_space = False
             log.info("disk tier: space freed under %s; demotion resumes", self.directory)
@@ -276,8 +230,37 @@ class DiskTier(SlabTier):
                         self._failed_syncs += 1
                         self._dirty |= dirty
                     raise
+        with self._lock:
+            deleted = [slab for slab in sorted(dirty) if slab in self._fds and not self._linked(slab, self._fds[slab])]
+            if deleted:
+                self._failed_syncs += 1  # whoever wrote since their epoch may have written there
+        if deleted:
+            raise OSError(errno.ENOENT, f"slab file {self.slab_path(deleted[0])} was deleted while in use")
         if since is not None and self._failed_syncs != since:
             raise OSError(errno.EIO, "a sync failed while these writes were in flight; they may be lost")
+
+    def _linked(self, slab: int, fd: int) -> bool:
+        """Whether the slab's file is still there (called with the tier's lock
+        held). One deleted under the daemon loses what it holds at the next
+        start: nothing written there is reported durable, and the slab is
+        retired: nothing is allocated in it any more, its room counted as
+        unusable, while the sessions whose pages are there still read them."""
+        if slab in self._unlinked:
+            return False
+        if os.fstat(fd).st_nlink:
+            return True
+        self._unlinked.add(slab)
+        self.unusable += self.allocator.take_free(slab)
+        log.error("disk tier: %s was deleted while in use: the sessions in it are lost at the next start, and it "
+                  "takes no new pages (restart the daemon to make it anew)", self.slab_path(slab))
+        return False
+
+    def _retired(self, slab: int) -> bool:
+        return slab in self._unlinked
+
+    def retired(self, offset: int) -> bool:
+        """Whether the byte at offset lies in a slab retired after its file was deleted."""
+        return offset // self.slab_bytes in self._unlinked
 
     def _pread_exact(self, fd: int, view: np.ndarray, offset: int) -> None:
         done = 0

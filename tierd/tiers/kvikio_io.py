@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tierd.tiers.disk import FileOps
+from tierd.tiers.fileops import FileOps
 
 log = logging.getLogger("tierd.tiers.kvikio")
 PROBE_BYTES = 1 << 20

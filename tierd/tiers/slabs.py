@@ -8,6 +8,7 @@ nothing beyond "does it fit the budget".
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 
@@ -21,6 +22,7 @@ class SlabTier:
     name = "tier"  # a registered kind's (tiers.register)
     backend = "slabs"
     out_of_space = False  # the system refused room the budget allows (the disk tier sets it)
+    unusable = 0  # bytes of used that no session holds: slabs retired after a fault (the disk tier's)
 
     def __init__(self, budget: int, slab_bytes: int, granule: int = 4096) -> None:
         if budget < 0:
@@ -47,6 +49,17 @@ class SlabTier:
 
     def _on_free(self, piece: Piece) -> None:
         """Return the piece's memory to the system where that is cheap."""
+
+    def _retired(self, slab: int) -> bool:
+        """Whether nothing may be allocated in this slab any more (its file is gone, say)."""
+        return False
+
+    def _give_back(self, piece: Piece) -> None:
+        """The piece's room to the allocator, or, in a retired slab, kept from use."""
+        if self._retired(piece.offset // self.slab_bytes):
+            self.unusable += self.allocator.round(piece.alloc_bytes)
+        else:
+            self.allocator.free(piece.offset, piece.alloc_bytes)
 
     # Tier -------------------------------------------------------------------
 
@@ -89,6 +102,9 @@ class SlabTier:
                 except OSError as exc:
                     self.allocator.remove_last_slab()
                     log.warning("%s tier: cannot open slab %d: %s", self.name, index, exc)
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        self._close_free_slabs(slabs)
+                        raise  # out of descriptors, not of room: evicting sessions would not help
                     break
             backed: list[Piece] = []
             failure: OSError | None = None
@@ -104,7 +120,7 @@ class SlabTier:
                 for q in backed:
                     self._on_free(q)
                 for q in pieces or []:
-                    self.allocator.free(q.offset, q.alloc_bytes)
+                    self._give_back(q)
                 self._close_free_slabs(slabs)
                 if failure is not None:
                     raise failure
@@ -116,7 +132,7 @@ class SlabTier:
     def free(self, piece: Piece) -> None:
         with self._lock:
             self._on_free(piece)
-            self.allocator.free(piece.offset, piece.alloc_bytes)
+            self._give_back(piece)
             owner, size = self._owners.pop(piece.offset)
             self._by_owner[owner] -= size
 

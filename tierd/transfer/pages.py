@@ -22,7 +22,7 @@ import numpy as np
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss
 from tierd.tiers import FILE, MEMORY
-from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.fileops import aligned_buffer
 from tierd.tiers.ioqueue import IOClass, wait_all
 from tierd.transfer import gpu, memory
 from tierd.transfer.routes import route_of

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierd.tiers import FILE, MEMORY
-from tierd.tiers.disk import aligned_buffer
+from tierd.tiers.fileops import aligned_buffer
 from tierd.transfer import memory
 from tierd.transfer.runs import Geometry, MoveRun, Span
 

@@ -4,8 +4,11 @@ of the disk tier (`tierd scan`) and the accounting invariant. Any thread."""
 
 from __future__ import annotations
 
+import bisect
+import time
+
 from tierd.core.store.leases import _SaveLease
-from tierd.core.store.upkeep import Upkeep
+from tierd.core.store.upkeep import CHECKS_PER_LOCK, Upkeep
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
@@ -18,12 +21,18 @@ class Inspection(Upkeep):
         page and the token of the next page ("" when done)."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
             raise InvalidArgument(f"limit must be 1 to 10000, got {shown(limit)}", field="limit")
-        with self._lock:
-            keys = sorted(k for k in self._sessions if tenant is None or k.tenant == tenant)
-            if after:
-                keys = [k for k in keys if "\x00".join(k) > after]
-            page = [self._info(self._sessions[k]) for k in keys[:limit]]
-            token = "\x00".join(keys[limit - 1]) if len(keys) > limit else ""
+        with self._lock:  # held for a copy of the keys only; sorted and described without it
+            keys = [k for k in self._sessions if tenant is None or k.tenant == tenant]
+        keys.sort()
+        if after:
+            keys = keys[bisect.bisect_right(keys, tuple(after.split("\x00", 1))):]
+        page: list[SessionInfo] = []
+        for i in range(0, min(limit, len(keys)), CHECKS_PER_LOCK):
+            with self._lock:
+                page += [self._info(s) for k in keys[i : min(i + CHECKS_PER_LOCK, limit)]
+                         if (s := self._sessions.get(k)) is not None]
+            time.sleep(0)  # let the event loop have the GIL between batches (~4 ms each)
+        token = "\x00".join(keys[limit - 1]) if len(keys) > limit else ""
         return page, token
 
     def stats(self, tenant: str | None = None) -> list[TierStats]:
@@ -94,8 +103,9 @@ class Inspection(Upkeep):
                     held[tier][tenant] = held[tier].get(tenant, 0) + rounded
         problems = []
         for name, tier in self.tiers.items():
-            if tier.used != sum(held[name].values()):
-                problems.append(f"the {name} tier's allocator holds {tier.used} bytes, its sessions and leases "
+            if tier.used - tier.unusable != sum(held[name].values()):  # (unusable: retired after a fault)
+                problems.append(f"the {name} tier's allocator holds {tier.used - tier.unusable} bytes, its sessions "
+                                "and leases "
                                 f"{sum(held[name].values())}")
             problems += [f"the {name} tier accounts {tier.used_by(tenant)} bytes to tenant {tenant!r}, its sessions "
                          f"and leases hold {nbytes}" for tenant, nbytes in sorted(held[name].items())

@@ -10,6 +10,7 @@ import time
 
 from tierd.core.model import Session
 from tierd.core.move_queue import Job
+from tierd.core.store.checks import check_priority
 from tierd.core.store.leases import Leases
 from tierd.errors import (
     DataLoss,
@@ -80,6 +81,7 @@ class Lifecycle(Leases):
                  deadline: float | None = None) -> str:
         """Start promoting the session toward `tier` (a memory tier); returns
         "ready" if it is there already, else "queued". Never waits for the move."""
+        check_priority(priority)
         if not is_tier(tier) or kind_of(tier).medium != MEMORY:
             targets = ", ".join(repr(t) for t in tier_order() if kind_of(t).medium == MEMORY)
             raise InvalidArgument(f"prefetch goes to a memory tier ({targets}), not {shown(tier)}", field="tier",

@@ -89,12 +89,17 @@ class SessionTable:
         session's content or placement may have changed."""
         self._listeners.append(listener)
 
+    def _durable(self, s: Session) -> bool:
+        """Durable, and none of its pages in a slab file deleted since it was written."""
+        durable = self.placement.durable
+        return s.durable and not any(self.tiers[durable].retired(p.offset) for p in s.snap.pieces(durable))
+
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
         return SessionInfo(
             tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
             tier_bytes=snap.tier_bytes(), state=s.state.value,
-            num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=s.durable,
+            num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self._durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec)
 

@@ -77,7 +77,8 @@ class PendingWrite:
 
 class Writes(SessionTable):
     def _landing(self, engine: EngineMemory | None) -> str:
-        """Where a save's pages land by default: VRAM for GPU engines where there is a device tier, else the host arena."""
+        """Where a save's pages land by default: VRAM for GPU engines where
+        there is a device tier, else the host arena."""
         if engine is not None and engine.on_device and DEVICE in self.tiers:
             return DEVICE
         return HOST
