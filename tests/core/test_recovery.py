@@ -148,7 +148,7 @@ DAMAGE = {
     "negative page count": ([(ROW.format("num_pages=-3"), ("s0",))], "bad_row", []),
     "size that is not its pages": ([(ROW.format("nbytes=nbytes * 3"), ("s0",))], "bad_row", []),
     "a page missing": ([("DELETE FROM pieces WHERE session_id=?", ("s0",))], "missing_pieces", []),
-    # the red team's: each was served (then List failed INTERNAL) or crashed every start
+    # before, each was served (then List failed INTERNAL) or crashed every start
     "2**40 pages claimed": ([(ROW.format("num_pages=1099511627776, nbytes=nbytes * 1099511627776 / num_pages"),
                               ("s0",))], "missing_pieces", []),
     "session id stored as a blob": ([(ROW.format("session_id=CAST(session_id AS BLOB)"), ("s0",))], "bad_row", []),
