@@ -64,7 +64,8 @@ class Snapshot:
         return {t: sum(p.alloc_bytes for p in pieces) for t, pieces in self.placement.items() if pieces}
 
     def tiers_held(self) -> list[str]:
-        return list(tier_order(t for t, pieces in self.placement.items() if pieces))
+        held = [t for t, pieces in self.placement.items() if pieces]
+        return held if len(held) < 2 else list(tier_order(held))
 
     def add_pieces(self, tier: str, pieces: list[Piece]) -> None:
         merged = self.placement.get(tier, []) + pieces

@@ -43,7 +43,7 @@ class PolicyConfig:
             return self.device_idle
         if tier == HOST:
             return self.host_idle
-        return dict(self.tier_idle).get(tier)
+        return next((seconds for name, seconds in self.tier_idle if name == tier), None)
 
     def quota(self, tier: str) -> int | None:
         """Bytes of `tier` each tenant may hold, or None for no limit."""
@@ -128,9 +128,10 @@ def _idle_rules(v: SessionView, cfg: PolicyConfig, order: tuple[str, ...]) -> li
     rules = []
     if cfg.disk_ttl is not None:
         rules.append((cfg.disk_ttl, Move(v.key, DROP, "ttl")))
-    for i in range(len(order) - 1, 0, -1):
+    fastest = next((i for i, t in enumerate(order) if v.tier_bytes.get(t)), len(order))
+    for i in range(len(order) - 1, fastest, -1):
         after = cfg.idle(order[i - 1])
-        if after is not None and any(v.tier_bytes.get(t) for t in order[:i]):
+        if after is not None:
             rules.append((after, Move(v.key, order[i], "idle")))
     durable = durable_tier(order)
     if durable is not None and not v.durable and cfg.writeback_idle is not None:

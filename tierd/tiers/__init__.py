@@ -38,6 +38,7 @@ class TierKind:
 
 
 _KINDS: dict[str, TierKind] = {}
+_RANKS: dict[str, int] = {}  # name -> rank: looked up on every placement question, kept flat
 
 
 def register(kind: TierKind) -> str:
@@ -50,6 +51,7 @@ def register(kind: TierKind) -> str:
     if kind.durable and any(k.durable for k in _KINDS.values()):
         raise ValueError(f"{kind.name!r}: one durable tier is registered already")
     _KINDS[kind.name] = kind
+    _RANKS[kind.name] = kind.rank
     return kind.name
 
 
@@ -65,12 +67,18 @@ def is_tier(name: object) -> bool:
 
 
 def tier_rank(name: str) -> int:
-    return kind_of(name).rank
+    try:
+        return _RANKS[name]
+    except KeyError:
+        raise ValueError(f"no tier named {name!r} is registered") from None
 
 
 def tier_order(names: Iterable[str] | None = None) -> tuple[str, ...]:
     """The given tier names (default: every registered one), fastest first."""
-    return tuple(sorted(_KINDS if names is None else names, key=tier_rank))
+    try:
+        return tuple(sorted(_KINDS if names is None else names, key=_RANKS.__getitem__))
+    except KeyError as exc:
+        raise ValueError(f"no tier named {exc.args[0]!r} is registered") from None
 
 
 def durable_tier(names: Iterable[str]) -> str | None:
