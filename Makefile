@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	command -v promtool >/dev/null || test -x $(BIN)/promtool || (mkdir -p $(VENV)/deb && cd $(VENV)/deb && \
 		apt-get download -qq prometheus 2>/dev/null && dpkg -x prometheus_*.deb x && cp x/usr/bin/promtool ../bin/ && \
 		cd .. && rm -rf deb) || echo "promtool is not available: its checks will be skipped"
+	@# redis-server (Debian's) runs the Redis Cluster the remote tier's tests start on loopback.
+	command -v redis-server >/dev/null || (test "$$(id -u)" = 0 && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null) || \
+		echo "redis-server is not available (install it as root): the remote tier's tests will be skipped"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -89,3 +89,111 @@ class Daemon:
         prefix = shm.read_prefix(self.data_dir)
         if prefix is not None:
             shm.remove_owned(prefix)
+
+
+class RedisCluster:
+    """A real Redis Cluster on loopback for tests and benchmarks: `masters`
+    redis-server processes with `replicas` replicas each, under a directory
+    you give, made a cluster by redis-cli. Needs Debian's redis-server (the
+    Makefile's install step installs it where it is missing)."""
+
+    def __init__(self, root: Path | str, masters: int = 3, replicas: int = 1, password: str | None = None) -> None:
+        self.root = Path(root)
+        self.masters, self.replicas, self.password = masters, replicas, password
+        self.ports: list[int] = []
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        """redis://host:port,... of every node (what `tierd serve --remote` takes)."""
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def _cli(self, *args: str, port: int | None = None, timeout: float = 30.0) -> str:
+        cmd = ["redis-cli", "--no-auth-warning"] + (["-a", self.password] if self.password else [])
+        cmd += ["-p", str(port)] if port is not None else []
+        out = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+        return out.stdout + out.stderr
+
+    def start(self, timeout: float = 60.0) -> RedisCluster:
+        self.ports = [_free_port() for _ in range(self.masters * (1 + self.replicas))]
+        for port in self.ports:
+            self._spawn(port)
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            while "PONG" not in self._cli("ping", port=port, timeout=5):
+                if time.monotonic() > deadline or not self.alive(port):
+                    raise RuntimeError(f"redis-server on port {port} did not answer:\n{self.log(port)}")
+                time.sleep(0.05)
+        out = self._cli("--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes", timeout=timeout)
+        if "[OK] All 16384 slots covered" not in out:
+            raise RuntimeError(f"redis-cli could not make the cluster:\n{out}")
+        self.wait_ok(deadline - time.monotonic())
+        return self
+
+    def _spawn(self, port: int) -> None:
+        node = self.root / f"node-{port}"
+        node.mkdir(parents=True, exist_ok=True)
+        auth = f"requirepass {self.password}\nmasterauth {self.password}\n" if self.password else ""
+        (node / "redis.conf").write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {node}\ncluster-enabled yes\ncluster-config-file nodes.conf\n"
+            f"cluster-node-timeout 1000\nsave \"\"\nappendonly no\nlogfile {node / 'redis.log'}\n{auth}")
+        self.procs[port] = subprocess.Popen(["redis-server", str(node / "redis.conf")], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+
+    def log(self, port: int) -> str:
+        path = self.root / f"node-{port}" / "redis.log"
+        return path.read_text() if path.exists() else ""
+
+    def nodes(self) -> list[tuple[int, str]]:
+        """(port, "master" or "slave") of every node that answers, as the cluster sees them."""
+        out = []
+        for line in self._cli("cluster", "nodes", port=next(p for p in self.ports if self.alive(p))).splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "fail" not in fields[2]:
+                out.append((int(fields[1].split(":")[1].split("@")[0]), "master" if "master" in fields[2] else "slave"))
+        return sorted(out)
+
+    def alive(self, port: int) -> bool:
+        return self.procs[port].poll() is None
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node says the cluster is ok and `masters` live
+        masters serve (after a kill: once a replica has taken over)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [p for p in self.ports if self.alive(p)]
+            masters = [p for p, role in self.nodes() if role == "master"]
+            if len(masters) == self.masters and all(self.alive(p) for p in masters) and \
+                    all("cluster_state:ok" in self._cli("cluster", "info", port=p, timeout=5) for p in live):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster is not ok after {timeout:.0f} s: {self.nodes()}")
+            time.sleep(0.1)
+
+    def kill(self, port: int) -> None:
+        """kill -9 one node."""
+        self.procs[port].kill()
+        self.procs[port].wait(30)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+def _free_port() -> int:
+    """A port that is free, with the one 10,000 above it (a cluster node's bus) free too."""
+    import random
+    import socket
+
+    while True:
+        port = random.randrange(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
