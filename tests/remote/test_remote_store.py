@@ -1,0 +1,211 @@
+"""The remote store against a real Redis Cluster (and a single server):
+versions published whole or not at all, racing writers that never splice,
+reclaimed old versions, every page checked as it is read back, a session
+cut short answering NotFound, and clear errors for a wrong password or a
+store that is down."""
+
+import shutil
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tierd.checksum import page_checksum
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
+from tierd.testing import RedisCluster, _free_port
+from tierd.tiers.remote import CHUNK_BYTES, RemoteStore, connect, tag_of
+from tierd.types import SessionKey
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (make install installs it)")
+KEY = SessionKey("alice", "chat-1")
+PAGE = 3 * (1 << 20) // 2  # 1.5 MiB: pages and chunks do not line up
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = RedisCluster(tmp_path_factory.mktemp("redis")).start()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def store(cluster):
+    s = RemoteStore(connect(cluster.url), prefix=f"t{time.monotonic_ns()}")
+    yield s
+    s.client.close()
+
+
+def snapshot(n_pages, seed, last=PAGE // 3):
+    rng = np.random.default_rng(seed)
+    pages = [rng.integers(0, 256, PAGE if i < n_pages - 1 else last, dtype=np.uint8).tobytes() for i in range(n_pages)]
+    return pages, np.array([page_checksum(p) for p in pages], dtype=np.uint64)
+
+
+def publish(store, pages, sums, expect=0, key=KEY):
+    return store.publish(key, expect, {"model_id": "m"}, "fp", len(pages) * 16, PAGE, sums,
+                         np.arange(len(pages), dtype=np.uint64), pages)
+
+
+def keys_of(store, key=KEY):
+    return sorted(k.decode() for k in store.client.keys(f"{store.prefix}:{{{tag_of(key)}}}:*"))
+
+
+def test_a_version_round_trips_byte_exact_under_keys_that_name_no_one(store):
+    pages, sums = snapshot(3, seed=1)
+    m = publish(store, pages, sums)
+    assert (m.version, m.n_pages, m.nbytes) == (1, 3, sum(map(len, pages)))
+    got = store.manifest(KEY)
+    assert got.version == 1 and got.fingerprint == "fp" and list(got.checksums) == list(sums)
+    assert list(got.token_hashes) == [0, 1, 2] and got.num_tokens == 48
+    assert list(store.read(KEY, got)) == pages
+    assert list(store.read(KEY, got, n_pages=2)) == pages[:2]
+    names = keys_of(store)
+    assert len(names) == 1 + m.chunks and not any("alice" in n or "chat-1" in n for n in names)
+    sizes = [store.client.strlen(n) for n in names if not n.endswith(":m")]
+    assert max(sizes) == CHUNK_BYTES < 1 << 20  # below the power of two the allocator would round up to
+
+
+def test_a_new_version_replaces_the_old_whole_and_reclaims_it(store):
+    pages, sums = snapshot(3, seed=2)
+    publish(store, pages, sums)
+    newer, new_sums = snapshot(4, seed=3)
+    m = publish(store, newer, new_sums, expect=1)
+    assert m.version == 2 and list(store.read(KEY, store.manifest(KEY))) == newer
+    assert len(keys_of(store)) == 1 + m.chunks  # version 1's chunks are gone
+
+
+def test_racing_writers_leave_one_whole_history(store):
+    """Two nodes saving the same session from the same version: one wins, the
+    other is told so and leaves nothing behind; what is read is one of them, whole."""
+    a, a_sums = snapshot(6, seed=4)
+    b, b_sums = snapshot(6, seed=5)
+    outcomes = {}
+
+    def write(name, pages, sums):
+        try:
+            outcomes[name] = publish(store, pages, sums)
+        except FailedPrecondition as exc:
+            outcomes[name] = exc
+
+    threads = [threading.Thread(target=write, args=args) for args in (("a", a, a_sums), ("b", b, b_sums))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [n for n, o in outcomes.items() if not isinstance(o, Exception)]
+    assert len(won) == 1 and isinstance(outcomes[{"a": "b", "b": "a"}[won[0]]], FailedPrecondition)
+    assert list(store.read(KEY, store.manifest(KEY))) == (a if won == ["a"] else b)
+    assert len(keys_of(store)) == 1 + outcomes[won[0]].chunks
+
+
+def test_a_stale_writer_is_refused_and_changes_nothing(store):
+    pages, sums = snapshot(2, seed=6)
+    publish(store, pages, sums)
+    publish(store, pages, sums, expect=1)
+    before = keys_of(store)
+    with pytest.raises(FailedPrecondition, match="version 2"):
+        publish(store, *snapshot(2, seed=7), expect=1)
+    assert keys_of(store) == before and list(store.read(KEY, store.manifest(KEY))) == pages
+
+
+def test_a_changed_byte_is_data_loss_and_a_lost_chunk_not_found(store):
+    pages, sums = snapshot(3, seed=8)
+    m = publish(store, pages, sums)
+    chunk = next(n for n in keys_of(store) if n.endswith(":1"))
+    value = bytearray(store.client.get(chunk))
+    value[12345] ^= 0x10
+    store.client.set(chunk, bytes(value))
+    page = (CHUNK_BYTES + 12345) // PAGE  # the changed byte's page
+    with pytest.raises(DataLoss, match=f"page {page} failed its checksum in the remote tier"):
+        list(store.read(KEY, store.manifest(KEY)))
+    store.client.delete(chunk)  # evicted, say
+    with pytest.raises(NotFound, match="incomplete"):
+        list(store.read(KEY, m))
+
+
+def test_drop_removes_every_key(store):
+    pages, sums = snapshot(2, seed=9)
+    publish(store, pages, sums)
+    store.drop(KEY)
+    assert store.manifest(KEY) is None and keys_of(store) == []
+
+
+def test_a_replica_serves_the_session_after_its_master_is_killed(tmp_path):
+    cluster = RedisCluster(tmp_path).start()
+    try:
+        store = RemoteStore(connect(cluster.url), prefix="fo")
+        pages, sums = snapshot(2, seed=10)
+        publish(store, pages, sums)
+        import redis
+
+        master = store.client.get_node_from_key(f"fo:{{{tag_of(KEY)}}}:m").port
+        with redis.Redis(port=master, socket_timeout=5) as direct:
+            assert direct.execute_command("WAIT", 1, 5000) == 1
+        store.client.close()
+        cluster.kill(master)
+        cluster.wait_ok(30)
+        store = RemoteStore(connect(f"redis://127.0.0.1:{next(p for p in cluster.ports if cluster.alive(p))}"),
+                            prefix="fo")
+        assert list(store.read(KEY, store.manifest(KEY))) == pages
+        store.client.close()
+    finally:
+        cluster.close()
+
+
+def test_a_single_server_is_found_for_what_it_is(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client = connect(f"redis://127.0.0.1:{port}")
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert type(client).__name__ == "Redis"
+        store = RemoteStore(client, prefix="one")
+        pages, sums = snapshot(2, seed=11)
+        publish(store, pages, sums)
+        assert list(store.read(KEY, store.manifest(KEY))) == pages
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_wrong_password_and_a_store_that_is_down_are_clear_errors(tmp_path):
+    cluster = RedisCluster(tmp_path, password="s3cret").start()
+    try:
+        with pytest.raises(Unauthenticated, match="refused the password|needs a password"):
+            connect(cluster.url, password="wrong")
+        with pytest.raises(Unauthenticated, match="needs a password"):
+            connect(cluster.url)
+        store = RemoteStore(connect(cluster.url, password="s3cret"), prefix="pw")
+        publish(store, *snapshot(1, seed=12))
+        store.client.close()
+    finally:
+        cluster.close()
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="no node of the remote store answered"):
+        connect(cluster.url, timeout=0.5)
+    assert time.monotonic() - t0 < 10
+
+
+def test_calls_to_a_store_that_went_down_fail_fast(tmp_path):
+    cluster = RedisCluster(tmp_path).start()
+    try:
+        store = RemoteStore(connect(cluster.url, timeout=0.5), prefix="down")
+        publish(store, *snapshot(1, seed=13))
+    finally:
+        cluster.close()
+    for call in (lambda: store.manifest(KEY), lambda: publish(store, *snapshot(1, seed=14), expect=1)):
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="the remote store did not answer"):
+            call()
+        assert time.monotonic() - t0 < 5

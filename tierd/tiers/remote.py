@@ -1,0 +1,293 @@
+"""The remote store: sessions in a Redis Cluster (or one Redis or Valkey
+server) that every node reaches, so a session saved on one node resumes on
+any. Runs on the thread that calls it (movers, RPC threads); redis-py's
+clients are thread-safe.
+
+Layout. A session's keys share one hash tag (its slot), derived by hash from
+tenant and session id, so no key names either: `PREFIX:{TAG}:m` holds the
+manifest, `PREFIX:{TAG}:w{WRITE}:{i}` the snapshot's logical bytes in
+chunks of CHUNK_BYTES, a little below a power of two (jemalloc rounds an
+exact 2**n value up by a quarter). Every key has the store's TTL.
+
+One history per session. A version is published in two steps: its chunks
+under a write id of its own, then the manifest switched by compare-and-set
+(a Lua script on the manifest's key): a writer that expected another
+version loses (FailedPrecondition) and deletes its chunks; the winner
+deletes the chunks of the version it replaced. A reader never sees a mix.
+
+Never wrong KV. The manifest carries the identity fingerprint, the page
+checksums and the token hashes; every page read back is checked (DataLoss
+on a mismatch). A chunk that is gone (evicted, expired, lost in a fail-over)
+makes the whole session NotFound: recompute, never a part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from tierd.checksum import page_checksum
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
+from tierd.types import SessionKey
+
+CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
+PIPELINE = 16  # chunks written or read per round trip
+
+# KEYS[1]: the manifest. ARGV: the version expected (0: none), the new manifest, its TTL in ms (0: none).
+# Returns {1, old manifest} if switched, {0, current version} if another writer got there first.
+_CAS = """
+local cur = redis.call('GET', KEYS[1])
+local have = 0
+if cur then have = tonumber(string.match(cur, '^(%d+) ')) end
+if have ~= tonumber(ARGV[1]) then return {0, have} end
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+else redis.call('SET', KEYS[1], ARGV[2]) end
+return {1, cur or ''}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What the remote store holds of one session's current version."""
+
+    version: int
+    write: str  # the id its chunks are stored under
+    fingerprint: str  # the identity the bytes were made with (KVSpec.fingerprint)
+    spec: dict[str, Any]  # KVSpec.to_dict()
+    num_tokens: int
+    nbytes: int
+    page_bytes: int
+    checksums: np.ndarray  # uint64, one per page
+    token_hashes: np.ndarray  # one per page where token ids were given, else empty
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.checksums)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.nbytes // CHUNK_BYTES)
+
+    def encode(self) -> bytes:
+        meta = {"write": self.write, "fingerprint": self.fingerprint, "spec": self.spec,
+                "num_tokens": self.num_tokens, "nbytes": self.nbytes, "page_bytes": self.page_bytes,
+                "pages": self.n_pages, "hash_dtype": self.token_hashes.dtype.str, "hashes": len(self.token_hashes)}
+        sums = np.ascontiguousarray(self.checksums, dtype="<u8").tobytes()
+        return f"{self.version} ".encode() + json.dumps(meta).encode() + b"\n" + sums + \
+            np.ascontiguousarray(self.token_hashes).tobytes()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Manifest:
+        try:
+            head, _, rest = raw.partition(b"\n")
+            version, _, text = head.partition(b" ")
+            meta = json.loads(text)
+            n = int(meta["pages"])
+            sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
+            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"])).copy()
+            if len(sums) != n or len(hashes) != int(meta["hashes"]):
+                raise ValueError("its checksums or token hashes are cut short")
+            return cls(int(version), str(meta["write"]), str(meta["fingerprint"]), dict(meta["spec"]),
+                       int(meta["num_tokens"]), int(meta["nbytes"]), int(meta["page_bytes"]), sums, hashes)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataLoss(f"a remote manifest does not parse ({exc})") from None
+
+
+def tag_of(key: SessionKey) -> str:
+    """The hash tag of a session's keys: its tenant and id, hashed (neither is in any key)."""
+    return hashlib.sha256(f"{key.tenant}\x00{key.session_id}".encode()).hexdigest()[:24]
+
+
+def connect(url: str, password: str | None = None, tls_ca: str | None = None, timeout: float = 2.0) -> Any:
+    """A redis-py client for `redis[s]://[user@]host:port[,host:port...]`:
+    a cluster client where the first reachable node is in cluster mode, else
+    a plain one. Fails fast (timeout seconds a call); a wrong password is
+    Unauthenticated, an unreachable store Unavailable, both saying which."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise InvalidArgument(f"the remote store's URL is redis://HOST:PORT[,HOST:PORT...] or rediss://..., "
+                              f"not {url.split('@')[-1]!r}", field="remote")
+    user, _, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for hp in hosts.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"{hp!r} in the remote store's URL is not HOST:PORT", field="remote")
+        nodes.append((host.strip("[]"), int(port)))
+    opts: dict[str, Any] = {"password": password, "username": user.split(":")[0] or None,
+                            "socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if parts.scheme == "rediss":
+        opts.update(ssl=True, ssl_ca_certs=tls_ca)
+    last: Exception | None = None
+    for host, port in nodes:
+        probe = redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 0), **opts)
+        try:
+            clustered = probe.info("cluster").get("cluster_enabled") == 1
+        except (redis.AuthenticationError, redis.ResponseError) as exc:
+            if not isinstance(exc, redis.AuthenticationError) and "NOAUTH" not in str(exc) and \
+                    "WRONGPASS" not in str(exc):
+                raise Unavailable(f"the remote store at {host}:{port}: {exc}") from None
+            if password is None:
+                raise Unauthenticated(f"the remote store at {host}:{port} needs a password "
+                                      "(--remote-password-file or TIERD_REMOTE_PASSWORD)") from None
+            raise Unauthenticated(f"the remote store at {host}:{port} refused the password") from None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            last = exc
+            continue
+        finally:
+            probe.close()
+        # One retry, at once: a node that failed over answers the next try; a store that is down
+        # fails the call within about two timeouts (redis-py's default backs off for seconds).
+        if clustered:
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], retry=Retry(NoBackoff(), 1),
+                                **opts)
+        return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1), **opts)
+    raise Unavailable(f"no node of the remote store answered ({last})")
+
+
+class RemoteStore:
+    """Versions of sessions in the remote store (see the module docstring)."""
+
+    def __init__(self, client: Any, prefix: str = "tierd", ttl: float | None = None) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ttl_ms = int(ttl * 1000) if ttl else 0
+        self._cas = client.register_script(_CAS)
+
+    def _key(self, key: SessionKey, *parts: str) -> str:
+        return ":".join((self.prefix, "{" + tag_of(key) + "}", *parts))
+
+    def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        import redis
+        from redis.exceptions import RedisClusterException
+
+        try:
+            return fn(*args, **kw)
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException, OSError) as exc:
+            raise Unavailable(f"the remote store did not answer ({what}): {exc}") from None
+        except redis.RedisError as exc:
+            raise Unavailable(f"the remote store refused {what}: {exc}") from None
+
+    def manifest(self, key: SessionKey) -> Manifest | None:
+        raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
+        return None if raw is None else Manifest.decode(raw)
+
+    def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
+                page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
+                data: Iterable[bytes | memoryview]) -> Manifest:
+        """Store a new version of the session: `data` is its logical bytes, in
+        pieces of any size. `expect` is the version this one replaces (0:
+        none); if another writer published first, FailedPrecondition and
+        nothing is left behind."""
+        write = secrets.token_hex(8)
+        chunks = nbytes = 0
+        batch: list[bytes] = []
+        try:
+            for chunk in _rechunk(data):
+                batch.append(chunk)
+                if len(batch) == PIPELINE:
+                    self._put(key, write, chunks, batch)
+                    chunks, nbytes, batch = chunks + len(batch), nbytes + sum(map(len, batch)), []
+            if batch:
+                self._put(key, write, chunks, batch)
+                chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
+            manifest = Manifest(expect + 1, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
+                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes))
+            ok, old = self._call("the manifest switch", self._cas, keys=[self._key(key, "m")],
+                                 args=[expect, manifest.encode(), self.ttl_ms])
+        except BaseException:
+            self._delete(key, write, chunks + len(batch))  # what may have been written
+            raise
+        if not ok:
+            self._delete(key, write, chunks)
+            raise FailedPrecondition(f"another node published version {int(old)} of this session first",
+                                     version=int(old))
+        if old:
+            previous = Manifest.decode(old)
+            self._delete(key, previous.write, previous.chunks)  # the version replaced: reclaimed
+        return manifest
+
+    def _put(self, key: SessionKey, write: str, first: int, chunks: list[bytes]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i, chunk in enumerate(chunks):
+            pipe.set(self._key(key, f"w{write}", str(first + i)), chunk, px=self.ttl_ms or None)
+        self._call("a page write", pipe.execute)
+
+    def _delete(self, key: SessionKey, write: str, chunks: int) -> None:
+        """Delete a write's chunks (one slot: one call per 256); where the store
+        does not answer, they go by their TTL."""
+        names = [self._key(key, f"w{write}", str(i)) for i in range(chunks)]
+        for i in range(0, len(names), 256):
+            try:
+                self._call("a reclaim", self.client.delete, *names[i : i + 256])
+            except Unavailable:
+                return
+
+    def read(self, key: SessionKey, manifest: Manifest, n_pages: int | None = None) -> Iterator[bytes]:
+        """The session's pages [0, n_pages) in order, each checked against the
+        manifest's checksum: DataLoss on a mismatch, NotFound if any chunk is
+        gone (the session is incomplete: recompute)."""
+        n_pages = manifest.n_pages if n_pages is None else min(n_pages, manifest.n_pages)
+        end = min(manifest.nbytes, n_pages * manifest.page_bytes)
+        buf = bytearray()
+        page = 0
+        for first in range(0, -(-end // CHUNK_BYTES), PIPELINE):
+            pipe = self.client.pipeline(transaction=False)
+            count = min(PIPELINE, -(-end // CHUNK_BYTES) - first)
+            for i in range(first, first + count):
+                pipe.get(self._key(key, f"w{manifest.write}", str(i)))
+            for value in self._call("a page read", pipe.execute):
+                if value is None:
+                    raise NotFound("the remote copy of this session is incomplete (evicted or expired)")
+                buf += value
+            while page < n_pages and len(buf) >= min(manifest.page_bytes, end - page * manifest.page_bytes):
+                size = min(manifest.page_bytes, end - page * manifest.page_bytes)
+                data = bytes(buf[:size])
+                del buf[:size]
+                if page_checksum(data) != int(manifest.checksums[page]):
+                    raise DataLoss(f"page {page} failed its checksum in the remote tier", page=page, tier="remote")
+                yield data
+                page += 1
+
+    def drop(self, key: SessionKey) -> None:
+        manifest = self.manifest(key)
+        self._call("a drop", self.client.delete, self._key(key, "m"))
+        if manifest is not None:
+            self._delete(key, manifest.write, manifest.chunks)
+
+
+def _rechunk(data: Iterable[bytes | memoryview]) -> Iterator[bytes]:
+    """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter)."""
+    buf = bytearray()
+    for piece in data:
+        buf += piece
+        while len(buf) >= CHUNK_BYTES:
+            yield bytes(buf[:CHUNK_BYTES])
+            del buf[:CHUNK_BYTES]
+    if buf:
+        yield bytes(buf)
+
+
+def password_from(path: str | None) -> str | None:
+    """The remote store's password: from a file (its first line), else
+    TIERD_REMOTE_PASSWORD, else none. Never from the command line."""
+    if path:
+        with open(path) as f:
+            return f.readline().rstrip("\n") or None
+    return os.environ.get("TIERD_REMOTE_PASSWORD") or None
+
+
+__all__ = ["CHUNK_BYTES", "Manifest", "RemoteStore", "connect", "password_from", "tag_of"]
