@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -281,13 +280,4 @@ def _rechunk(data: Iterable[bytes | memoryview]) -> Iterator[bytes]:
         yield bytes(buf)
 
 
-def password_from(path: str | None) -> str | None:
-    """The remote store's password: from a file (its first line), else
-    TIERD_REMOTE_PASSWORD, else none. Never from the command line."""
-    if path:
-        with open(path) as f:
-            return f.readline().rstrip("\n") or None
-    return os.environ.get("TIERD_REMOTE_PASSWORD") or None
-
-
-__all__ = ["CHUNK_BYTES", "Manifest", "RemoteStore", "connect", "password_from", "tag_of"]
+__all__ = ["CHUNK_BYTES", "Manifest", "RemoteStore", "connect", "tag_of"]
