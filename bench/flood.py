@@ -98,7 +98,7 @@ def put_flood(quick: bool) -> Result:
     streams, host = (50, "1GiB") if quick else (200, "4GiB")
     with tempfile.TemporaryDirectory() as tmp:
         d = _daemon(Path(tmp), "--host-budget", host, "--host-slab", "auto", "--writeback-idle", "off",
-                    "--tenant-streams", "0", "--max-concurrent-rpcs", "1024")
+                    "--tenant-streams", "0", "--tenant-put-bytes", "0", "--max-concurrent-rpcs", "1024")
         try:
             idle = _anon(d.pid())
             peak = Peak(d.pid())

@@ -88,5 +88,7 @@ def test_a_page_is_at_least_4_KiB():
     for page_bytes in (1, 4095):
         with pytest.raises(InvalidArgument, match="opaque_page_bytes"):
             KVSpec.opaque("x", page_bytes=page_bytes)
+    with pytest.raises(InvalidArgument, match=r"opaque_page_bytes must be an integer in \[4096, 16777216\]"):
+        KVSpec.opaque("x", page_bytes=32 << 20)  # eight 1-byte Puts held 224 MiB of the host tier
     with pytest.raises(InvalidArgument, match="under the 4096-byte minimum"):
         KVSpec("m", num_layers=1, num_kv_heads=1, head_dim=1, dtype="int8", block_tokens=1)

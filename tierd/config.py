@@ -144,6 +144,8 @@ class Config:
     tenant_leases: int = _opt(_count, "leases each tenant may hold open (0: no limit)", 64)
     tenant_lease_bytes: int | str = _opt(_size_or_auto, "bytes each tenant may hold in open leases "
                                                         "(auto: a quarter of the host budget; 0: no limit)", AUTO)
+    tenant_put_bytes: int | str = _opt(_size_or_auto, "host bytes each tenant's Puts in progress may hold "
+                                                      "(auto: half the host budget; 0: no limit)", AUTO)
     tenant_streams: int = _opt(_count, "Put and Get streams each tenant may have open (0: no limit)", 32)
     tenant_workers: int = _opt(_count, "threads one tenant's data calls may use at once (0: half of rpc_workers)", 0)
     tenant_calls: int = _opt(_count, "calls each tenant may have open at once, of any method (0: no limit)", 64)
@@ -253,6 +255,8 @@ def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | 
         cfg = replace(cfg, tenant_inflight_bytes=int(cfg.host_budget))
     if cfg.tenant_lease_bytes == AUTO:
         cfg = replace(cfg, tenant_lease_bytes=int(cfg.host_budget) // 4)
+    if cfg.tenant_put_bytes == AUTO:
+        cfg = replace(cfg, tenant_put_bytes=int(cfg.host_budget) // 2)
     if cfg.host_slab == AUTO:
         # One sparse slab for the whole budget: a snapshot never has to be split
         # across slabs, so a contiguous restore stays one copy per segment.

@@ -32,6 +32,9 @@ MAX_PAGE_BYTES = 1 << 30
 # Every page takes at least one 4 KiB granule of a tier (and its own checksum
 # and token hash): smaller pages would let a few bytes hold a granule each.
 MIN_PAGE_BYTES = 4096
+# An opaque snapshot's last page takes a whole page whatever it holds: with
+# pages of 32 MiB, eight 1-byte Puts held 224 MiB of the host tier.
+MAX_OPAQUE_PAGE_BYTES = 16 << 20
 _NAME = re.compile(r"[\x21-\x7e]{1,256}")
 
 
@@ -102,7 +105,7 @@ class KVSpec:
                     value=self.block_tokens,
                 )
         elif self.kind == KIND_OPAQUE:
-            _check_int("opaque_page_bytes", self.opaque_page_bytes, MIN_PAGE_BYTES, MAX_PAGE_BYTES)
+            _check_int("opaque_page_bytes", self.opaque_page_bytes, MIN_PAGE_BYTES, MAX_OPAQUE_PAGE_BYTES)
             if (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.block_tokens) != (0, 0, 0, "uint8", 1):
                 raise InvalidArgument("an opaque spec has no layers, heads, head_dim, dtype or block_tokens", field="kind")
         else:

@@ -58,7 +58,8 @@ def policy_of(cfg: Config) -> PolicyConfig:
                                               (DISK, cfg.tenant_disk_quota)) if q)
     return PolicyConfig(device_idle=cfg.device_idle, host_idle=cfg.host_idle, writeback_idle=cfg.writeback_idle,
                         disk_ttl=cfg.disk_ttl, tenant_quota=quotas, tenant_sessions=cfg.tenant_sessions,
-                        tenant_leases=cfg.tenant_leases, tenant_lease_bytes=int(cfg.tenant_lease_bytes))
+                        tenant_leases=cfg.tenant_leases, tenant_lease_bytes=int(cfg.tenant_lease_bytes),
+                        tenant_put_bytes=int(cfg.tenant_put_bytes))
 
 
 @dataclass

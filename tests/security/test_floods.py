@@ -8,6 +8,8 @@ own size, their calls answered, their room and their leases given back.
 
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +19,7 @@ import pytest
 
 from tests.helpers import metric, tokens_file, wait_for
 from tests.security.test_memory import peak_growth
-from tierd.client import InvalidArgument, KVSpec
+from tierd.client import FailedPrecondition, InvalidArgument, KVSpec, ResourceExhausted, SharedKVCache
 from tierd.daemon import HANDSHAKE_SECONDS
 from tierd.testing import Daemon
 from tierd.v1 import tierd_pb2 as pb
@@ -232,3 +234,167 @@ def test_a_connection_that_never_speaks_is_closed(two):
         s.settimeout(HANDSHAKE_SECONDS + 20)  # (gRPC's own default was 120 s)
         while s.recv(1 << 16):  # what the daemon says first (its settings, say), then the end
             pass
+
+
+@pytest.fixture
+def on_disk(tmp_path):
+    """alice with a 16 MiB session on disk only, bob with a small one in host."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS), "--writeback-idle", "0",
+               "--host-idle", "0.2", "--host-budget", "256MiB").start()
+    with d.client(token=TOKENS["alice"]) as alice, d.client(token=TOKENS["bob"]) as bob:
+        alice.put("big", np.random.default_rng(5).integers(0, 256, 16 * MiB, dtype=np.uint8), KVSpec.opaque("m"), 1)
+        alice.release("big")
+        bob.put("b", b"b" * 4096, OPAQUE, num_tokens=1)
+        wait_for(lambda: alice.stat("big").tier_bytes.keys() == {"disk"}, 30, "big on disk alone")
+    yield d
+    d.close()
+
+
+def test_gets_cancelled_while_their_thread_reads_keep_their_tenants_slots(on_disk):
+    """A cancelled Get gave its tenant's RPC-thread slot back while its batch
+    (8 million 1-byte messages) still ran: twelve of them, one at a time,
+    took every thread, and bob's Stat waited past 15 s."""
+    md = (("authorization", f"Bearer {TOKENS['alice']}"),)
+    with grpc.insecure_channel("unix:" + on_disk.socket) as ch, on_disk.client(token=TOKENS["bob"]) as bob:
+        stub = pb_grpc.TierdStub(ch)
+        worst = 0.0
+        for _ in range(12):
+            stream = stub.Get(pb.GetRequest(session_id="big", chunk_bytes=1), metadata=md)
+            next(stream)  # the header
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 0.5:
+                s0 = time.monotonic()
+                bob.stat("b")
+                worst = max(worst, time.monotonic() - s0)
+            stream.cancel()
+        assert worst < 5, f"bob's Stat took {worst:.1f} s"
+        wait_for(lambda: bob.stat("b"), 10)
+    assert on_disk.stop(timeout=30) == 0  # and a clean stop within its grace
+
+
+def test_gets_of_one_byte_chunks_hold_a_bounded_heap(on_disk):
+    """Gets asking for 1-byte chunks of a disk session, then not reading:
+    +250 MiB of heap in 30 s for two (and growing), and SIGTERM took 85 s.
+    A chunk is at least 4 KiB and a batch at most 128 messages."""
+    md = (("authorization", f"Bearer {TOKENS['alice']}"),)
+    channels = [grpc.insecure_channel("unix:" + on_disk.socket) for _ in range(2)]
+    try:
+        def stalled():
+            for ch in channels:
+                next(pb_grpc.TierdStub(ch).Get(pb.GetRequest(session_id="big", chunk_bytes=1), metadata=md))
+            time.sleep(5)  # they stall: the daemon's reads wait on the stream's flow control
+
+        growth = peak_growth(on_disk, stalled)
+        assert growth < 96 * MiB, f"{growth / MiB:.0f} MiB for two stalled Gets"
+        t0 = time.monotonic()
+        assert on_disk.stop(timeout=30) == 0 and time.monotonic() - t0 < 15
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def test_put_header_token_ids_are_decoded_only_once_the_put_is_checked(two):
+    """Puts whose header carried 15 million token ids, for an opaque spec
+    that holds none: each was decoded on the event loop (10x its bytes,
+    bob's Stat blocked 3 s) before being refused."""
+    from tierd.wire.packed import encode, field
+
+    ids = encode(np.ones(15_000_000, dtype=np.int64))  # 1 byte each
+    header = pb.PutHeader(session_id="p", spec=spec_to_pb(KVSpec.opaque("m")), num_tokens=15_000_000, size=4096)
+    head = header.SerializeToString() + field(pb.PutHeader.DESCRIPTOR.fields_by_name["token_ids"].number, ids)
+    message = field(pb.PutRequest.DESCRIPTOR.fields_by_name["header"].number, head)
+    codes = []
+
+    def put():
+        with grpc.insecure_channel("unix:" + two.socket) as ch:
+            call = ch.stream_unary("/tierd.v1.Tierd/Put", request_serializer=None, response_deserializer=None)
+            try:
+                call(iter([message]), metadata=(("authorization", f"Bearer {TOKENS['alice']}"),), timeout=60)
+            except grpc.RpcError as err:
+                codes.append((err.code(), err.details()))
+
+    def flood():
+        threads = [threading.Thread(target=put) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    growth = peak_growth(two, flood)
+    assert len(codes) == 6 and all(c == grpc.StatusCode.INVALID_ARGUMENT and "opaque snapshots have no tokens" in m
+                                   for c, m in codes), codes
+    assert growth < 6 * 2 * len(message) + 32 * MiB, f"{growth / MiB:.0f} MiB for 6 refused Puts"
+
+
+def test_a_tenants_puts_in_progress_hold_half_the_host_tier(tmp_path):
+    """One Put of the whole host budget that sent 4 KiB every 5 s held the
+    tier: every other tenant's Put was refused for room."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS), "--writeback-idle", "off",
+               "--host-budget", "64MiB", "--host-slab", "auto").start()
+    try:
+        with d.client(token=TOKENS["alice"]) as alice, d.client(token=TOKENS["bob"]) as bob:
+            with pytest.raises(ResourceExhausted, match="Puts in progress may hold 33554432 bytes"):
+                alice.put("whole", bytes(64 * MiB), KVSpec.opaque("m"), 1)
+            with grpc.insecure_channel("unix:" + d.socket) as ch:
+                trickle = pb_grpc.TierdStub(ch).Put.future(iter(_trickle(32 * MiB)), metadata=(
+                    ("authorization", f"Bearer {TOKENS['alice']}"),), timeout=60)
+                wait_for(lambda: next(t.used for t in alice.stats()["tiers"] if t.name == "host") == 32 * MiB, 10,
+                         "the trickling Put's room taken")
+                for i in range(24):  # 24 MiB of bob's fit beside it (the watermarks keep some room free)
+                    bob.put(f"b{i}", bytes(MiB), KVSpec.opaque("m"), 1)
+                trickle.cancel()
+            assert bob.list_page(limit=100)[0] and len(bob.list()) == 24 and alice.list() == []
+    finally:
+        d.close()
+
+
+def _trickle(nbytes):
+    yield pb.PutRequest(header=pb.PutHeader(session_id="slow", spec=spec_to_pb(KVSpec.opaque("m")), num_tokens=1,
+                                            size=nbytes))
+    yield pb.PutRequest(chunk=pb.Chunk(data=bytes(4096)))
+    time.sleep(30)  # then nothing more (cancelled first)
+
+
+def test_silent_connections_to_the_descriptor_intake_turn_no_other_engine_away(two):
+    """80 connections to SOCKET.fds that sent nothing, reopened as they were
+    dropped, took every one of its 64 places: other engines' RegisterEngine
+    failed 39 times in 40. One process may hold four places at once."""
+    hog = subprocess.Popen([sys.executable, "-c", f"""
+import socket, time
+conns = []
+end = time.monotonic() + 15
+while time.monotonic() < end:
+    conns = [c for c in conns if c.fileno() >= 0]
+    while len(conns) < 80:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect({two.socket + '.fds'!r})
+        except OSError:
+            s.close()
+            break
+        conns.append(s)
+    time.sleep(0.2)
+    for c in conns:
+        c.setblocking(False)
+        try:
+            if c.recv(1) == b'':
+                c.close()
+        except BlockingIOError:
+            pass
+        except OSError:
+            c.close()
+"""])
+    try:
+        time.sleep(1)  # (the hog's connections made)
+        failed = 0
+        with two.client(token=TOKENS["bob"]) as bob:
+            for _ in range(20):
+                with SharedKVCache(SPEC, 16) as kv:
+                    try:
+                        bob.register_engine(SPEC, kv).close()
+                    except FailedPrecondition:
+                        failed += 1
+        assert failed == 0, f"{failed} of 20 registrations turned away"
+    finally:
+        hog.kill()
+        hog.wait(10)

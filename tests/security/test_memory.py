@@ -91,8 +91,10 @@ def test_a_request_without_a_valid_token_is_refused_unparsed(secured):
 def test_concurrent_puts_cost_each_stream_a_bounded_buffer(tmp_path):
     """Each Put used to queue up to 16 chunks of its own in the daemon (200
     Puts: 7.7 GiB beside the arena); a Put's chunks now go straight into the
-    host tier as they arrive."""
-    d = Daemon(tmp_path, "--writeback-idle", "off", "--host-budget", "256MiB", "--host-slab", "auto").start()
+    host tier as they arrive. (Puts in progress may hold the whole host tier
+    here: by default a tenant's may hold half.)"""
+    d = Daemon(tmp_path, "--writeback-idle", "off", "--host-budget", "256MiB", "--host-slab", "auto",
+               "--tenant-put-bytes", "256MiB").start()
     try:
         data = np.zeros(16 * MiB, dtype=np.uint8)
         stored = []

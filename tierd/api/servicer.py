@@ -71,6 +71,7 @@ from tierd.wire.fds import FdIntake
 log = logging.getLogger("tierd.api")
 MAX_WAIT_SECONDS = 600.0
 MAX_GET_CHUNK = 4 << 20
+MIN_GET_CHUNK = 4 << 10  # as small as a page may be
 
 
 def _layout(req: Any, spec: Any) -> EngineLayout:
@@ -137,14 +138,13 @@ class TierdServicer:
         """fn(*args) on an RPC thread, once one of the tenant's slots is free.
         If the call is cancelled while fn runs, fn still finishes; `undo`
         then gets its result (a write nobody will commit, say)."""
-        async with self.limits.worker(tenant):
-            job = self.executor.submit(fn, *args)
-            try:
-                return await asyncio.wrap_future(job)
-            except asyncio.CancelledError:
-                if undo is not None:
-                    job.add_done_callback(functools.partial(_undo, undo))
-                raise
+        job = await self.limits.submit(tenant, self.executor, fn, *args)
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if undo is not None:
+                job.add_done_callback(functools.partial(_undo, undo))
+            raise
 
     # -- engine memory ---------------------------------------------------------
 
@@ -273,7 +273,8 @@ class TierdServicer:
                     write = await self.blocking(
                         caller.tenant, self.store.begin_put, key, spec, head.num_tokens, head.size,
                         head.priority if head.HasField("priority") else None, head.start_token,
-                        _token_ids(head.id_field("token_ids"), want=head.num_tokens), undo=self.store.abort_write)
+                        _token_ids(head.id_field("token_ids"), want=head.num_tokens, deferred=True),
+                        undo=self.store.abort_write)
                     # the client sends its chunks now
                     await self._within(context.send_initial_metadata((PUT_ACCEPTED,)), "the Put stream took nothing")
                     n = 1
@@ -308,8 +309,10 @@ class TierdServicer:
                 req = parse(pb.GetRequest, raw)
                 key = make_key(caller.tenant, req.session_id)
                 with self.limits.stream(caller.tenant):
-                    # A chunk is at most 4 MiB (or the configured default): gRPC holds a few per open stream.
-                    chunk = min(req.chunk_bytes or self.chunk_bytes, max(self.chunk_bytes, MAX_GET_CHUNK))
+                    # From 4 KiB (1-byte chunks made a batch of 8 million messages) to 4 MiB (or the
+                    # configured default): gRPC holds a few per open stream.
+                    chunk = min(max(req.chunk_bytes or self.chunk_bytes, MIN_GET_CHUNK),
+                                max(self.chunk_bytes, MAX_GET_CHUNK))
                     info, reader = self.store.get(key, chunk)
                     with self.inflight.hold(key.tenant, info.size_bytes):
                         # Get's messages go out already serialized (see add_to_server), one copy each.
@@ -321,9 +324,8 @@ class TierdServicer:
                                 await self._write(context, chunk_message(data, reader.digest))
                         else:
                             while True:
-                                async with self.limits.worker(caller.tenant):
-                                    batch = self.executor.submit(_next_chunks, reader)
-                                    messages = await asyncio.wrap_future(batch)
+                                batch = await self.limits.submit(caller.tenant, self.executor, _next_chunks, reader)
+                                messages = await asyncio.wrap_future(batch)
                                 batch = None
                                 if not messages:
                                     break
@@ -456,15 +458,17 @@ def _undo(undo: Callable[[Any], None], job: Any) -> None:
         pass  # ended some other way meanwhile (expired, say)
 
 
-def _token_ids(raw: memoryview, want: int | None = None, limit: int | None = None) -> np.ndarray | None:
+def _token_ids(raw: memoryview, want: int | None = None, limit: int | None = None,
+               deferred: bool = False) -> np.ndarray | packed.Deferred | None:
     """A packed token_ids field (None when empty: not known): exactly `want`
-    ids, counted before any is decoded, or its first `limit` ids."""
+    ids, counted before any is decoded, or its first `limit` ids; deferred:
+    decoded where the store uses it (after its own checks), not here."""
     if not raw:
         return None
     if want is not None and (got := packed.count(raw)) != want:
         raise InvalidArgument(f"{want} token ids were expected (one per stored token), got {got}",
                               field="token_ids", want=want, got=got)
-    return packed.decode(raw, limit=limit)
+    return packed.Deferred(raw) if deferred else packed.decode(raw, limit=limit)
 
 
 def _block_ids(raw: memoryview, num_blocks: int) -> np.ndarray:
@@ -474,14 +478,14 @@ def _block_ids(raw: memoryview, num_blocks: int) -> np.ndarray:
     return packed.decode(raw, "block_ids")
 
 
-def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20) -> list[bytes]:
-    """The next serialized chunk messages of a Get, up to `budget` bytes: built
-    off the event loop, one thread hop per batch."""
+def _next_chunks(reader: SnapshotReader, budget: int = 8 << 20, most: int = 128) -> list[bytes]:
+    """The next serialized chunk messages of a Get, up to `budget` bytes and
+    `most` messages: built off the event loop, one thread hop per batch."""
     out, size = [], 0
     for data in reader:
         out.append(chunk_message(data, reader.digest))
         size += len(data)
-        if size >= budget:
+        if size >= budget or len(out) >= most:
             break
     return out
 

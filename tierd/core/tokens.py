@@ -28,7 +28,8 @@ def empty(n_pages: int = 0) -> np.ndarray:
 def check_ids(token_ids: object, want: int | None = None) -> np.ndarray:
     """Token ids as int64, each non-negative (and exactly `want` of them, if given)."""
     try:
-        ids = np.asarray(token_ids if isinstance(token_ids, np.ndarray) else list(token_ids))  # type: ignore[call-overload]
+        arrays = isinstance(token_ids, np.ndarray) or hasattr(token_ids, "__array__")  # (a deferred packed field)
+        ids = np.asarray(token_ids if arrays else list(token_ids))  # type: ignore[call-overload]
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"token ids must be integers: {exc}", field="token_ids") from None
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):

@@ -33,6 +33,7 @@ class PolicyConfig:
     tenant_sessions: int = 0  # sessions each tenant may hold (0: no limit)
     tenant_leases: int = 0  # leases each tenant may hold open (0: no limit)
     tenant_lease_bytes: int = 0  # bytes of open leases each tenant may hold (0: no limit)
+    tenant_put_bytes: int = 0  # host bytes each tenant's Puts in progress may hold (0: no limit)
     tier_idle: tuple[tuple[str, float], ...] = ()  # (tier, seconds idle before leaving it) for tiers besides
     #                                                 device and host, whose thresholds are the fields above
 

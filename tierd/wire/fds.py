@@ -45,8 +45,12 @@ log = logging.getLogger("tierd.wire.fds")
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit on descriptors in one message
 FDS_PER_TENANT = 1024  # descriptors one tenant may have handed over and not yet registered
 TICKET_SECONDS = 60.0
-CONNECT_SECONDS = 5.0
-MAX_PENDING = 64  # hand-overs in progress at once
+CONNECT_SECONDS = 5.0  # a client's wait for the daemon's answer
+SEND_SECONDS = 2.0  # a connection's time to send its message (a client sends at once)
+MAX_PENDING = 256  # hand-overs in progress at once
+# ... of one process: a connection is taken before any tenant is known, and 80
+# silent ones, reopened as they were dropped, turned every other engine away.
+PER_PROCESS = 4
 _MESSAGE = 4096
 
 
@@ -149,6 +153,7 @@ class FdIntake:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending = 0  # connections accepted, their message not yet taken
+        self._by_pid: dict[int, int] = {}  # the same, per connecting process
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if os.path.exists(self.path):
@@ -207,25 +212,33 @@ class FdIntake:
             self._loop.remove_reader(self._sock.fileno())
             self._loop.call_later(1.0, self._resume)
             return
-        if self._pending >= MAX_PENDING:
-            conn.close()  # too many half-done hand-overs at once: this one is turned away
+        pid = _peer(conn)[0]
+        if self._pending >= MAX_PENDING or self._by_pid.get(pid, 0) >= PER_PROCESS:
+            conn.close()  # too many half-done hand-overs at once (of this process): this one is turned away
             return
         self._pending += 1
+        self._by_pid[pid] = self._by_pid.get(pid, 0) + 1
         conn.setblocking(False)
-        timer = self._loop.call_later(CONNECT_SECONDS, self._drop, conn)
-        self._loop.add_reader(conn.fileno(), self._receive, conn, timer)
+        timer = self._loop.call_later(SEND_SECONDS, self._drop, conn, pid)
+        self._loop.add_reader(conn.fileno(), self._receive, conn, timer, pid)
 
     def _resume(self) -> None:
         if self._sock is not None and self._loop is not None:
             self._loop.add_reader(self._sock.fileno(), self._accept)
 
-    def _drop(self, conn: socket.socket) -> None:
+    def _done(self, pid: int) -> None:
+        self._pending -= 1
+        left = self._by_pid.pop(pid) - 1
+        if left:
+            self._by_pid[pid] = left
+
+    def _drop(self, conn: socket.socket, pid: int) -> None:
         if conn.fileno() >= 0 and self._loop is not None:
             self._loop.remove_reader(conn.fileno())
-            self._pending -= 1
+            self._done(pid)
         conn.close()
 
-    def _receive(self, conn: socket.socket, timer: asyncio.TimerHandle) -> None:
+    def _receive(self, conn: socket.socket, timer: asyncio.TimerHandle, pid: int) -> None:
         fds: list[int] = []
         try:
             msg, fds, _, _ = socket.recv_fds(conn, _MESSAGE, MAX_FDS)
@@ -236,7 +249,7 @@ class FdIntake:
         timer.cancel()
         assert self._loop is not None
         self._loop.remove_reader(conn.fileno())
-        self._pending -= 1
+        self._done(pid)
         try:
             answer = {"ticket": self._admit(conn, msg, fds)}
             fds = []  # the ticket holds them now
@@ -270,7 +283,7 @@ class FdIntake:
             raise ResourceExhausted(f"{held} descriptors this tenant handed over wait to be registered; "
                                     f"{len(fds)} more would pass {FDS_PER_TENANT}: register them, or let them "
                                     "expire, first")
-        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid = _peer(conn)
         for i, fd in enumerate(fds):
             why = check_shared_memory(fd, uid, self._own)
             if why is not None:
@@ -278,3 +291,9 @@ class FdIntake:
         ticket_id = secrets.token_hex(16)
         self._tickets[ticket_id] = Ticket(tenant, fds, pid, time.monotonic() + TICKET_SECONDS)
         return ticket_id
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end (SO_PEERCRED)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid

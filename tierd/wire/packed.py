@@ -120,6 +120,22 @@ def parse(cls: type, raw: bytes | memoryview) -> Request:
     return Request(cls.FromString(b"".join(keep)), views)
 
 
+class Deferred:
+    """A packed id field decoded only when it is used as an array (np.asarray):
+    by the store, on an RPC thread, after the checks that cost nothing. A Put
+    header's 15 million token ids were decoded on the event loop before the
+    Put was refused for its spec."""
+
+    __slots__ = ("raw", "name")
+
+    def __init__(self, raw: memoryview, name: str = "token_ids") -> None:
+        self.raw, self.name = raw, name
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        ids = decode(self.raw, self.name)
+        return ids if dtype is None else ids.astype(dtype, copy=False)
+
+
 def field(number: int, payload: bytes) -> bytes:
     """One length-delimited field in wire form: appended to a serialized
     message, it sets that field (ids encoded with encode(), say)."""

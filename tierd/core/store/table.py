@@ -36,6 +36,7 @@ class SessionTable:
         self._sessions: dict[SessionKey, Session] = {}
         self._key_locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._per_tenant: dict[str, int] = {}  # sessions held by each tenant
+        self._streaming: dict[str, int] = {}  # host bytes held by each tenant's Puts in progress
         self._listeners: list[Callable[[], None]] = []
         # (time, key): when the tick next looks at each released session, so that a
         # tick costs what is due, not what is stored (see _schedule).

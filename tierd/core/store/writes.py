@@ -60,6 +60,7 @@ class PendingWrite:
     priority: int | None
     started: float
     writer: PageWriter | None = None  # Put: where the stream's bytes go, in page order
+    streaming: int = 0  # Put: bytes counted against the tenant's Puts in progress (begin_put)
 
     @property
     def spans(self) -> list[Span]:
@@ -185,6 +186,35 @@ class Writes(SessionTable):
         """Give back the pages of a write that will not be committed."""
         pieces, w.pieces = w.pieces, []
         self.placement.free(w.tier, pieces)
+        self._end_stream(w)
+
+    def _start_stream(self, key: SessionKey, nbytes: int) -> None:
+        """Count a Put's room against its tenant's Puts in progress
+        (tenant_put_bytes: half the host budget by default): a stream that
+        trickles must not hold the host tier against the others (one Put of
+        the whole budget sending 4 KiB every 5 s did; its pages cannot be
+        demoted until it commits)."""
+        limit = self.policy.tenant_put_bytes
+        with self._lock:
+            held = self._streaming.get(key.tenant, 0)
+            if limit and held + nbytes > limit:
+                raise ResourceExhausted(f"tenant {shown(key.tenant)}'s Puts in progress may hold {limit} bytes of "
+                                        f"the host tier; they hold {held} and this one needs {nbytes}: let some "
+                                        "finish first", tenant=key.tenant, limit=limit, held=held, need=nbytes)
+            self._streaming[key.tenant] = held + nbytes
+
+    def _stream_ended(self, tenant: str, nbytes: int) -> None:
+        with self._lock:
+            left = self._streaming[tenant] - nbytes
+            if left:
+                self._streaming[tenant] = left
+            else:
+                del self._streaming[tenant]
+
+    def _end_stream(self, w: PendingWrite) -> None:
+        streaming, w.streaming = w.streaming, 0
+        if streaming:
+            self._stream_ended(w.key.tenant, streaming)
 
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
              num_tokens: int, start_token: int = 0, tier: str | None = None,
@@ -251,8 +281,15 @@ class Writes(SessionTable):
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
                                     need=nbytes, budget=tier_budget)
         geom = Geometry(spec.page_bytes, n_pages, last)
-        w = self._begin_write(key, spec, HOST, first_page, num_tokens, first_page * spec.page_bytes + nbytes, geom,
-                              tok, priority)
+        streaming = (n_pages - first_page) * geom.stride
+        self._start_stream(key, streaming)
+        try:
+            w = self._begin_write(key, spec, HOST, first_page, num_tokens, first_page * spec.page_bytes + nbytes,
+                                  geom, tok, priority)
+        except BaseException:
+            self._stream_ended(key.tenant, streaming)
+            raise
+        w.streaming = streaming
         w.writer = self.copier.page_writer(w.spans, geom)
         return w
 
@@ -269,7 +306,10 @@ class Writes(SessionTable):
             self.abort_write(w)
             raise
         self.copier.record("client->host", w.new_bytes, time.perf_counter() - w.started)
-        return self._commit_write(w, sums)
+        try:
+            return self._commit_write(w, sums)
+        finally:
+            self._end_stream(w)
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
             chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
