@@ -40,6 +40,15 @@ def two(tmp_path):
     d.close()
 
 
+def at_once(fn, n):
+    """fn(0) ... fn(n - 1), each on a thread of its own, all at once; returns when all are done."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def raw_call(d, method, raw, token="alice", timeout=60.0):
     """The status (or reply) of one call whose request is the bytes given."""
     with grpc.insecure_channel("unix:" + d.socket) as ch:
@@ -78,7 +87,7 @@ def test_a_register_engine_of_millions_of_empty_segments_is_refused_unparsed(two
 def test_put_chunks_past_the_message_limit_are_refused_as_they_arrive(two):
     """Puts declaring 4 KiB, then sending a 60 MiB chunk each: every chunk was
     taken in whole before the size check refused it (2.4 GiB for 32 streams)."""
-    def hostile():
+    def hostile(_):
         with grpc.insecure_channel("unix:" + two.socket, options=[("grpc.max_send_message_length", 64 * MiB)]) as ch:
             stub = pb_grpc.TierdStub(ch)
             header = pb.PutRequest(header=pb.PutHeader(session_id="p", spec=spec_to_pb(OPAQUE), num_tokens=1,
@@ -91,14 +100,7 @@ def test_put_chunks_past_the_message_limit_are_refused_as_they_arrive(two):
 
     codes: list = []
 
-    def flood():
-        threads = [threading.Thread(target=hostile) for _ in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    growth = peak_growth(two, flood)
+    growth = peak_growth(two, lambda: at_once(hostile, 16))
     assert len(codes) == 16 and set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT}
     assert growth < 16 * 16 * MiB, f"{growth / MiB:.0f} MiB for 16 refused chunks of 60 MiB"
     with two.client(token=TOKENS["alice"]) as alice:
@@ -216,11 +218,7 @@ def test_clients_that_give_up_mid_call_leave_no_traceback_and_no_internal_error(
                 except Exception:
                     pass  # a deadline, or not there yet
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    at_once(worker, 4)
     assert "Traceback" not in two.log() and "internal error" not in two.log()
     assert metric(two, "tierd_rpc_errors_total", 'code="INTERNAL",method="Put"') == 0
 
@@ -313,14 +311,7 @@ def test_put_header_token_ids_are_decoded_only_once_the_put_is_checked(two):
             except grpc.RpcError as err:
                 codes.append((err.code(), err.details()))
 
-    def flood():
-        threads = [threading.Thread(target=put) for _ in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    growth = peak_growth(two, flood)
+    growth = peak_growth(two, lambda: at_once(lambda _: put(), 6))
     assert len(codes) == 6 and all(c == grpc.StatusCode.INVALID_ARGUMENT and "opaque snapshots have no tokens" in m
                                    for c, m in codes), codes
     assert growth < 6 * 2 * len(message) + 32 * MiB, f"{growth / MiB:.0f} MiB for 6 refused Puts"
