@@ -66,20 +66,21 @@ def hand_over(path: str, fds: list[int], token: str | None = None, timeout: floa
     if not 0 < len(fds) <= MAX_FDS:
         raise InvalidArgument(f"hand over 1 to {MAX_FDS} descriptors at once, not {len(fds)}", field="regions")
     payload = json.dumps({"token": token or ""}).encode() + b"\n"
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(path)
-            socket.send_fds(s, [payload], fds)
-            reply = b""
-            while not reply.endswith(b"\n"):
-                part = s.recv(_MESSAGE)
-                if not part:
-                    break
-                reply += part
-    except OSError as exc:
-        raise FailedPrecondition(f"cannot hand engine memory to the daemon at {path}: {exc.strerror or exc} "
-                                 "(shared memory needs the daemon's Unix socket, on the same machine)") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            reply = _hand_over_once(path, payload, fds, max(0.1, deadline - time.monotonic()))
+        except OSError as exc:
+            turned_away = exc.errno in (errno.ECONNRESET, errno.EPIPE)
+            if not turned_away or time.monotonic() >= deadline:
+                raise FailedPrecondition(f"cannot hand engine memory to the daemon at {path}: "
+                                         f"{exc.strerror or exc} (shared memory needs the daemon's Unix socket, "
+                                         "on the same machine)") from None
+            time.sleep(0.05)  # every place of this process (or of the intake) was taken: again, shortly
+            continue
+        if reply or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)  # closed unanswered: turned away, as above
     try:
         answer = json.loads(reply)
     except ValueError:
@@ -87,6 +88,21 @@ def hand_over(path: str, fds: list[int], token: str | None = None, timeout: floa
     if "ticket" not in answer:
         raise FailedPrecondition(f"the daemon refused the engine memory: {answer.get('error', 'no reason given')}")
     return str(answer["ticket"])
+
+
+def _hand_over_once(path: str, payload: bytes, fds: list[int], timeout: float) -> bytes:
+    """One try: the daemon's answer line, or b"" if it closed without one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        socket.send_fds(s, [payload], fds)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            part = s.recv(_MESSAGE)
+            if not part:
+                break
+            reply += part
+        return reply
 
 
 @dataclass(eq=False)
