@@ -3,7 +3,8 @@ stream) and save leases (commit_save, in leases.py) all allocate through
 _begin_write, are written by their caller, and publish through
 _commit_write, which checks the append again under the session's lock. A
 Put's chunks are written on the event loop with no lock held; Save runs on
-an RPC thread."""
+an RPC thread. A little over 300 lines: the three paths' checks and the
+Puts-in-progress accounting belong with the one path they share."""
 
 from __future__ import annotations
 
