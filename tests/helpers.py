@@ -56,6 +56,9 @@ class Harness:
     movers: int = 2  # background move threads; 0 leaves every queued move queued
     events: object = None  # what the store reports to (tierd.metrics.Metrics, say); None: nothing
     window_bytes: int = 4 * MiB  # the copy engine's staging window
+    remote: str = ""  # the remote tier's URL (none: "")
+    remote_write: str = "through"
+    remote_prefix: str = "tierd"
     store: Store | None = None
     machine: Machine | None = None
 
@@ -66,7 +69,8 @@ class Harness:
                      disk_budget=self.disk_budget, disk_slab=self.disk_slab, disk_io="posix",
                      device="none" if self.device_budget is None else "cpu",
                      device_budget=self.device_budget or 0, device_slab=8 * MiB,
-                     verify="all" if set(self.verify) != {"disk"} else "disk", io_workers=4, movers=self.movers)
+                     verify="all" if set(self.verify) != {"disk"} else "disk", io_workers=4, movers=self.movers,
+                     remote=self.remote, remote_write=self.remote_write, remote_prefix=self.remote_prefix)
         self.machine = build(cfg, policy=self.policy, clock=self.clock, events=self.events, disk=self.disk,
                              disk_ops=self.disk_ops, window_bytes=self.window_bytes)
         self.store, self.prefix = self.machine.store, self.machine.shm_prefix

@@ -110,6 +110,25 @@ def _text(text: Any) -> str:
     return str(text)
 
 
+def _remote_url(text: Any) -> str:
+    value = str(text).strip()
+    if value.lower() in ("", "off", "none"):
+        return ""
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("redis", "rediss") or not rest:
+        raise InvalidArgument("expected redis://HOST:PORT[,HOST:PORT...] or rediss://..., "
+                              f"got {value.split('@')[-1]!r}")
+    user, _, hosts = rest.rpartition("@")
+    if ":" in user:
+        raise InvalidArgument("the remote tier's URL carries no password: use --remote-password-file or "
+                              "TIERD_REMOTE_PASSWORD")
+    for hp in hosts.rstrip("/").split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise InvalidArgument(f"{hp!r} in the remote tier's URL is not HOST:PORT")
+    return value
+
+
 def _opt(parse: Callable[[Any], Any], help: str, default: Any = None, factory: Callable[[], Any] | None = None) -> Any:
     meta = {"parse": parse, "help": help}
     if factory is not None:
@@ -170,6 +189,22 @@ class Config:
     tick_seconds: float = _opt(_seconds, "how often policy runs", 0.5)
     grace_seconds: float = _opt(_seconds, "time in-flight calls get to finish at shutdown", 10.0)
     flush_on_stop: bool = _opt(parse_bool, "write sessions not yet on disk at SIGTERM", True)
+    remote: str = _opt(_remote_url, "remote tier: redis://[USER@]HOST:PORT[,HOST:PORT...] or rediss://... "
+                                    "(a Redis Cluster or one server; off: none)", "")
+    remote_write: str = _opt(_choice("through", "back", "off"), "what goes to the remote tier: through (every "
+                             "store, in the background), back (sessions idle on disk --remote-idle seconds), "
+                             "off (read only)", "through")
+    remote_idle: float = _opt(_seconds, "remote_write back: seconds idle before a session is published", 60.0)
+    remote_ttl: float | None = _opt(_optional_seconds, "seconds the remote tier keeps a version (off: until "
+                                    "dropped or evicted)", 7 * 86400.0)
+    remote_queue: int = _opt(_positive_int, "sessions waiting to be published, at most (more: not remote-durable "
+                                            "until stored again)", 256)
+    remote_password_file: str = _opt(_text, "file holding the remote tier's password (or TIERD_REMOTE_PASSWORD; "
+                                            "never a flag)", "")
+    remote_tls_ca: str = _opt(_text, "PEM CA bundle for rediss:// remote tiers", "")
+    remote_timeout: float = _opt(_seconds, "seconds a remote call may take before it fails", 2.0)
+    remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
+                                     "sharing a cluster)", "tierd")
 
     def __post_init__(self) -> None:
         if not self.socket and not self.listen:
@@ -181,6 +216,11 @@ class Config:
         if self.listen and not self.tls_cert and not self.insecure_tcp:
             raise InvalidArgument(f"listening on TCP {self.listen} needs TLS (--tls-cert and --tls-key); "
                                   "--insecure-tcp allows it without, for trusted networks only")
+        if not self.remote_prefix or any(c in self.remote_prefix for c in "{}: \t\n"):
+            raise InvalidArgument(f"remote_prefix is a word without braces, colons or spaces, not "
+                                  f"{self.remote_prefix!r}")
+        if self.remote_tls_ca and not self.remote.startswith("rediss://"):
+            raise InvalidArgument("--remote-tls-ca needs a rediss:// remote tier")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - 4096:
             raise InvalidArgument("chunk_bytes must be positive and fit in max_message_bytes")
         for name in ("host_slab", "disk_slab", "device_slab"):
@@ -262,3 +302,17 @@ def resolve_budgets(cfg: Config, total_ram: int | None = None, free_disk: int | 
         # across slabs, so a contiguous restore stays one copy per segment.
         cfg = replace(cfg, host_slab=max(64 << 20, -(-int(cfg.host_budget) // 4096) * 4096))
     return cfg
+
+
+def remote_password(cfg: Config, env: dict[str, str] | None = None) -> str | None:
+    """The remote tier's password: the first line of --remote-password-file,
+    else TIERD_REMOTE_PASSWORD, else none. Never a flag: a command line is
+    visible to every user of the machine."""
+    if cfg.remote_password_file:
+        try:
+            with open(cfg.remote_password_file, encoding="utf-8") as f:
+                return f.readline().rstrip("\r\n")
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read the remote tier's password file {cfg.remote_password_file}: "
+                                  f"{exc.strerror or exc}") from None
+    return (os.environ if env is None else env).get("TIERD_REMOTE_PASSWORD") or None

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import stat
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,7 @@ from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError, IndexUnavailable
 from tierd.core.store import Store
 from tierd.errors import InvalidArgument, TierdError
-from tierd.machine import DiskIOUnavailable, build
+from tierd.machine import DiskIOUnavailable, RemoteUnavailable, build
 from tierd.metrics import Metrics
 from tierd.process import TRIM_SECONDS, raise_fd_limit, tune_malloc
 from tierd.tiers import shm
@@ -167,6 +168,7 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
             raise StartupError(f"cannot listen on {cfg.listen}")
     await server.start()
     loop = asyncio.get_running_loop()
+    store.loop_thread = threading.get_ident()  # no remote call waits here: such calls move to the RPC threads
     if servicer.fds is not None:
         servicer.fds.start(loop)
     for name in ("", SERVICE):
@@ -243,7 +245,7 @@ def serve(cfg: Config) -> int:
             machine = build(cfg, events=metrics)
         except (IndexFormatError, IndexUnavailable) as exc:
             raise StartupError(f"{exc}; nothing was changed") from None
-        except DiskIOUnavailable as exc:
+        except (DiskIOUnavailable, RemoteUnavailable) as exc:
             raise StartupError(str(exc)) from None
         except (OSError, TierdError) as exc:
             raise StartupError(f"cannot open the tiers under {cfg.data_dir}: {exc}") from None

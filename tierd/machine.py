@@ -17,11 +17,12 @@ import os
 from dataclasses import dataclass, field
 
 from tierd.clock import Clock
-from tierd.config import AUTO, Config, resolve_budgets
+from tierd.config import AUTO, Config, remote_password, resolve_budgets
 from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.store import Store
+from tierd.core.store.shared import Remote
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
 from tierd.tiers import DEVICE, DISK, FILE, HOST, durable_tier, shm, tier_order
@@ -132,6 +133,28 @@ class DiskIOUnavailable(RuntimeError):
     pass
 
 
+class RemoteUnavailable(RuntimeError):
+    """The remote tier configured cannot be used: unreachable, or the password is refused."""
+
+
+def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
+    """The remote tier (tiers/remote.py) where --remote is given, and what it is, for the log."""
+    if not cfg.remote:
+        return None, "absent"
+    from tierd.errors import TierdError
+    from tierd.tiers.remote import RemoteStore, connect
+
+    try:
+        client = connect(cfg.remote, remote_password(cfg), cfg.remote_tls_ca or None, cfg.remote_timeout)
+    except TierdError as exc:
+        raise RemoteUnavailable(f"cannot use the remote tier: {exc}") from None
+    kind = "cluster" if type(client).__name__ == "RedisCluster" else "server"
+    hosts = cfg.remote.partition("://")[2].rpartition("@")[2]
+    store = RemoteStore(client, prefix=cfg.remote_prefix, ttl=cfg.remote_ttl)
+    return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue),
+            f"redis {kind} at {hosts}; write {cfg.remote_write}")
+
+
 def probe_disk_io(cfg: Config, directory: str):
     """(kvikio FileOps or None for POSIX, why kvikio is not used)."""
     if cfg.disk_io == "posix":
@@ -198,13 +221,18 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
     ipc = open_ipc() if pin else None
     backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
     copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels)
+    remote, text = remote_tier(cfg)
+    log.info("remote tier: %s", text)
+    backends["remote"] = text
     index = DiskIndex(os.path.join(site.data_dir, "index.db")) if durable_tier(tiers) is not None else None
     try:
         store = Store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
-                      shm_prefix=site.shm_prefix)
+                      shm_prefix=site.shm_prefix, remote=remote)
     except BaseException:
         if index is not None:
             index.close()
+        if remote is not None:
+            remote.store.close()
         raise
     return Machine(store, tiers, copier, index, site.executor, backends, ipc, site.shm_prefix)
 

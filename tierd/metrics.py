@@ -53,12 +53,20 @@ class Metrics:
         self.quarantined_sessions = Counter("tierd_sessions_quarantined_total", "Sessions found damaged at start "
                                             "(a bad index row, a lost slab) and not served", ["reason"],
                                             registry=registry)
+        self.remote_ops = Counter("tierd_remote_ops_total", "Remote tier calls that did not simply succeed, and "
+                                  "publishes: op (manifest, fetch, publish, drop), outcome (ok, conflict, "
+                                  "queue_full, unavailable)", ["op", "outcome"], registry=registry)
+        self.remote_reachable: Gauge | None = None  # made by set_backends where there is a remote tier
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
         self.info.info({"version": __version__})
 
     def set_backends(self, backends: dict[str, str]) -> None:
         self.info.info({"version": __version__, **backends})
+        if backends.get("remote", "absent") != "absent" and self.remote_reachable is None:
+            self.remote_reachable = Gauge("tierd_remote_up", "1 while the remote tier answers, 0 after a call to it "
+                                          "failed", registry=self.registry)
+            self.remote_reachable.set(1)
 
     def watch(self, store: Any) -> None:
         """Report the store's tiers and copy engine at every scrape."""
@@ -96,6 +104,13 @@ class Metrics:
 
     def quarantined(self, reason: str) -> None:
         self.quarantined_sessions.labels(reason).inc()
+
+    def remote_op(self, op: str, outcome: str) -> None:
+        self.remote_ops.labels(op, outcome).inc()
+
+    def remote_up(self, up: bool) -> None:
+        if self.remote_reachable is not None:
+            self.remote_reachable.set(int(up))
 
     # RPCs -----------------------------------------------------------------------
 

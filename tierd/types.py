@@ -41,6 +41,7 @@ class SessionInfo:
     model_id: str
     fingerprint: str
     spec: KVSpec
+    remote_durable: bool = False  # the remote tier holds this content: any node can serve it
 
 
 @dataclass(frozen=True, slots=True)

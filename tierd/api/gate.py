@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from grpc._cython import cygrpc
 
 from tierd.api.auth import Caller
-from tierd.errors import DeadlineExceeded, InvalidArgument, TierdError
+from tierd.errors import DeadlineExceeded, InvalidArgument, TierdError, WouldBlock
 from tierd.metrics import Metrics
 from tierd.v1 import tierd_pb2 as pb
 from tierd.wire import packed
@@ -124,7 +124,10 @@ def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | Non
                         context.add_done_callback(
                             lambda ctx: ctx.cancelled() and self.executor.submit(_take_back, take_back, response))
                     return response
-                return fn(self, req, caller)
+                try:
+                    return fn(self, req, caller)
+                except WouldBlock:  # it has to ask the remote tier: not on the event loop
+                    return await self.blocking(caller.tenant, fn, self, req, caller, undo=None)
             except Exception as exc:
                 await call.fail(context, exc)
             finally:

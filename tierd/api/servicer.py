@@ -52,9 +52,11 @@ from tierd.errors import (
     FailedPrecondition,
     InvalidArgument,
     TierdError,
+    WouldBlock,
 )
 from tierd.layout import EngineLayout, Segment
 from tierd.metrics import Metrics
+from tierd.types import SessionInfo, SessionKey
 from tierd.tiers import HOST, MEMORY, kind_of
 from tierd.v1 import tierd_pb2 as pb
 from tierd.wire import packed
@@ -299,6 +301,21 @@ class TierdServicer:
         finally:
             call.count(None)
 
+    async def _open_reader(self, tenant: str, key: SessionKey, chunk: int) -> tuple[SessionInfo, SnapshotReader]:
+        """store.get on the loop; for a session only the remote tier holds, on an
+        RPC thread (it is fetched first). A reader opened for a call that left
+        meanwhile is closed."""
+        try:
+            return self.store.get(key, chunk)
+        except WouldBlock:
+            pass
+        job = await self.limits.submit(tenant, self.executor, self.store.get, key, chunk)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda f: not f.cancelled() and f.exception() is None and f.result()[1].close())
+            raise
+
     async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         call = Call(self.metrics, "Get")
         reader: SnapshotReader | None = None
@@ -313,7 +330,7 @@ class TierdServicer:
                     # configured default): gRPC holds a few per open stream.
                     chunk = min(max(req.chunk_bytes or self.chunk_bytes, MIN_GET_CHUNK),
                                 max(self.chunk_bytes, MAX_GET_CHUNK))
-                    info, reader = self.store.get(key, chunk)
+                    info, reader = await self._open_reader(caller.tenant, key, chunk)
                     with self.inflight.hold(key.tenant, info.size_bytes):
                         # Get's messages go out already serialized (see add_to_server), one copy each.
                         await self._write(context, pb.GetResponse(header=info_to_pb(info)).SerializeToString())

@@ -28,6 +28,10 @@ class StoreEvents(Protocol):
 
     def quarantined(self, reason: str) -> None: ...
 
+    def remote_op(self, op: str, outcome: str) -> None: ...
+
+    def remote_up(self, up: bool) -> None: ...
+
 
 class NullEvents:
     def moved(self, src: str, dst: str, reason: str, nbytes: int, seconds: float) -> None:
@@ -55,4 +59,10 @@ class NullEvents:
         pass
 
     def quarantined(self, reason: str) -> None:
+        pass
+
+    def remote_op(self, op: str, outcome: str) -> None:
+        pass
+
+    def remote_up(self, up: bool) -> None:
         pass

@@ -172,11 +172,22 @@ class Session:
     op: threading.Lock = field(default_factory=threading.Lock)
     readers: int = 0  # Get streams reading pages without the op lock
     deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done
+    # The remote tier (core/store/shared.py): the manifest version this content builds on (0: none known),
+    # the snapshot version the remote tier holds (-1: none), and the snapshot version of the last store
+    # from token 0 on this node (-1: none): past remote_at, a new history that replaces what is there.
+    remote_version: int = 0
+    remote_at: int = -1
+    remote_fresh: int = -1
 
     @property
     def durable(self) -> bool:
         """Every page of the current content is on disk and indexed."""
         return self.row is not None and self.row_version == self.snap.version
+
+    @property
+    def remote_durable(self) -> bool:
+        """The remote tier holds the current content."""
+        return self.remote_at == self.snap.version
 
     @property
     def state(self) -> State:

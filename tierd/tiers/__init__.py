@@ -89,6 +89,9 @@ def durable_tier(names: Iterable[str]) -> str | None:
 DEVICE = register(TierKind("device", 10, MEMORY, bandwidth=200e9))  # VRAM
 HOST = register(TierKind("host", 20, MEMORY, bandwidth=10e9))  # the shared arena: Puts and leases land here
 DISK = register(TierKind("disk", 30, FILE, durable=True, bandwidth=1e9))  # slab files under the index
+# The store every node reaches (tiers/remote.py): whole sessions by version, not extents, so it has no
+# Tier object and no routes; the store fetches a session from it into the host tier (core/store/shared.py).
+REMOTE = register(TierKind("remote", 40, "versions", bandwidth=0.5e9))
 
 
 class Tier(Protocol):
@@ -173,6 +176,6 @@ class DurableTier(FileTier, Protocol):
         ...
 
 
-__all__ = ["DEVICE", "DISK", "FILE", "HOST", "MEMORY", "DurableTier", "FileTier", "MemoryTier", "Piece", "Tier",
-           "TierKind",
+__all__ = ["DEVICE", "DISK", "FILE", "HOST", "MEMORY", "REMOTE", "DurableTier", "FileTier", "MemoryTier", "Piece",
+           "Tier", "TierKind",
            "durable_tier", "is_tier", "kind_of", "register", "tier_order", "tier_rank"]

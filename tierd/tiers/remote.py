@@ -26,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,7 +67,8 @@ class Manifest:
     nbytes: int
     page_bytes: int
     checksums: np.ndarray  # uint64, one per page
-    token_hashes: np.ndarray  # one per page where token ids were given, else empty
+    token_hashes: np.ndarray  # one row per page where token ids were given, else empty
+    saved: float = 0.0  # when it was published (seconds since the epoch)
 
     @property
     def n_pages(self) -> int:
@@ -75,10 +78,15 @@ class Manifest:
     def chunks(self) -> int:
         return -(-self.nbytes // CHUNK_BYTES)
 
+    def size_of(self, page: int) -> int:
+        """Logical bytes of a page (the last may be short)."""
+        return min(self.page_bytes, self.nbytes - page * self.page_bytes)
+
     def encode(self) -> bytes:
         meta = {"write": self.write, "fingerprint": self.fingerprint, "spec": self.spec,
                 "num_tokens": self.num_tokens, "nbytes": self.nbytes, "page_bytes": self.page_bytes,
-                "pages": self.n_pages, "hash_dtype": self.token_hashes.dtype.str, "hashes": len(self.token_hashes)}
+                "pages": self.n_pages, "saved": self.saved, "hash_dtype": self.token_hashes.dtype.str,
+                "hash_shape": list(self.token_hashes.shape)}
         sums = np.ascontiguousarray(self.checksums, dtype="<u8").tobytes()
         return f"{self.version} ".encode() + json.dumps(meta).encode() + b"\n" + sums + \
             np.ascontiguousarray(self.token_hashes).tobytes()
@@ -91,11 +99,14 @@ class Manifest:
             meta = json.loads(text)
             n = int(meta["pages"])
             sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
-            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"])).copy()
-            if len(sums) != n or len(hashes) != int(meta["hashes"]):
+            shape = tuple(int(d) for d in meta["hash_shape"])
+            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"]))
+            if len(sums) != n or hashes.size != int(np.prod(shape)):
                 raise ValueError("its checksums or token hashes are cut short")
+            hashes = hashes.reshape(shape).copy()
             return cls(int(version), str(meta["write"]), str(meta["fingerprint"]), dict(meta["spec"]),
-                       int(meta["num_tokens"]), int(meta["nbytes"]), int(meta["page_bytes"]), sums, hashes)
+                       int(meta["num_tokens"]), int(meta["nbytes"]), int(meta["page_bytes"]), sums, hashes,
+                       float(meta.get("saved", 0.0)))
         except (ValueError, KeyError, TypeError) as exc:
             raise DataLoss(f"a remote manifest does not parse ({exc})") from None
 
@@ -165,6 +176,13 @@ class RemoteStore:
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000) if ttl else 0
         self._cas = client.register_script(_CAS)
+        # Sends one batch of chunks while the caller reads the next (the socket releases the GIL),
+        # and reads one batch ahead of a fetch that writes the last into its pages.
+        self._sender = ThreadPoolExecutor(2, thread_name_prefix="tierd-remote")
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=True)
+        self.client.close()
 
     def _key(self, key: SessionKey, *parts: str) -> str:
         return ":".join((self.prefix, "{" + tag_of(key) + "}", *parts))
@@ -179,6 +197,14 @@ class RemoteStore:
             raise Unavailable(f"the remote store did not answer ({what}): {exc}") from None
         except redis.RedisError as exc:
             raise Unavailable(f"the remote store refused {what}: {exc}") from None
+        except (AttributeError, TypeError, KeyError, IndexError) as exc:
+            # redis-py's cluster client trips over its own state while nodes are down (a connection
+            # that is None, say): the store did not answer, whatever the exception says.
+            raise Unavailable(f"the remote store did not answer ({what}): {type(exc).__name__}: {exc}") from None
+
+    def ping(self) -> None:
+        """Unavailable unless the store answers (every primary, for a cluster)."""
+        self._call("a ping", self.client.ping)
 
     def manifest(self, key: SessionKey) -> Manifest | None:
         raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
@@ -188,26 +214,35 @@ class RemoteStore:
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
                 data: Iterable[bytes | memoryview]) -> Manifest:
         """Store a new version of the session: `data` is its logical bytes, in
-        pieces of any size. `expect` is the version this one replaces (0:
+        pieces of any size (a piece that is a memoryview of a bytearray and a
+        whole chunk long is sent as it is: the caller gives it up). `expect` is the version this one replaces (0:
         none); if another writer published first, FailedPrecondition and
         nothing is left behind."""
         write = secrets.token_hex(8)
         chunks = nbytes = 0
         batch: list[bytes] = []
+        sending: Future | None = None  # the batch before, sent by the sender thread meanwhile
         try:
             for chunk in _rechunk(data):
                 batch.append(chunk)
                 if len(batch) == PIPELINE:
-                    self._put(key, write, chunks, batch)
+                    if sending is not None:
+                        sending.result()
+                    sending = self._sender.submit(self._put, key, write, chunks, batch)
                     chunks, nbytes, batch = chunks + len(batch), nbytes + sum(map(len, batch)), []
+            if sending is not None:
+                sending.result()
+                sending = None
             if batch:
                 self._put(key, write, chunks, batch)
                 chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
             manifest = Manifest(expect + 1, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
-                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes))
+                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time())
             ok, old = self._call("the manifest switch", self._cas, keys=[self._key(key, "m")],
                                  args=[expect, manifest.encode(), self.ttl_ms])
         except BaseException:
+            if sending is not None:
+                wait([sending])
             self._delete(key, write, chunks + len(batch))  # what may have been written
             raise
         if not ok:
@@ -225,6 +260,12 @@ class RemoteStore:
             pipe.set(self._key(key, f"w{write}", str(first + i)), chunk, px=self.ttl_ms or None)
         self._call("a page write", pipe.execute)
 
+    def _get(self, key: SessionKey, write: str, first: int, count: int) -> list[bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(first, first + count):
+            pipe.get(self._key(key, f"w{write}", str(i)))
+        return self._call("a page read", pipe.execute)
+
     def _delete(self, key: SessionKey, write: str, chunks: int) -> None:
         """Delete a write's chunks (one slot: one call per 256); where the store
         does not answer, they go by their TTL."""
@@ -235,25 +276,36 @@ class RemoteStore:
             except Unavailable:
                 return
 
-    def read(self, key: SessionKey, manifest: Manifest, n_pages: int | None = None) -> Iterator[bytes]:
-        """The session's pages [0, n_pages) in order, each checked against the
-        manifest's checksum: DataLoss on a mismatch, NotFound if any chunk is
-        gone (the session is incomplete: recompute)."""
-        n_pages = manifest.n_pages if n_pages is None else min(n_pages, manifest.n_pages)
-        end = min(manifest.nbytes, n_pages * manifest.page_bytes)
-        buf = bytearray()
-        page = 0
-        for first in range(0, -(-end // CHUNK_BYTES), PIPELINE):
-            pipe = self.client.pipeline(transaction=False)
-            count = min(PIPELINE, -(-end // CHUNK_BYTES) - first)
-            for i in range(first, first + count):
-                pipe.get(self._key(key, f"w{manifest.write}", str(i)))
-            for value in self._call("a page read", pipe.execute):
+    def chunks(self, key: SessionKey, manifest: Manifest) -> Iterator[bytes]:
+        """The version's stored chunks in order, as they are (the caller checks
+        the pages they make up against the manifest's checksums); NotFound
+        if any is gone (the session is incomplete: recompute)."""
+        count = manifest.chunks
+        batches = range(0, count, PIPELINE)
+        ahead = self._sender.submit(self._get, key, manifest.write, 0, min(PIPELINE, count)) if count else None
+        for first in batches:
+            assert ahead is not None
+            values = ahead.result()
+            nxt = first + PIPELINE
+            ahead = self._sender.submit(self._get, key, manifest.write, nxt, min(PIPELINE, count - nxt)) \
+                if nxt < count else None
+            for i, value in enumerate(values, first):
                 if value is None:
                     raise NotFound("the remote copy of this session is incomplete (evicted or expired)")
-                buf += value
-            while page < n_pages and len(buf) >= min(manifest.page_bytes, end - page * manifest.page_bytes):
-                size = min(manifest.page_bytes, end - page * manifest.page_bytes)
+                if len(value) != min(CHUNK_BYTES, manifest.nbytes - i * CHUNK_BYTES):
+                    raise DataLoss(f"chunk {i} of the remote copy has {len(value)} bytes, not what its manifest "
+                                   "says", tier="remote")
+            yield from values
+
+    def read(self, key: SessionKey, manifest: Manifest) -> Iterator[bytes]:
+        """The session's pages in order, each checked against the manifest's
+        checksum: DataLoss on a mismatch, NotFound if any chunk is gone."""
+        buf = bytearray()
+        page = 0
+        for value in self.chunks(key, manifest):
+            buf += value
+            while page < manifest.n_pages and len(buf) >= manifest.size_of(page):
+                size = manifest.size_of(page)
                 data = bytes(buf[:size])
                 del buf[:size]
                 if page_checksum(data) != int(manifest.checksums[page]):
@@ -261,17 +313,26 @@ class RemoteStore:
                 yield data
                 page += 1
 
-    def drop(self, key: SessionKey) -> None:
-        manifest = self.manifest(key)
-        self._call("a drop", self.client.delete, self._key(key, "m"))
+    def drop(self, key: SessionKey) -> bool:
+        """Delete the session's current version; whether there was one."""
+        try:
+            manifest = self.manifest(key)
+        except DataLoss:
+            manifest = None  # unreadable: its chunks go by their TTL
+        existed = bool(self._call("a drop", self.client.delete, self._key(key, "m")))
         if manifest is not None:
             self._delete(key, manifest.write, manifest.chunks)
+        return existed
 
 
 def _rechunk(data: Iterable[bytes | memoryview]) -> Iterator[bytes]:
     """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter)."""
     buf = bytearray()
     for piece in data:
+        if not buf and len(piece) == CHUNK_BYTES:  # already a chunk, as the store's reads hand them out
+            owned = isinstance(piece, bytes) or (isinstance(piece, memoryview) and isinstance(piece.obj, bytearray))
+            yield piece if owned else bytes(piece)  # a view of tier memory is copied: it is valid until the next
+            continue
         buf += piece
         while len(buf) >= CHUNK_BYTES:
             yield bytes(buf[:CHUNK_BYTES])

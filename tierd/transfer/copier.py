@@ -44,8 +44,9 @@ class CopyEngine(EngineCopies):
         chunk comes with its XXH3 where already known, else 0: a chunk that
         is one whole page has the checksum the page was stored with. A chunk
         that lies inside one page comes as a memoryview of the tier's bytes
-        (no copy), valid until the next chunk is asked for."""
-        out = bytearray()
+        (no copy), valid until the next chunk is asked for; one that spans
+        pages comes as a memoryview of a bytearray of its own, never reused."""
+        out, filled = bytearray(chunk_bytes), 0
         # Host pages are checked one at a time as they go out: a Get from memory runs on the
         # event loop, and a whole snapshot checked at once would hold it ~4 ms per 100 MiB.
         # Two windows ahead: a Get goes out at network speed, and each open one holds its windows.
@@ -59,19 +60,20 @@ class CopyEngine(EngineCopies):
                 if checked_here and page_checksum(page) != checksums[first + i]:
                     self.verify(host[i * geom.stride : (i + 1) * geom.stride], first + i, 1, geom, checksums, tier)
                 while len(page):
-                    if not out and len(page) >= chunk_bytes:
+                    if not filled and len(page) >= chunk_bytes:
                         whole = len(page) == size == chunk_bytes
                         yield page[:chunk_bytes], int(checksums[first + i]) if whole else 0
                         page = page[chunk_bytes:]
                         continue
-                    take = min(len(page), chunk_bytes - len(out))
-                    out += page[:take]
+                    take = min(len(page), chunk_bytes - filled)
+                    out[filled : filled + take] = page[:take]  # the one copy of a chunk that spans pages
+                    filled += take
                     page = page[take:]
-                    if len(out) == chunk_bytes:
-                        yield bytes(out), 0
-                        out.clear()
-        if out:
-            yield bytes(out), 0
+                    if filled == chunk_bytes:
+                        yield memoryview(out), 0
+                        out, filled = bytearray(chunk_bytes), 0
+        if filled:
+            yield memoryview(out)[:filled], 0
 
     # -- lease segments: files the daemon reads and writes, never maps --------
 

@@ -194,7 +194,7 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant")
+    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable")
     class TierBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class SessionInfo(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_DURABLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tier: str
     tier_bytes: _containers.ScalarMap[str, int]
@@ -232,7 +233,8 @@ class SessionInfo(_message.Message):
     spec: KVSpec
     fingerprint: str
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    remote_durable: bool
+    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_id", "tier", "priority", "deadline_seconds")

@@ -48,7 +48,7 @@ def info_to_pb(info: SessionInfo) -> pb.SessionInfo:
         session_id=info.session_id, tenant=info.tenant, tier=info.tier or "", tier_bytes=info.tier_bytes,
         state=info.state, num_tokens=info.num_tokens, size_bytes=info.size_bytes, num_pages=info.num_pages,
         durable=info.durable, last_access=info.last_access, created=info.created, priority=info.priority,
-        pins=info.pins, spec=spec_to_pb(info.spec), fingerprint=info.fingerprint)
+        pins=info.pins, spec=spec_to_pb(info.spec), fingerprint=info.fingerprint, remote_durable=info.remote_durable)
 
 
 def info_from_pb(msg: pb.SessionInfo) -> SessionInfo:
@@ -57,7 +57,8 @@ def info_from_pb(msg: pb.SessionInfo) -> SessionInfo:
         tenant=msg.tenant, session_id=msg.session_id, tier=msg.tier or None, tier_bytes=dict(msg.tier_bytes),
         state=msg.state, num_tokens=msg.num_tokens, size_bytes=msg.size_bytes, num_pages=msg.num_pages,
         durable=msg.durable, last_access=msg.last_access, created=msg.created, priority=msg.priority,
-        pins=msg.pins, model_id=spec.model_id, fingerprint=msg.fingerprint, spec=spec)
+        pins=msg.pins, model_id=spec.model_id, fingerprint=msg.fingerprint, spec=spec,
+        remote_durable=msg.remote_durable)
 
 
 def lease_to_pb(lease: Lease) -> pb.Lease:

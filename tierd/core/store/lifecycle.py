@@ -82,12 +82,7 @@ class Lifecycle(Leases):
         """Start promoting the session toward `tier` (a memory tier); returns
         "ready" if it is there already, else "queued". Never waits for the move."""
         check_priority(priority)
-        if not is_tier(tier) or kind_of(tier).medium != MEMORY:
-            targets = ", ".join(repr(t) for t in tier_order() if kind_of(t).medium == MEMORY)
-            raise InvalidArgument(f"prefetch goes to a memory tier ({targets}), not {shown(tier)}", field="tier",
-                                  value=tier)
-        if tier not in self.tiers:
-            raise FailedPrecondition(f"there is no {tier} tier on this machine", field="tier", value=tier)
+        self.check_prefetch_target(tier)
         session = self._get(key)
         if session.damaged:
             raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)
@@ -96,8 +91,17 @@ class Lifecycle(Leases):
             self._expect(session)
             self.events.prefetch_outcome("ready")
             return "ready"
-        self.moves.submit(Job(key, tier, "prefetch", IOClass.PREFETCH, priority, deadline), _merge_prefetch)
+        self.moves.submit(Job(key, tier, "prefetch", IOClass.PREFETCH, priority, deadline), merge_prefetch)
         return "queued"
+
+    def check_prefetch_target(self, tier: str) -> None:
+        """A prefetch goes to a memory tier this machine has."""
+        if not is_tier(tier) or kind_of(tier).medium != MEMORY:
+            targets = ", ".join(repr(t) for t in tier_order() if kind_of(t).medium == MEMORY)
+            raise InvalidArgument(f"prefetch goes to a memory tier ({targets}), not {shown(tier)}", field="tier",
+                                  value=tier)
+        if tier not in self.tiers:
+            raise FailedPrecondition(f"there is no {tier} tier on this machine", field="tier", value=tier)
 
     def _expect(self, session: Session) -> float:
         """The engine is about to come back for this session: a fresh idle clock,
@@ -215,14 +219,20 @@ class Lifecycle(Leases):
         return self.moves.drain(timeout)
 
 
-def _merge_prefetch(old: Job, new: Job) -> bool:
-    """Fold a new prefetch into a queued job: the faster target, the higher
-    priority, the earlier deadline; a prefetch replaces a queued demotion."""
-    changed = False
-    if old.reason != "prefetch":
-        old.target, old.reason, old.io_class, old.keep = new.target, "prefetch", new.io_class, False
+PREFETCHES = ("prefetch", "fetch")  # fetch: a prefetch that first brings the remote tier's version (shared.py)
+
+
+def merge_prefetch(old: Job, new: Job) -> bool:
+    """Fold a new prefetch (or fetch) into a queued job: the faster target, the
+    higher priority, the earlier deadline, a fetch over a prefetch; a
+    prefetch replaces a queued demotion."""
+    if old.reason not in PREFETCHES:
+        old.target, old.reason, old.io_class, old.keep = new.target, new.reason, new.io_class, False
         old.priority, old.deadline = new.priority, new.deadline
         return True
+    changed = False
+    if new.reason == "fetch" and old.reason != "fetch":
+        old.reason, changed = "fetch", True
     if tier_rank(new.target) < tier_rank(old.target):
         old.target, changed = new.target, True
     if new.priority > old.priority:

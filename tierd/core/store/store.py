@@ -13,7 +13,7 @@ from tierd.core.index import DiskIndex
 from tierd.core.model import Session, Snapshot
 from tierd.core.move_queue import MoveQueue
 from tierd.core.rows import Problem
-from tierd.core.store.inspection import Inspection
+from tierd.core.store.shared import Remote, Shared
 from tierd.errors import TierdError
 from tierd.policy import PolicyConfig
 from tierd.tiers import HOST, durable_tier
@@ -23,10 +23,11 @@ from tierd.transfer.copier import CopyEngine
 log = logging.getLogger("tierd.core.store")
 
 
-class Store(Inspection):
+class Store(Shared):
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *,
                  clock: Clock | None = None, policy: PolicyConfig | None = None,
-                 events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None) -> None:
+                 events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None,
+                 remote: Remote | None = None) -> None:
         if HOST not in tiers:
             raise ValueError("the host tier is required")
         if (index is None) != (durable_tier(tiers) is None):
@@ -36,6 +37,7 @@ class Store(Inspection):
         self.placement.quota = self.policy.quota
         self.recovery_problems = self._recover() if index is not None else []
         self.moves = MoveQueue(self._run_job, movers)
+        self._start_remote(remote)
 
     def _recover(self) -> list[Problem]:
         assert self.index is not None
@@ -58,6 +60,7 @@ class Store(Inspection):
         if self._closed:
             return
         self._closed = True
+        self._stop_publisher(flush)
         self.moves.close()
         self.expire_leases(everything=True)
         if flush and self.index is not None:
@@ -73,3 +76,4 @@ class Store(Inspection):
             tier.close()
         if self.index is not None:
             self.index.close()
+        self._close_remote()

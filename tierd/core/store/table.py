@@ -102,7 +102,8 @@ class SessionTable:
             tier_bytes=snap.tier_bytes(), state=s.state.value,
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self._durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
-            model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec)
+            model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,
+            remote_durable=s.remote_durable)
 
     @staticmethod
     def _view(s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:

@@ -1,0 +1,122 @@
+"""Three real daemons with separate data dirs sharing one real Redis
+Cluster (3 masters, 3 replicas): a session stored on A resumes on B after A
+is killed and its data dir deleted; C answers Lookup from the remote copy;
+a master killed fails over and the sessions it held are served again while
+the local tiers serve throughout; a wrong or missing password is a clear
+start-up error."""
+
+import os
+import shutil
+import time
+
+import pytest
+
+from tests.helpers import metric, wait_for
+from tierd.errors import NotFound
+from tierd.layout import KVSpec
+from tierd.testing import Daemon, RedisCluster
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (make install installs it)")
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+
+
+@pytest.fixture
+def daemons(cluster, tmp_path):
+    prefix = f"t{time.monotonic_ns()}"
+    made = []
+
+    def node(name, *flags):
+        d = Daemon(tmp_path / name, "--remote", cluster.url, "--remote-prefix", prefix, *flags).start()
+        made.append(d)
+        return d
+
+    yield node
+    for d in made:
+        d.close()
+
+
+def test_a_session_stored_on_a_node_that_dies_resumes_on_another(daemons):
+    a, b, c = daemons("a"), daemons("b"), daemons("c")
+    tokens = list(range(1000, 1000 + 80))
+    data = os.urandom(5 * SPEC.page_bytes)
+    with a.client() as ca:
+        ca.put("chat", data, SPEC, 80, token_ids=tokens)
+        wait_for(lambda: ca.stat("chat").remote_durable, what="the session published")
+    a.kill()
+    shutil.rmtree(a.data_dir)
+
+    with c.client() as cc:
+        info = cc.stat("chat")
+        assert (info.tier, info.tier_bytes, info.num_tokens) == ("remote", {"remote": len(data)}, 80)
+        assert cc.lookup("chat", tokens[:40] + [1] * 40, SPEC).num_tokens == 32  # two whole pages match
+        assert cc.lookup("chat", tokens, SPEC).num_tokens == 80
+    with b.client() as cb:
+        assert cb.get("chat") == data
+        assert cb.stat("chat").tier == "host"
+        with pytest.raises(NotFound):
+            cb.stat("nobody-saved-this")
+    with b.client() as cb:
+        assert "chat" in {s.session_id for s in cb.list()}  # fetched here, so listed
+
+
+def test_prefetch_and_wait_ready_bring_a_remote_session_in(daemons):
+    a, b = daemons("a"), daemons("b")
+    data = os.urandom(3 * SPEC.page_bytes)
+    with a.client() as ca:
+        ca.put("next-turn", data, SPEC, 48)
+        wait_for(lambda: ca.stat("next-turn").remote_durable, what="the session published")
+    with b.client() as cb:
+        assert cb.prefetch("next-turn") == "queued"
+        assert cb.wait_ready("next-turn", timeout=30) == (True, "host")
+        assert cb.get("next-turn") == data
+
+
+def test_a_master_killed_fails_over_and_local_tiers_serve_throughout(daemons, cluster):
+    a, b = daemons("a"), daemons("b")
+    blobs = {f"s{i}": os.urandom(2 * SPEC.page_bytes) for i in range(12)}
+    with a.client() as ca:
+        for sid, blob in blobs.items():
+            ca.put(sid, blob, SPEC, 32)
+        for sid in blobs:
+            wait_for(lambda: ca.stat(sid).remote_durable, what=f"{sid} published")
+    assert metric(a, "tierd_remote_up") == 1
+    masters = [port for port, role in cluster.nodes() if role == "master"]
+    cluster.kill(masters[0])
+    with a.client() as ca:
+        for sid, blob in blobs.items():  # a's own tiers, whatever the remote tier does
+            assert ca.get(sid) == blob
+    assert metric(a, "tierd_remote_ops_total", 'op="manifest",outcome="unavailable"') >= 1
+    cluster.wait_ok(timeout=60)
+    with b.client() as cb:
+        def served():
+            try:
+                return all(cb.get(sid) == blob for sid, blob in blobs.items())
+            except Exception:
+                return False
+
+        wait_for(served, timeout=60, what="every session served from the promoted replicas")
+    wait_for(lambda: metric(a, "tierd_remote_up") == 1, what="a's probe finds the remote tier again")
+
+
+def test_a_wrong_or_missing_password_is_a_clear_start_up_error(tmp_path):
+    locked = RedisCluster(tmp_path / "redis", masters=3, replicas=0, password="s3cret-pw").start()
+    try:
+        wrong = {"TIERD_REMOTE_PASSWORD": "not-the-pw-9f3"}
+        for env, said in ((wrong, "refused the password"), ({}, "needs a password")):
+            d = Daemon(tmp_path / f"d{len(env)}", "--remote", locked.url, env=env)
+            with pytest.raises(RuntimeError) as err:
+                d.start()
+            assert said in str(err.value) and "s3cret-pw" not in str(err.value) and "not-the-pw-9f3" not in d.log()
+        pw = tmp_path / "pw"
+        pw.write_text("s3cret-pw\n")
+        d = Daemon(tmp_path / "ok", "--remote", locked.url, "--remote-password-file", str(pw)).start()
+        try:
+            with d.client() as c:
+                c.put("x", b"y" * 4096, KVSpec.opaque("test/blob"), 1)
+                wait_for(lambda: c.stat("x").remote_durable, what="published with the password")
+            assert "s3cret-pw" not in d.log()
+        finally:
+            d.close()
+    finally:
+        locked.close()

@@ -1,0 +1,218 @@
+"""The remote tier inside the store: two stores with separate data dirs
+sharing one real Redis Cluster, as two nodes would. A session stored on
+one is found, read, restored and appended to on the other, byte-exact and
+checked; racing nodes leave one whole history; a damaged or cut-short
+remote copy is DATA_LOSS or NOT_FOUND, never served; with the remote tier
+down, local sessions are served and the others are NOT_FOUND at once."""
+
+import shutil
+import time
+
+import pytest
+
+from tests.helpers import SPEC, Harness, HostEngine, wait_for
+from tierd.errors import DataLoss, NotFound
+from tierd.testing import RedisCluster
+from tierd.tiers.remote import tag_of
+from tierd.types import SessionKey
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (make install installs it)")
+PAGE = SPEC.page_bytes
+
+
+@pytest.fixture
+def nodes(cluster, tmp_path):
+    prefix = f"t{time.monotonic_ns()}"
+    made = []
+
+    def node(name, **kw):
+        h = Harness(str(tmp_path / name), remote=cluster.url, remote_prefix=prefix, **kw)
+        h.open()
+        made.append(h)
+        return h
+
+    yield node
+    for h in made:
+        h.close()
+
+
+def save(store, key, engine, blocks, num_tokens, start_token=0, tokens=None):
+    return store.save(key, engine.memory, SPEC, blocks, num_tokens, start_token,
+                      token_ids=tokens if tokens is not None else list(range(num_tokens)))
+
+
+def published(store, key):
+    wait_for(lambda: store.stat(key).remote_durable, what=f"{key} published")
+
+
+def test_a_session_stored_on_one_node_is_read_and_restored_on_another(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "chat")
+    src = HostEngine(seed=1)
+    save(a, key, src, [3, 1, 4], 40)
+    published(a, key)
+
+    info = b.stat(key)  # only the remote tier holds it here
+    assert (info.tier, info.state, info.tier_bytes, info.num_tokens) == ("remote", "remote", {"remote": 3 * PAGE}, 40)
+    assert b.lookup(key, list(range(40))).num_tokens == 40
+    assert b.lookup(key, list(range(20)) + [7] * 20).num_tokens == 16  # the first page matches, the second not
+    assert b.keys() == []  # neither fetched
+
+    dst = HostEngine(seed=2)
+    r = b.restore(key, dst.memory, SPEC, [7, 8, 9])
+    assert r.num_tokens == 40 and dst.pages([7, 8, 9]) == src.pages([3, 1, 4])
+    assert b.stat(key).tier == "host" and b.stat(key).remote_durable  # fetched, and still what the remote holds
+    _, reader = b.get(key)
+    assert b"".join(bytes(c) for c in reader) == b"".join(src.pages([3, 1, 4]))
+
+
+def test_the_next_turn_on_another_node_appends_and_publishes_one_history(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "turns")
+    eng = HostEngine(seed=3)
+    save(a, key, eng, [0, 1], 32)
+    published(a, key)
+    save(b, key, eng, [2], 48, start_token=32)  # turn 2 lands on b: fetched, appended
+    published(b, key)
+    c = nodes("c").store
+    dst = HostEngine(seed=4)
+    c.restore(key, dst.memory, SPEC, [5, 6, 7])
+    assert dst.pages([5, 6, 7]) == eng.pages([0, 1, 2]) and c.stat(key).num_tokens == 48
+
+    # a holds turn 1 only: it finds b's turn 2 before it appends turn 3, and the history goes on
+    assert a.stat(key).num_tokens == 48  # answered from the remote tier's manifest
+    save(a, key, eng, [3], 64, start_token=48)
+    published(a, key)
+    c.restore(key, dst.memory, SPEC, [5, 6, 7, 8])
+    assert dst.pages([5, 6, 7, 8]) == eng.pages([0, 1, 2, 3]) and c.stat(key).num_tokens == 64
+
+    c.drop(key)
+    c2 = nodes("c2").store
+    with pytest.raises(NotFound):
+        c2.stat(key)
+
+
+def test_a_copy_with_stores_not_published_is_served_as_it_is(nodes):
+    a, quiet = nodes("a").store, nodes("quiet", remote_write="off").store
+    key = SessionKey("alice", "mine-here")
+    ours, theirs = HostEngine(seed=13), HostEngine(seed=14)
+    save(quiet, key, ours, [0, 1], 32)  # never published: this node's copy is the session here
+    save(a, key, theirs, [0, 1], 32)
+    published(a, key)
+    dst = HostEngine(seed=15)
+    quiet.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == ours.pages([0, 1]) and quiet.stat(key).tier == "host"
+
+
+def test_racing_fresh_histories_leave_one_whole_one(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "race")
+    ea, eb = HostEngine(seed=5), HostEngine(seed=6)
+    for round_ in range(3):
+        save(a, key, ea, [0, 1, 2], 48)
+        save(b, key, eb, [0, 1, 2], 48)
+    wait_for(lambda: a.publish_pending() == 0 and b.publish_pending() == 0, what="publishers idle")
+    c = nodes("c").store
+    dst = HostEngine(seed=7)
+    c.restore(key, dst.memory, SPEC, [0, 1, 2])
+    assert dst.pages([0, 1, 2]) in (ea.pages([0, 1, 2]), eb.pages([0, 1, 2]))  # one node's, never a mix
+
+
+def test_a_damaged_or_cut_short_remote_copy_is_never_served(nodes, cluster):
+    a, b = nodes("a").store, nodes("b").store
+    eng = HostEngine(seed=8)
+    for sid in ("bad", "short"):
+        save(a, SessionKey("alice", sid), eng, [0, 1], 32)
+        published(a, SessionKey("alice", sid))
+    client = a.remote.store.client
+    bad = sorted(client.keys(f"{a.remote.store.prefix}:{{{tag_of(SessionKey('alice', 'bad'))}}}:w*"))[0]
+    value = bytearray(client.get(bad))
+    value[100] ^= 1
+    client.set(bad, bytes(value))
+    with pytest.raises(DataLoss):
+        b.restore(SessionKey("alice", "bad"), HostEngine().memory, SPEC, [0, 1])
+    short = sorted(client.keys(f"{a.remote.store.prefix}:{{{tag_of(SessionKey('alice', 'short'))}}}:w*"))[0]
+    client.delete(short)
+    with pytest.raises(NotFound):
+        b.get(SessionKey("alice", "short"))
+    assert b.keys() == [] and b.check_accounting() == []  # nothing half-fetched is left behind
+
+
+def test_a_tenant_reaches_only_its_own_remote_sessions(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    save(a, SessionKey("alice", "mine"), HostEngine(seed=9), [0], 16)
+    published(a, SessionKey("alice", "mine"))
+    for verb in (lambda k: b.stat(k), lambda k: b.get(k), lambda k: b.drop(k)):
+        with pytest.raises(NotFound):
+            verb(SessionKey("mallory", "mine"))
+    assert b.stat(SessionKey("alice", "mine")).num_tokens == 16
+
+
+def test_prefetch_fetches_a_remote_session_and_wait_ready_sees_it_come(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "prefetch")
+    eng = HostEngine(seed=10)
+    save(a, key, eng, [0, 1, 2, 3], 64)
+    published(a, key)
+    assert b.prefetch(key) == "queued"
+    assert b.wait_ready(key, timeout=30) == (True, "host")
+    with pytest.raises(NotFound):
+        b.prefetch(SessionKey("alice", "nowhere"))
+
+
+def test_with_the_remote_tier_down_local_sessions_serve_and_others_are_not_found_at_once(nodes, tmp_path):
+    down = RedisCluster(tmp_path / "down", masters=3, replicas=0).start()
+    try:
+        h = Harness(str(tmp_path / "n"), remote=down.url)
+        s = h.open()
+        key = SessionKey("alice", "local")
+        eng = HostEngine(seed=11)
+        save(s, key, eng, [0, 1], 32)
+        published(s, key)
+        for port, _ in down.nodes():
+            down.kill(port)
+        t0 = time.monotonic()
+        with pytest.raises(NotFound):
+            s.stat(SessionKey("alice", "elsewhere"))
+        for _ in range(20):
+            with pytest.raises(NotFound):
+                s.stat(SessionKey("alice", "elsewhere"))
+        assert time.monotonic() - t0 < 10  # the first call times out, the rest fail at once
+        save(s, key, eng, [2, 3], 32)
+        dst = HostEngine(seed=12)
+        s.restore(key, dst.memory, SPEC, [0, 1])
+        assert dst.pages([0, 1]) == eng.pages([2, 3])
+        assert not s.stat(key).remote_durable
+        h.close()
+    finally:
+        down.close()
+
+
+def test_a_fetch_queued_then_dropped_leaves_nothing_waiting(nodes):
+    a, b = nodes("a").store, nodes("b", movers=0).store  # b runs no moves: its fetch stays queued
+    key = SessionKey("alice", "queued")
+    save(a, key, HostEngine(seed=16), [0], 16)
+    published(a, key)
+    assert b.prefetch(key) == "queued"
+    assert b.ready(key) == (False, "remote")
+    b.drop(key)
+    for verb in (b.ready, b.stat):
+        with pytest.raises(NotFound):
+            verb(key)
+
+
+def test_a_fetch_takes_over_a_queued_prefetch_or_demotion_and_never_gives_way():
+    from tierd.core.move_queue import Job
+    from tierd.core.store.lifecycle import merge_prefetch
+    from tierd.tiers.ioqueue import IOClass
+
+    key = SessionKey("alice", "jobs")
+    demotion = Job(key, "disk", "idle", IOClass.DEMOTION, 0, None)
+    assert merge_prefetch(demotion, Job(key, "host", "fetch", IOClass.PREFETCH, 2, 5.0))
+    assert (demotion.reason, demotion.target, demotion.priority, demotion.deadline) == ("fetch", "host", 2, 5.0)
+    prefetch = Job(key, "host", "prefetch", IOClass.PREFETCH, 0, None)
+    assert merge_prefetch(prefetch, Job(key, "host", "fetch", IOClass.PREFETCH, 0, None))
+    assert prefetch.reason == "fetch"
+    assert not merge_prefetch(prefetch, Job(key, "host", "prefetch", IOClass.PREFETCH, 0, None))
+    assert prefetch.reason == "fetch"  # the remote version is still what the engine will read

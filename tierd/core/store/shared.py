@@ -1,0 +1,538 @@
+"""The remote tier in the store: sessions shared with every node through a
+remote store (tiers/remote.py), whole versions at a time.
+
+Reading. Before a call reads a session (Stat, Lookup, Restore, Get,
+BeginRestore, an append: a store from start_token > 0, Prefetch), the store
+asks the remote tier for the session's manifest: where this node holds no
+copy, or a copy of an older version with nothing stored here since, the
+remote version is the session. Stat and Lookup answer from the manifest;
+the others fetch it into the host tier first, every page checked, and then
+serve it as any other. A local copy with stores not yet published is this
+node's and is served as it is. Drop removes both copies.
+
+Publishing. With write "through", every committed store queues the session
+for the publisher thread, which reads its pages (no lock held, as a Get
+does) and publishes them as a new version; with "back", the publisher
+queues sessions that have been idle on disk for `idle` seconds. The queue
+holds `queue` sessions: a store that finds it full still succeeds here and
+the session is not remote-durable until it is stored again (or, with back,
+found idle). A version replaces the one this content builds on (the one it
+was fetched as, or last published as); a session stored from token 0 here
+since replaces whatever is there (a new history); anything else is another
+node's newer history, which wins: this node's copy is not published.
+
+Faults. A remote call that fails marks the remote tier down; until a probe
+thread finds it answering again (every PROBE_SECONDS), no call waits on it:
+sessions this node does not hold are NOT_FOUND at once (the engine
+recomputes) and local copies are served as they are.
+
+Where the code runs: manifests and fetches on the RPC thread of the call
+that needs them, or on a mover for a Prefetch; publishes on the publisher
+thread; the probe on a thread of its own while the tier is down. A call on
+the event loop that would have to ask the remote store raises WouldBlock,
+and the API runs it again on an RPC thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierd.core import tokens
+from tierd.core.model import Session, Snapshot
+from tierd.core.move_queue import Job
+from tierd.core.store.checks import check_identity, check_priority
+from tierd.core.store.inspection import Inspection
+from tierd.core.store.lifecycle import merge_prefetch
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, WouldBlock, shown
+from tierd.layout import KVSpec
+from tierd.tiers import HOST, REMOTE, tier_rank
+from tierd.tiers.ioqueue import IOClass
+from tierd.tiers.remote import CHUNK_BYTES, Manifest, RemoteStore
+from tierd.transfer.copier import EngineMemory
+from tierd.transfer.runs import Geometry
+from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
+
+log = logging.getLogger("tierd.core.store")
+
+PROBE_SECONDS = 1.0  # while the remote tier is down, how often a probe asks whether it answers again
+WRITE_MODES = ("through", "back", "off")
+
+
+@dataclass(frozen=True)
+class Remote:
+    """The remote tier as the store uses it."""
+
+    store: RemoteStore
+    write: str = "through"  # WRITE_MODES
+    idle: float = 60.0  # write "back": seconds idle on disk before a session is published
+    queue: int = 256  # sessions waiting to be published, at most
+
+
+class Shared(Inspection):
+    remote: Remote | None = None
+    loop_thread: int | None = None  # the event loop's thread, where no remote call may wait
+
+    def _start_remote(self, remote: Remote | None) -> None:
+        self.remote = remote
+        self._down = threading.Event()  # set while the remote tier is down (the probe clears it)
+        self._fetches: set[SessionKey] = set()  # queued or running fetches (Prefetch), under the store lock
+        self._fetching: dict[SessionKey, threading.Event] = {}  # one fetch per key at once
+        self._pub_cv = threading.Condition()
+        self._pub_queue: OrderedDict[SessionKey, None] = OrderedDict()
+        self._pub_stop = False
+        self._publishing = 0  # 1 while the publisher works on a session
+        self._publisher: threading.Thread | None = None
+        if remote is not None and remote.write != "off":
+            self._publisher = threading.Thread(target=self._publish_loop, name="tierd-publisher", daemon=True)
+            self._publisher.start()
+
+    def _stop_publisher(self, flush: bool, timeout: float = 10.0) -> None:
+        """Stop the publisher; with flush, after what is queued is published (within timeout)."""
+        end = time.monotonic() + timeout
+        with self._pub_cv:
+            while flush and (self._pub_queue or self._publishing) and time.monotonic() < end \
+                    and not self._down.is_set():
+                self._pub_cv.wait(max(0.0, end - time.monotonic()))
+        with self._pub_cv:
+            self._pub_stop = True
+            self._pub_cv.notify_all()
+        if self._publisher is not None:
+            self._publisher.join(timeout=30)
+
+    def _close_remote(self) -> None:
+        """Close the connections to the remote tier (once nothing runs that uses them)."""
+        if self.remote is not None:
+            self.remote.store.close()
+
+    # -- talking to the remote store -----------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """A remote call, failing at once while the remote tier is down."""
+        assert self.remote is not None
+        if threading.get_ident() == self.loop_thread:
+            raise WouldBlock(what)
+        if self._down.is_set():
+            raise Unavailable("the remote tier is unreachable (a probe retries it every second)")
+        try:
+            return fn(*args, **kw)
+        except Unavailable:
+            self._went_down(what)
+            raise
+
+    def _went_down(self, what: str) -> None:
+        """Mark the remote tier down and start the probe that brings it back."""
+        self.events.remote_op(what, "unavailable")
+        with self._lock:
+            if self._down.is_set() or self._closed:
+                return
+            self._down.set()
+        log.warning("remote tier: %s failed; until it answers again, sessions not held here are not found", what)
+        self.events.remote_up(False)
+        threading.Thread(target=self._probe, name="tierd-remote-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        assert self.remote is not None
+        store = self.remote.store
+        while not self._closed:
+            time.sleep(PROBE_SECONDS)
+            try:
+                store.ping()
+            except Unavailable:
+                continue
+            self._down.clear()
+            log.warning("remote tier: answering again")
+            self.events.remote_up(True)
+            with self._pub_cv:
+                self._pub_cv.notify_all()
+            return
+
+    def _manifest(self, key: SessionKey) -> Manifest | None:
+        """The remote tier's manifest of a session; None where there is none or the tier is unreachable."""
+        if self.remote is None:
+            return None
+        try:
+            return self._call("manifest", self.remote.store.manifest, key)
+        except Unavailable:
+            return None
+
+    def _has(self, key: SessionKey) -> bool:
+        with self._lock:
+            return key in self._sessions
+
+    # -- fetching -----------------------------------------------------------------------------
+
+    def _stale(self, key: SessionKey) -> Manifest | None:
+        """The remote manifest where it is the session and this node's copy is
+        not: this node holds none, or one of another version with nothing
+        stored here since. None where the local copy (or nothing) is the
+        session, or the remote tier does not answer."""
+        if self.remote is None:
+            return None
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is not None and not session.remote_durable:
+                return None  # stores not published yet: this node's copy is the session
+            version = session.remote_version if session is not None else 0
+        m = self._manifest(key)
+        return m if m is not None and m.version != version else None
+
+    def _bring(self, key: SessionKey) -> None:
+        """Make this node's copy the session's current version, fetching it
+        into the host tier where the remote tier holds a newer one."""
+        m = self._stale(key)
+        if m is not None:
+            self._fetch(key, m)
+
+    def _fetch(self, key: SessionKey, m: Manifest | None = None) -> bool:
+        """Bring the session's remote version (m, else the current one) into the
+        host tier, every page checked, in place of an older local copy;
+        False if the remote tier holds none. One fetch per key at once: a
+        second caller waits for the first."""
+        with self._lock:
+            running = self._fetching.get(key)
+            if running is None:
+                done = self._fetching[key] = threading.Event()
+        if running is not None:
+            running.wait(60.0)
+            return self._has(key)
+        try:
+            m = m or self._stale(key)
+            if m is None:
+                return self._has(key)
+            self._adopt(key, m)
+            return True
+        finally:
+            with self._lock:
+                del self._fetching[key]
+            done.set()
+
+    def _adopt(self, key: SessionKey, m: Manifest) -> None:
+        assert self.remote is not None
+        try:
+            spec = KVSpec.from_dict(m.spec)
+        except (TierdError, ValueError, TypeError, KeyError) as exc:
+            raise DataLoss(f"the remote copy of session {shown(key.session_id)} has a spec that does not parse "
+                           f"({exc})") from None
+        n = m.n_pages
+        if spec.fingerprint != m.fingerprint or m.page_bytes != spec.page_bytes or n == 0 or \
+                not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes or \
+                (not spec.is_opaque and spec.pages_for_tokens(m.num_tokens) != n) or \
+                len(m.token_hashes) not in (0, n):
+            raise DataLoss(f"the remote copy of session {shown(key.session_id)} does not agree with itself "
+                           "(identity, page size, pages or token hashes)")
+        geom = Geometry(m.page_bytes, n, m.nbytes - (n - 1) * m.page_bytes)
+        hashes = m.token_hashes if len(m.token_hashes) else None
+        form = tokens.empty(0)
+        if hashes is not None and (hashes.dtype != form.dtype or hashes.shape[1:] != form.shape[1:]):
+            raise DataLoss(f"the remote copy of session {shown(key.session_id)} has token hashes of another form")
+        t0 = time.perf_counter()
+        w = self._begin_write(key, spec, HOST, 0, m.num_tokens, m.nbytes, geom, hashes, None)
+        try:
+            writer = self.copier.page_writer(w.spans, geom)
+            for chunk in self.remote.store.chunks(key, m):  # each straight into its pages: one copy
+                writer.write(chunk)
+            sums = self.copier.checksums(w.spans, geom)
+            bad = np.flatnonzero(sums != m.checksums)
+            if bad.size:
+                raise DataLoss(f"page {int(bad[0])} of session {shown(key.session_id)} failed its checksum in the "
+                               "remote tier", page=int(bad[0]), tier=REMOTE)
+        except Unavailable:
+            self.abort_write(w)
+            self._went_down("fetch")
+            raise
+        except DataLoss:
+            self.abort_write(w)
+            self.events.checksum_failed(REMOTE)
+            raise
+        except BaseException:
+            self.abort_write(w)
+            raise
+        lock, session = self._acquire(key)
+        try:
+            if session is not None and (not session.remote_durable or session.remote_version == m.version):
+                self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
+                return
+            session = self._publish(key, lock, session, spec, 0, w.pieces, HOST, sums, m.num_tokens, m.nbytes, None,
+                                    hashes)
+            w.pieces = []
+            with self._lock:
+                session.remote_version, session.remote_at = m.version, session.snap.version
+                session.released_at = self.clock.now()
+                self._schedule(session)
+        finally:
+            lock.release()
+        seconds = time.perf_counter() - t0
+        self.copier.record(f"{REMOTE}->{HOST}", m.nbytes, seconds)
+        self.events.moved(REMOTE, HOST, "fetch", m.nbytes, seconds)
+
+    # -- the calls that reach the remote tier ---------------------------------------------------
+
+    def stat(self, key: SessionKey) -> SessionInfo:
+        m = self._stale(key)
+        return self._remote_info(key, m) if m is not None else super().stat(key)
+
+    def _remote_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
+        try:
+            spec = KVSpec.from_dict(m.spec)
+        except (TierdError, ValueError, TypeError, KeyError):
+            raise DataLoss(f"the remote copy of session {shown(key.session_id)} has a spec that does not "
+                           "parse") from None
+        return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=REMOTE, tier_bytes={REMOTE: m.nbytes},
+                           state=REMOTE, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
+                           durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
+                           model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True)
+
+    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None) -> LookupResult:
+        m = self._stale(key)
+        if m is None:
+            return super().lookup(key, token_ids, spec)
+        info = self._remote_info(key, m)
+        if spec is not None:
+            check_identity(Session(key, Snapshot(info.spec), 0.0, 0.0), spec)
+        bt = info.spec.block_tokens
+        hashes = m.token_hashes if len(m.token_hashes) else tokens.empty(m.n_pages)
+        request = tokens.check_ids(token_ids)
+        pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request)
+        return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, REMOTE if pages else None)
+
+    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int]) -> RestoreResult:
+        self._bring(key)
+        return super().restore(key, engine, spec, block_ids)
+
+    def get(self, key: SessionKey, chunk_bytes: int = 1 << 20):  # type: ignore[override]
+        self._bring(key)
+        return super().get(key, chunk_bytes)
+
+    def begin_restore(self, key: SessionKey, *args: Any, **kw: Any):  # type: ignore[override]
+        self._bring(key)
+        return super().begin_restore(key, *args, **kw)
+
+    def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
+             num_tokens: int, start_token: int = 0, *args: Any, **kw: Any) -> SessionInfo:
+        if start_token:
+            self._bring(key)  # an append onto a session another node stored
+        return super().save(key, engine, spec, block_ids, num_tokens, start_token, *args, **kw)
+
+    def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int, priority: int | None = None,
+                  start_token: int = 0, token_ids: Iterable[int] | None = None):  # type: ignore[override]
+        if start_token:
+            self._bring(key)
+        return super().begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids)
+
+    def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
+                   *args: Any, **kw: Any):  # type: ignore[override]
+        if start_token:
+            self._bring(key)
+        return super().begin_save(key, spec, num_tokens, start_token, *args, **kw)
+
+    def prefetch(self, key: SessionKey, tier: str = HOST, priority: int = 0, deadline: float | None = None) -> str:
+        check_priority(priority)
+        self.check_prefetch_target(tier)
+        m = self._stale(key)
+        if m is None:
+            return super().prefetch(key, tier, priority, deadline)
+        with self._lock:
+            self._fetches.add(key)
+        self.moves.submit(Job(key, tier, "fetch", IOClass.PREFETCH, priority, deadline), merge_prefetch)
+        return "queued"
+
+    def ready(self, key: SessionKey, tier: str = HOST) -> tuple[bool, str | None]:
+        with self._lock:
+            if key in self._fetches:
+                return False, REMOTE
+        return super().ready(key, tier)
+
+    def _run_job(self, job: Job) -> None:
+        if job.reason != "fetch":
+            super()._run_job(job)
+            return
+        try:
+            if job.deadline is not None and self.clock.now() > job.deadline:
+                self.events.prefetch_outcome("missed")
+                return
+            try:
+                found = self._fetch(job.key)
+            except TierdError as exc:
+                log.warning("fetch of %s/%s from the remote tier failed: %s", *job.key, exc)
+                found = False
+            if not found:
+                self.events.prefetch_outcome("missed")
+                return
+            if tier_rank(job.target) < tier_rank(HOST):
+                super()._run_job(Job(job.key, job.target, "prefetch", job.io_class, job.priority, job.deadline))
+                return
+            with self._lock:
+                session = self._sessions.get(job.key)
+            if session is not None:
+                now = self._expect(session)
+                self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
+        finally:
+            with self._lock:
+                self._fetches.discard(job.key)
+            self._notify()
+
+    def drop(self, key: SessionKey) -> None:
+        """Forget the session here and, unless the remote tier is read-only, there."""
+        held = True
+        try:
+            super().drop(key)
+        except NotFound:
+            held = False
+        with self._lock:
+            self._fetches.discard(key)  # a queued fetch was cancelled with the drop
+        there = False
+        if self.remote is not None and self.remote.write != "off":
+            try:
+                there = self._call("drop", self.remote.store.drop, key)
+            except Unavailable:
+                if not held:
+                    raise
+                log.warning("drop of %s/%s: the remote tier is unreachable; its copy goes by its TTL", *key)
+        if not held and not there:
+            raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def _commit_write(self, w: Any, sums: np.ndarray, keep: bool = False) -> SessionInfo:
+        info = super()._commit_write(w, sums, keep)
+        if self.remote is not None:
+            with self._lock:
+                session = self._sessions.get(w.key)
+                if session is not None and w.first_page == 0:
+                    session.remote_fresh = session.snap.version
+            if session is not None and self.remote.write == "through":
+                self._queue_publish(w.key)
+        return info
+
+    def _queue_publish(self, key: SessionKey) -> bool:
+        assert self.remote is not None
+        with self._pub_cv:
+            if key in self._pub_queue:
+                return True
+            if len(self._pub_queue) >= self.remote.queue:
+                self.events.remote_op("publish", "queue_full")
+                return False
+            self._pub_queue[key] = None
+            self._pub_cv.notify()
+            return True
+
+    def publish(self, key: SessionKey) -> bool:
+        """Publish the session to the remote tier now, on this thread, as the
+        publisher would; whether the remote tier then holds its content."""
+        if self.remote is None:
+            raise FailedPrecondition("there is no remote tier: start with --remote")
+        self._get(key)
+        self._publish_one(key)
+        return self.stat(key).remote_durable
+
+    def publish_pending(self) -> int:
+        """Sessions waiting for the publisher (queued or being published)."""
+        with self._pub_cv:
+            return len(self._pub_queue) + self._publishing
+
+    def _publish_loop(self) -> None:
+        assert self.remote is not None
+        scan_every = max(0.5, min(self.remote.idle / 4, 10.0))
+        next_scan = time.monotonic() + scan_every
+        while True:
+            with self._pub_cv:
+                while not self._pub_queue and not self._pub_stop:
+                    left = next_scan - time.monotonic()
+                    if self.remote.write == "back" and left <= 0:
+                        break
+                    self._pub_cv.wait(left if self.remote.write == "back" else None)
+                if self._pub_stop:
+                    return
+                key = self._pub_queue.popitem(last=False)[0] if self._pub_queue else None
+                self._publishing = int(key is not None)
+            if key is None:
+                self._queue_idle()
+                next_scan = time.monotonic() + scan_every
+                continue
+            try:
+                self._publish_one(key)
+            except Exception:  # noqa: BLE001 - the publisher outlives any one session
+                log.exception("publishing %s/%s to the remote tier failed", *key)
+            finally:
+                with self._pub_cv:
+                    self._publishing = 0
+                    self._pub_cv.notify_all()
+
+    def _queue_idle(self) -> None:
+        """Write back: queue the sessions idle on disk long enough and not yet remote-durable."""
+        assert self.remote is not None
+        now = self.clock.now()
+        with self._lock:
+            due = [s.key for s in self._sessions.values()
+                   if s.durable and not s.remote_durable and not s.damaged and s.released_at is not None
+                   and now - s.released_at >= self.remote.idle]
+        for key in due:
+            if not self._queue_publish(key):
+                return
+
+    def _publish_one(self, key: SessionKey) -> None:
+        assert self.remote is not None
+        store = self.remote.store
+        if self._down.is_set():
+            return  # not remote-durable; stored again (or found idle, with back) once the tier answers
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None or session.dropped or session.damaged or session.remote_durable:
+                return
+            snap = session.snap
+            version, spec, sums, hashes = snap.version, snap.spec, snap.checksums, snap.token_hashes
+            num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
+            base, fresh = session.remote_version, session.remote_fresh > session.remote_at
+            session.readers += 1
+        try:
+            try:
+                m = self._call("manifest", store.manifest, key)
+            except DataLoss:
+                m = None  # unreadable: replaced
+            if m is not None and m.version != base and not fresh:
+                if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
+                    self._published(session, version, m.version)  # the same content is there already
+                    return
+                self.events.remote_op("publish", "conflict")
+                log.info("%s/%s not published: another node stored a newer version (%d) of it", *key, m.version)
+                return
+            t0 = time.perf_counter()
+            data = (chunk for chunk, _ in self.copier.read_stream(spans, geom, sums, CHUNK_BYTES, IOClass.WRITEBACK))
+            new = self._call("publish", store.publish, key, m.version if m is not None else 0, spec.to_dict(),
+                             spec.fingerprint, num_tokens, spec.page_bytes, sums,
+                             hashes if tokens.known(hashes) else tokens.empty(0), data)
+            seconds = time.perf_counter() - t0
+            self.copier.record(f"{HOST}->{REMOTE}", geom.nbytes, seconds)
+            self.events.moved(max((s.tier for s in spans), key=tier_rank), REMOTE, "publish", geom.nbytes, seconds)
+            self.events.remote_op("publish", "ok")
+            if self._published(session, version, new.version):
+                self._call("drop", store.drop, key)  # dropped while it was published
+        except FailedPrecondition as exc:
+            self.events.remote_op("publish", "conflict")
+            log.info("%s/%s not published: %s", *key, exc)
+        except DataLoss as exc:
+            self.placement.mark_damaged(session, exc)
+        except Unavailable as exc:
+            log.info("%s/%s not published: %s", *key, exc)
+        finally:
+            self.placement.end_read(session)
+
+    def _published(self, session: Session, version: int, remote_version: int) -> bool:
+        """Record that the remote tier holds snapshot `version` as remote_version; whether the session was
+        dropped meanwhile."""
+        with self._lock:
+            session.remote_version = remote_version
+            if session.snap.version == version:
+                session.remote_at = version
+            return session.dropped
+
+
+__all__ = ["PROBE_SECONDS", "WRITE_MODES", "Remote", "Shared"]
