@@ -158,6 +158,8 @@ class Config:
     tenant_host_quota: int = _opt(parse_size, "host bytes each tenant may hold (0: no limit)", 0)
     tenant_disk_quota: int = _opt(parse_size, "disk bytes each tenant may hold (0: no limit)", 0)
     tenant_sessions: int = _opt(_count, "sessions each tenant may hold (0: no limit)", 0)
+    tenant_remote_quota: int = _opt(parse_size, "remote tier bytes each tenant's sessions may take; past it, stores "
+                                                "stay local (0: no limit)", 0)
     tenant_inflight_bytes: int | str = _opt(_size_or_auto, "bytes one tenant may have in flight in data calls "
                                                            "(auto: the host budget; 0: no cap)", AUTO)
     tenant_leases: int = _opt(_count, "leases each tenant may hold open (0: no limit)", 64)

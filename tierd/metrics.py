@@ -54,8 +54,8 @@ class Metrics:
                                             "(a bad index row, a lost slab) and not served", ["reason"],
                                             registry=registry)
         self.remote_ops = Counter("tierd_remote_ops_total", "Remote tier calls that did not simply succeed, and "
-                                  "publishes: op (manifest, fetch, publish, drop), outcome (ok, conflict, "
-                                  "queue_full, unavailable)", ["op", "outcome"], registry=registry)
+                                  "publishes: op (manifest, fetch, publish, drop, ...), outcome (ok, "
+                                  "conflict, quota, queue_full, unavailable)", ["op", "outcome"], registry=registry)
         self.remote_reachable: Gauge | None = None  # made by set_backends where there is a remote tier
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon

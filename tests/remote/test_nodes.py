@@ -51,6 +51,7 @@ def test_a_session_stored_on_a_node_that_dies_resumes_on_another(daemons):
         assert (info.tier, info.tier_bytes, info.num_tokens) == ("remote", {"remote": len(data)}, 80)
         assert cc.lookup("chat", tokens[:40] + [1] * 40, SPEC).num_tokens == 32  # two whole pages match
         assert cc.lookup("chat", tokens, SPEC).num_tokens == 80
+        assert [(s.session_id, s.tier) for s in cc.list()] == [("chat", "remote")]  # listed, not fetched
     with b.client() as cb:
         assert cb.get("chat") == data
         assert cb.stat("chat").tier == "host"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, flip_in_arena, wait_for
 from tierd.errors import DataLoss, NotFound
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
@@ -103,6 +103,36 @@ def test_a_copy_with_stores_not_published_is_served_as_it_is(nodes):
     dst = HostEngine(seed=15)
     quiet.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == ours.pages([0, 1]) and quiet.stat(key).tier == "host"
+
+
+def test_a_copy_damaged_here_gives_way_to_the_remote_one(nodes):
+    a, hb = nodes("a").store, nodes("b")
+    b = hb.store
+    key = SessionKey("alice", "hurt-here")
+    eng = HostEngine(seed=18)
+    save(a, key, eng, [0, 1], 32)
+    published(a, key)
+    b.restore(key, HostEngine().memory, SPEC, [0, 1])  # fetched into b's host tier
+    flip_in_arena(hb.root, eng.page(1)[:64])
+    with pytest.raises(DataLoss):
+        b.restore(key, HostEngine().memory, SPEC, [0, 1])
+    dst = HostEngine(seed=19)
+    b.restore(key, dst.memory, SPEC, [0, 1])  # the damaged copy is replaced by the remote tier's
+    assert dst.pages([0, 1]) == eng.pages([0, 1]) and b.stat(key).state != "damaged"
+
+
+def test_a_garbled_remote_manifest_leaves_local_copies_served(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "garbled")
+    eng = HostEngine(seed=20)
+    save(a, key, eng, [0, 1], 32)
+    published(a, key)
+    a.remote.store.client.set(a.remote.store._key(key, "m"), b"1 {not json")
+    dst = HostEngine(seed=21)
+    a.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == eng.pages([0, 1])
+    with pytest.raises(DataLoss):
+        b.restore(key, dst.memory, SPEC, [0, 1])
 
 
 def test_racing_fresh_histories_leave_one_whole_one(nodes):
@@ -216,3 +246,45 @@ def test_a_fetch_takes_over_a_queued_prefetch_or_demotion_and_never_gives_way():
     assert prefetch.reason == "fetch"
     assert not merge_prefetch(prefetch, Job(key, "host", "prefetch", IOClass.PREFETCH, 0, None))
     assert prefetch.reason == "fetch"  # the remote version is still what the engine will read
+
+
+def test_list_merges_the_sessions_only_the_remote_tier_holds_page_by_page(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    eng = HostEngine(seed=17)
+    for i in range(7):
+        save(a, SessionKey("alice", f"r{i}"), eng, [i], 16)  # on a, so remote only for b
+    save(a, SessionKey("bob", "other"), eng, [0], 16)
+    for i in range(7):
+        published(a, SessionKey("alice", f"r{i}"))
+    published(a, SessionKey("bob", "other"))
+    for i in (1, 4, 8):
+        save(b, SessionKey("alice", f"r{i}"), eng, [i], 16)  # b's own (r1 and r4 newer than a's)
+        published(b, SessionKey("alice", f"r{i}"))
+    a.drop(SessionKey("alice", "r5"))
+    seen, token = [], ""
+    while True:
+        page, token = b.list("alice", after=token, limit=3)
+        assert len(page) <= 3
+        seen += [(info.session_id, info.tier) for info in page]
+        if not token:
+            break
+    assert [sid for sid, _ in seen] == ["r0", "r1", "r2", "r3", "r4", "r6", "r8"]
+    assert dict(seen)["r0"] == "remote" and dict(seen)["r8"] == "host"
+    assert {i.session_id for i in b.list("bob")[0]} == {"other"}  # each tenant its own
+
+
+def test_a_tenant_past_its_remote_quota_stores_locally_only(nodes):
+    a = nodes("a", remote_quota=3 * PAGE).store
+    eng = HostEngine(seed=22)
+    save(a, SessionKey("alice", "q1"), eng, [0, 1], 32)
+    published(a, SessionKey("alice", "q1"))
+    save(a, SessionKey("alice", "q2"), eng, [2, 3], 32)  # 4 pages in all: past the quota of 3
+    wait_for(lambda: a.publish_pending() == 0, what="the publisher idle")
+    assert not a.stat(SessionKey("alice", "q2")).remote_durable
+    save(a, SessionKey("bob", "q3"), eng, [2, 3], 32)  # another tenant's quota is its own
+    published(a, SessionKey("bob", "q3"))
+    save(a, SessionKey("alice", "q1"), eng, [0], 16)  # a smaller version of q1 in place of the old one
+    published(a, SessionKey("alice", "q1"))
+    a.drop(SessionKey("alice", "q1"))  # its bytes are given back
+    save(a, SessionKey("alice", "q2"), eng, [2, 3], 32)
+    published(a, SessionKey("alice", "q2"))

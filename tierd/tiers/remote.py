@@ -7,7 +7,10 @@ Layout. A session's keys share one hash tag (its slot), derived by hash from
 tenant and session id, so no key names either: `PREFIX:{TAG}:m` holds the
 manifest, `PREFIX:{TAG}:w{WRITE}:{i}` the snapshot's logical bytes in
 chunks of CHUNK_BYTES, a little below a power of two (jemalloc rounds an
-exact 2**n value up by a quarter). Every key has the store's TTL.
+exact 2**n value up by a quarter). Every key has the store's TTL. Each
+tenant's session ids are members of one sorted set, `PREFIX:{TENANT TAG}:s`
+(for List; a member whose manifest is gone is dropped when found), and
+`PREFIX:{TENANT TAG}:b` maps each to its bytes (the tenant's quota).
 
 One history per session. A version is published in two steps: its chunks
 under a write id of its own, then the manifest switched by compare-and-set
@@ -187,6 +190,42 @@ class RemoteStore:
     def _key(self, key: SessionKey, *parts: str) -> str:
         return ":".join((self.prefix, "{" + tag_of(key) + "}", *parts))
 
+    def _index(self, tenant: str, what: str = "s") -> str:
+        return f"{self.prefix}:{{t{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:{what}"
+
+    def usage(self, tenant: str) -> dict[str, int]:
+        """Bytes of each of the tenant's sessions, as their publishes recorded them."""
+        raw = self._call("a usage read", self.client.hgetall, self._index(tenant, "b"))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
+        """The tenant's session ids in the store's index, in order, after `after`."""
+        raw = self._call("a list", self.client.zrangebylex, self._index(tenant), f"({after}" if after else "-", "+",
+                         start=0, num=count)
+        return [r.decode() for r in raw]
+
+    def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
+        """The current manifest of each session (None: none, or one that does not parse)."""
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._key(key, "m"))
+        out: list[Manifest | None] = []
+        for raw in self._call("a manifest read", pipe.execute):
+            try:
+                out.append(None if raw is None else Manifest.decode(raw))
+            except DataLoss:
+                out.append(None)
+        return out
+
+    def unlist(self, tenant: str, session_ids: list[str]) -> None:
+        if session_ids:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(self._index(tenant), *session_ids)
+            pipe.hdel(self._index(tenant, "b"), *session_ids)
+            self._call("an unlist", pipe.execute)
+
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         import redis
         from redis.exceptions import RedisClusterException
@@ -249,8 +288,21 @@ class RemoteStore:
             self._delete(key, write, chunks)
             raise FailedPrecondition(f"another node published version {int(old)} of this session first",
                                      version=int(old))
+        try:  # listed for its tenant: where this fails, the session is served, only not listed
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(self._index(key.tenant), {key.session_id: 0})
+            pipe.hset(self._index(key.tenant, "b"), key.session_id, nbytes)
+            if self.ttl_ms:
+                pipe.pexpire(self._index(key.tenant), self.ttl_ms)
+                pipe.pexpire(self._index(key.tenant, "b"), self.ttl_ms)
+            self._call("a list entry", pipe.execute)
+        except Unavailable:
+            pass
         if old:
-            previous = Manifest.decode(old)
+            try:
+                previous = Manifest.decode(old)
+            except DataLoss:
+                return manifest  # unreadable: its chunks go by their TTL
             self._delete(key, previous.write, previous.chunks)  # the version replaced: reclaimed
         return manifest
 
@@ -320,6 +372,7 @@ class RemoteStore:
         except DataLoss:
             manifest = None  # unreadable: its chunks go by their TTL
         existed = bool(self._call("a drop", self.client.delete, self._key(key, "m")))
+        self.unlist(key.tenant, [key.session_id])
         if manifest is not None:
             self._delete(key, manifest.write, manifest.chunks)
         return existed

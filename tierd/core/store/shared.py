@@ -74,6 +74,7 @@ class Remote:
     write: str = "through"  # WRITE_MODES
     idle: float = 60.0  # write "back": seconds idle on disk before a session is published
     queue: int = 256  # sessions waiting to be published, at most
+    tenant_quota: int = 0  # bytes each tenant's sessions may take in the remote tier (0: no limit)
 
 
 class Shared(Inspection):
@@ -173,15 +174,23 @@ class Shared(Inspection):
         """The remote manifest where it is the session and this node's copy is
         not: this node holds none, or one of another version with nothing
         stored here since. None where the local copy (or nothing) is the
-        session, or the remote tier does not answer."""
+        session, or the remote tier does not answer. A damaged local copy
+        gives way to whatever the remote tier holds; a remote manifest that
+        does not parse is DataLoss only where this node holds no copy."""
         if self.remote is None:
             return None
         with self._lock:
             session = self._sessions.get(key)
-            if session is not None and not session.remote_durable:
+            if session is not None and not session.remote_durable and not session.damaged:
                 return None  # stores not published yet: this node's copy is the session
-            version = session.remote_version if session is not None else 0
-        m = self._manifest(key)
+            version = -1 if session is None or session.damaged else session.remote_version
+        try:
+            m = self._manifest(key)
+        except DataLoss:
+            if session is None:
+                raise
+            log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
+            return None
         return m if m is not None and m.version != version else None
 
     def _bring(self, key: SessionKey) -> None:
@@ -257,7 +266,8 @@ class Shared(Inspection):
             raise
         lock, session = self._acquire(key)
         try:
-            if session is not None and (not session.remote_durable or session.remote_version == m.version):
+            if session is not None and not session.damaged and \
+                    (not session.remote_durable or session.remote_version == m.version):
                 self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
             session = self._publish(key, lock, session, spec, 0, w.pieces, HOST, sums, m.num_tokens, m.nbytes, None,
@@ -302,6 +312,37 @@ class Shared(Inspection):
         request = tokens.check_ids(token_ids)
         pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request)
         return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, REMOTE if pages else None)
+
+    def list(self, tenant: str | None = None, after: str = "", limit: int = 100) -> tuple[list[SessionInfo], str]:
+        """The store's list, and for one tenant the sessions only the remote tier
+        holds, merged in order of id (every tenant's: this node's only)."""
+        page, token = super().list(tenant, after, limit)
+        if self.remote is None or tenant is None:
+            return page, token
+        start = after.split("\x00", 1)[1] if after else ""
+        try:
+            listed = self._call("list", self.remote.store.listed, tenant, start, limit + 1)
+            ids = [i for i in listed if not self._has(SessionKey(tenant, i))]
+            found = self._call("list", self.remote.store.manifests, [SessionKey(tenant, i) for i in ids])
+        except Unavailable:
+            return page, token
+        gone = [i for i, m in zip(ids, found) if m is None]
+        if gone:
+            try:
+                self._call("list", self.remote.store.unlist, tenant, gone)  # expired or evicted
+            except Unavailable:
+                pass
+        merged = sorted(page + [self._remote_info(SessionKey(tenant, i), m) for i, m in zip(ids, found) if m],
+                        key=lambda info: info.session_id)
+        # Each source is complete up to the last id it returned, where it had more.
+        ends = ([page[-1].session_id] if token and page else []) + ([listed[-1]] if len(listed) > limit else [])
+        if ends:
+            merged = [info for info in merged if info.session_id <= min(ends)]
+        if len(merged) > limit:
+            return merged[:limit], f"{tenant}\x00{merged[limit - 1].session_id}"
+        if ends:
+            return merged, f"{tenant}\x00{merged[-1].session_id if merged else min(ends)}"
+        return merged, ""
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int]) -> RestoreResult:
         self._bring(key)
@@ -504,6 +545,8 @@ class Shared(Inspection):
                 self.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node stored a newer version (%d) of it", *key, m.version)
                 return
+            if self.remote.tenant_quota and not self._within_quota(key, geom.nbytes):
+                return
             t0 = time.perf_counter()
             data = (chunk for chunk, _ in self.copier.read_stream(spans, geom, sums, CHUNK_BYTES, IOClass.WRITEBACK))
             new = self._call("publish", store.publish, key, m.version if m is not None else 0, spec.to_dict(),
@@ -524,6 +567,20 @@ class Shared(Inspection):
             log.info("%s/%s not published: %s", *key, exc)
         finally:
             self.placement.end_read(session)
+
+    def _within_quota(self, key: SessionKey, nbytes: int) -> bool:
+        """Whether a version of nbytes fits the tenant's remote quota (in place of
+        the session's last). Checked before each publish: nodes publishing at
+        the same moment may each take one session past it."""
+        assert self.remote is not None
+        usage = self._call("quota", self.remote.store.usage, key.tenant)
+        held = sum(usage.values()) - usage.get(key.session_id, 0)
+        if held + nbytes <= self.remote.tenant_quota:
+            return True
+        self.events.remote_op("publish", "quota")
+        log.info("%s/%s not published: tenant %s holds %d bytes of its %d in the remote tier", *key, shown(key.tenant),
+                 held, self.remote.tenant_quota)
+        return False
 
     def _published(self, session: Session, version: int, remote_version: int) -> bool:
         """Record that the remote tier holds snapshot `version` as remote_version; whether the session was
