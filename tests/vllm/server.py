@@ -35,6 +35,41 @@ def text(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
+BLOCK = 32  # the servers' block size, in tokens
+OUT = 24  # tokens generated per turn in the tests
+
+
+def conversation(tok, seed: int, words: tuple[int, int] = (400, 60)) -> tuple[list[int], list[int]]:
+    """The prompt of turn 1 and the user's next message, as token ids."""
+    return tok(text(words[0], seed))["input_ids"], tok(" " + text(words[1], seed + 1000))["input_ids"]
+
+
+def served(r: dict) -> int:
+    """The prompt tokens vLLM did not compute: the connector loaded them."""
+    return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def expected_served(p1: list[int], out1: list[int], p2: list[int]) -> int:
+    # turn 1 left KV for every token but its last; vLLM loads whole blocks and computes the prompt's last token
+    return min(len(p1) + len(out1) - 1, len(p2) - 1) // BLOCK * BLOCK
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    """Until predicate() holds; a session not found yet (its save runs just
+    after the response) counts as not yet."""
+    from tierd.client import NotFound
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except NotFound:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
 def tiny_llama(path: str | Path, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
                max_len: int = 4096, seed: int = 0) -> str:
     """Write a random-weight Llama (head size hidden // heads) and a BPE
@@ -80,7 +115,7 @@ class VllmServer:
     tierd socket, the TierdConnector is loaded."""
 
     def __init__(self, model: str, log_path: str | Path, tierd_socket: str | None = None,
-                 python: str = sys.executable, block_size: int = 32, max_len: int = 4096,
+                 python: str = sys.executable, block_size: int = BLOCK, max_len: int = 4096,
                  prefix_caching: bool = False, extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -23,25 +23,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm.server import VllmServer, text, tiny_llama
-from tierd.client import NotFound
+from tests.vllm.server import OUT, VllmServer, conversation, expected_served, served, wait_for
 from tierd.testing import ROOT, Daemon
-
-BLOCK = 32
-OUT = 24  # tokens generated per turn
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
-    return path, AutoTokenizer.from_pretrained(path)
-
-
-def conversation(tok, seed, words=(400, 60)):
-    """The prompt of turn 1 and the user's next message, as token ids."""
-    return tok(text(words[0], seed))["input_ids"], tok(" " + text(words[1], seed + 1000))["input_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -72,29 +55,6 @@ def world(model, reference, tmp_path_factory):
     finally:
         server.close()
         daemon.close()
-
-
-def wait_for(predicate, timeout=30.0):
-    """Until predicate() holds; a session not found yet (its save runs just
-    after the response) counts as not yet."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except NotFound:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-def served(r):
-    return r["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def expected_served(p1, out1, p2):
-    # turn 1 left KV for every token but its last; vLLM loads whole blocks and computes the prompt's last token
-    return min(len(p1) + len(out1) - 1, len(p2) - 1) // BLOCK * BLOCK
 
 
 def test_turn_two_resumes_from_disk_after_prefetch(world, reference):
