@@ -142,7 +142,7 @@ def test_racing_fresh_histories_leave_one_whole_one(nodes):
     for round_ in range(3):
         save(a, key, ea, [0, 1, 2], 48)
         save(b, key, eb, [0, 1, 2], 48)
-    wait_for(lambda: a.publish_pending() == 0 and b.publish_pending() == 0, what="publishers idle")
+    wait_for(lambda: a.publish_queue() == b.publish_queue() == (0, 0), what="publishers idle")
     c = nodes("c").store
     dst = HostEngine(seed=7)
     c.restore(key, dst.memory, SPEC, [0, 1, 2])
@@ -279,7 +279,7 @@ def test_a_tenant_past_its_remote_quota_stores_locally_only(nodes):
     save(a, SessionKey("alice", "q1"), eng, [0, 1], 32)
     published(a, SessionKey("alice", "q1"))
     save(a, SessionKey("alice", "q2"), eng, [2, 3], 32)  # 4 pages in all: past the quota of 3
-    wait_for(lambda: a.publish_pending() == 0, what="the publisher idle")
+    wait_for(lambda: a.publish_queue() == (0, 0), what="the publisher idle")
     assert not a.stat(SessionKey("alice", "q2")).remote_durable
     save(a, SessionKey("bob", "q3"), eng, [2, 3], 32)  # another tenant's quota is its own
     published(a, SessionKey("bob", "q3"))
@@ -288,3 +288,25 @@ def test_a_tenant_past_its_remote_quota_stores_locally_only(nodes):
     a.drop(SessionKey("alice", "q1"))  # its bytes are given back
     save(a, SessionKey("alice", "q2"), eng, [2, 3], 32)
     published(a, SessionKey("alice", "q2"))
+
+
+def test_a_full_publish_queue_leaves_stores_local_and_not_remote_durable(nodes, cluster):
+    import redis
+
+    a = nodes("a", remote_queue=1).store
+    eng = HostEngine(seed=23)
+    masters = [port for port, role in cluster.nodes() if role == "master"]
+    for port in masters:  # writes wait: the publisher's first SETs hang for the pause
+        redis.Redis(port=port).client_pause(4000, all=False)
+    keys = [SessionKey("alice", f"full{i}") for i in range(3)]
+    save(a, keys[0], eng, [0], 16)
+    wait_for(lambda: a.publish_queue() == (0, 1), what="the first publish under way")
+    save(a, keys[1], eng, [1], 16)  # queued
+    save(a, keys[2], eng, [2], 16)  # the queue is full: stored here only
+    published(a, keys[0])
+    published(a, keys[1])
+    wait_for(lambda: a.publish_queue() == (0, 0), what="the publisher idle")
+    assert not a.stat(keys[2]).remote_durable
+    dst = HostEngine(seed=24)
+    a.restore(keys[2], dst.memory, SPEC, [0])
+    assert dst.pages([0]) == eng.pages([2])

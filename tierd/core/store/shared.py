@@ -474,10 +474,10 @@ class Shared(Inspection):
         self._publish_one(key)
         return self.stat(key).remote_durable
 
-    def publish_pending(self) -> int:
-        """Sessions waiting for the publisher (queued or being published)."""
+    def publish_queue(self) -> tuple[int, int]:
+        """Sessions waiting for the publisher, and being published (0 or 1)."""
         with self._pub_cv:
-            return len(self._pub_queue) + self._publishing
+            return len(self._pub_queue), self._publishing
 
     def _publish_loop(self) -> None:
         assert self.remote is not None
