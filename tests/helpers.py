@@ -61,6 +61,7 @@ class Harness:
     remote_prefix: str = "tierd"
     remote_quota: int = 0  # remote tier bytes each tenant may take (0: no limit)
     remote_queue: int = 256  # sessions waiting to be published, at most
+    remote_timeout: float = 0.5  # seconds a remote call may take
     store: Store | None = None
     machine: Machine | None = None
 
@@ -73,7 +74,8 @@ class Harness:
                      device_budget=self.device_budget or 0, device_slab=8 * MiB,
                      verify="all" if set(self.verify) != {"disk"} else "disk", io_workers=4, movers=self.movers,
                      remote=self.remote, remote_write=self.remote_write, remote_prefix=self.remote_prefix,
-                     tenant_remote_quota=self.remote_quota, remote_queue=self.remote_queue)
+                     tenant_remote_quota=self.remote_quota, remote_queue=self.remote_queue,
+                     remote_timeout=self.remote_timeout)
         self.machine = build(cfg, policy=self.policy, clock=self.clock, events=self.events, disk=self.disk,
                              disk_ops=self.disk_ops, window_bytes=self.window_bytes)
         self.store, self.prefix = self.machine.store, self.machine.shm_prefix

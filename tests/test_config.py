@@ -54,3 +54,30 @@ def test_bad_file(tmp_path):
 def test_writeback_can_be_turned_off():
     assert load({"writeback_idle": "off"}, env={}).writeback_idle is None
     assert Config().disk_ttl is None
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"remote": "redis://127.0.0.1:\u00b2"}, "not HOST:PORT"),
+    ({"remote": "redis://127.0.0.1:\uff16\uff13\uff17\uff19"}, "not HOST:PORT"),
+    ({"remote": "redis://[::1:6379"}, "not HOST:PORT"),
+    ({"remote": "redis://user:pw@127.0.0.1:6379"}, "carries no password"),
+    ({"remote": "http://127.0.0.1:6379"}, "redis://"),
+    ({"remote": "redis://127.0.0.1:6379", "remote_timeout": "nan"}, "finite"),
+    ({"remote": "redis://127.0.0.1:6379", "remote_timeout": "0"}, "0.01 to 60"),
+    ({"remote_prefix": "a{b}"}, "without braces"),
+])
+def test_bad_remote_settings_are_refused_clearly(flags, words):
+    with pytest.raises(InvalidArgument, match=words):
+        load(flags=flags, env={})
+
+
+def test_the_remote_password_comes_from_a_file_or_the_environment_never_garbled(tmp_path):
+    from tierd.config import remote_password
+
+    good, bad = tmp_path / "pw", tmp_path / "bad"
+    good.write_text("s3cret\n")
+    bad.write_bytes(b"\xff\xfe\x00pw")
+    assert remote_password(load(flags={"remote_password_file": str(good)}, env={}), env={}) == "s3cret"
+    assert remote_password(load(env={}), env={"TIERD_REMOTE_PASSWORD": "e"}) == "e"
+    with pytest.raises(InvalidArgument, match="not UTF-8"):
+        remote_password(load(flags={"remote_password_file": str(bad)}, env={}), env={})

@@ -9,6 +9,7 @@ data directory's free space.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -47,8 +48,8 @@ def _seconds(text: Any) -> float:
         value = float(text)
     except (TypeError, ValueError):
         raise InvalidArgument(f"expected a number of seconds, got {text!r}") from None
-    if value < 0:
-        raise InvalidArgument(f"seconds must not be negative, got {text!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"seconds must be a finite number, not negative, got {text!r}")
     return value
 
 
@@ -124,7 +125,8 @@ def _remote_url(text: Any) -> str:
                               "TIERD_REMOTE_PASSWORD")
     for hp in hosts.rstrip("/").split(","):
         host, _, port = hp.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        if not host or host.startswith("[") != host.endswith("]") or not port.isascii() or not port.isdigit() \
+                or not 0 < int(port) <= 65535:
             raise InvalidArgument(f"{hp!r} in the remote tier's URL is not HOST:PORT")
     return value
 
@@ -204,7 +206,7 @@ class Config:
     remote_password_file: str = _opt(_text, "file holding the remote tier's password (or TIERD_REMOTE_PASSWORD; "
                                             "never a flag)", "")
     remote_tls_ca: str = _opt(_text, "PEM CA bundle for rediss:// remote tiers", "")
-    remote_timeout: float = _opt(_seconds, "seconds a remote call may take before it fails", 2.0)
+    remote_timeout: float = _opt(_seconds, "seconds a remote call may take before it fails (one retry at once)", 0.5)
     remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
                                      "sharing a cluster)", "tierd")
 
@@ -221,6 +223,8 @@ class Config:
         if not self.remote_prefix or any(c in self.remote_prefix for c in "{}: \t\n"):
             raise InvalidArgument(f"remote_prefix is a word without braces, colons or spaces, not "
                                   f"{self.remote_prefix!r}")
+        if not 0.01 <= self.remote_timeout <= 60:
+            raise InvalidArgument(f"remote_timeout is 0.01 to 60 seconds, not {self.remote_timeout}")
         if self.remote_tls_ca and not self.remote.startswith("rediss://"):
             raise InvalidArgument("--remote-tls-ca needs a rediss:// remote tier")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - 4096:
@@ -314,7 +318,8 @@ def remote_password(cfg: Config, env: dict[str, str] | None = None) -> str | Non
         try:
             with open(cfg.remote_password_file, encoding="utf-8") as f:
                 return f.readline().rstrip("\r\n")
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "it is not UTF-8 text"
             raise InvalidArgument(f"cannot read the remote tier's password file {cfg.remote_password_file}: "
-                                  f"{exc.strerror or exc}") from None
+                                  f"{why}") from None
     return (os.environ if env is None else env).get("TIERD_REMOTE_PASSWORD") or None

@@ -171,6 +171,22 @@ class RedisCluster:
                 raise RuntimeError(f"the cluster is not ok after {timeout:.0f} s: {self.nodes()}")
             time.sleep(0.1)
 
+    def wait_replicated(self, timeout: float = 30.0) -> None:
+        """Until every master's replicas have all it wrote (offsets equal): what a
+        fail-over may not lose. Redis replicates in the background."""
+        deadline = time.monotonic() + timeout
+        for port in [p for p, role in self.nodes() if role == "master"]:
+            while True:
+                info = self._cli("info", "replication", port=port, timeout=5)
+                offset = re.search(r"master_repl_offset:(\d+)", info)
+                replicas = re.findall(r"slave\d+:.*?offset=(\d+)", info)
+                if offset and len(replicas) >= self.replicas and all(int(o) >= int(offset.group(1))
+                                                                     for o in replicas):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the replicas of {port} did not catch up in {timeout:.0f} s:\n{info}")
+                time.sleep(0.05)
+
     def kill(self, port: int) -> None:
         """kill -9 one node."""
         self.procs[port].kill()

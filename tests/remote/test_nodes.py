@@ -82,6 +82,7 @@ def test_a_master_killed_fails_over_and_local_tiers_serve_throughout(daemons, cl
         for sid in blobs:
             wait_for(lambda: ca.stat(sid).remote_durable, what=f"{sid} published")
     assert metric(a, "tierd_remote_up") == 1
+    cluster.wait_replicated()  # a fail-over keeps what the replicas have (a session not yet there: NOT_FOUND)
     masters = [port for port, role in cluster.nodes() if role == "master"]
     cluster.kill(masters[0])
     with a.client() as ca:

@@ -293,7 +293,7 @@ def test_a_tenant_past_its_remote_quota_stores_locally_only(nodes):
 def test_a_full_publish_queue_leaves_stores_local_and_not_remote_durable(nodes, cluster):
     import redis
 
-    a = nodes("a", remote_queue=1).store
+    a = nodes("a", remote_queue=1, remote_timeout=10).store  # writes held for 4 s are slow, not down
     eng = HostEngine(seed=23)
     masters = [port for port, role in cluster.nodes() if role == "master"]
     for port in masters:  # writes wait: the publisher's first SETs hang for the pause
@@ -310,3 +310,114 @@ def test_a_full_publish_queue_leaves_stores_local_and_not_remote_durable(nodes, 
     dst = HostEngine(seed=24)
     a.restore(keys[2], dst.memory, SPEC, [0])
     assert dst.pages([0]) == eng.pages([2])
+
+
+def keys_of(store, key):
+    client = store.remote.store.client
+    return sorted(client.keys(f"{store.remote.store.prefix}:{{{tag_of(key)}}}:*"))
+
+
+def copy_session(store, src, dst):
+    """Copy every key of one session under another's hash tag, as a faulty or hostile store might."""
+    client = store.remote.store.client
+    for name in keys_of(store, src):
+        client.set(name.decode().replace(tag_of(src), tag_of(dst)), client.get(name))
+
+
+def test_keys_copied_from_another_session_or_tenant_are_never_served(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    bob, alice, nobody = SessionKey("bob", "evil"), SessionKey("alice", "victim"), SessionKey("alice", "never")
+    save(a, bob, HostEngine(seed=25), [0, 1], 32)
+    save(a, alice, HostEngine(seed=26), [0, 1], 32)
+    published(a, bob)
+    published(a, alice)
+    copy_session(a, bob, alice)
+    copy_session(a, bob, nobody)
+    for key in (alice, nobody):
+        for verb in (lambda k: b.stat(k), lambda k: b.get(k), lambda k: b.lookup(k, list(range(32))),
+                     lambda k: b.restore(k, HostEngine().memory, SPEC, [0, 1])):
+            with pytest.raises(DataLoss):
+                verb(key)
+    assert [i.session_id for i in b.list("alice")[0]] == []  # neither listed as alice's
+    save(a, alice, HostEngine(seed=27), [0, 1], 32)  # the owner stores again: its history replaces the copy
+    published(a, alice)
+    dst = HostEngine(seed=28)
+    b.restore(alice, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == HostEngine(seed=27).pages([0, 1])
+
+
+@pytest.mark.parametrize("garbage", [b"garbage", b"1 " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+                                     b'7 {"spec": {}, "pages": -5}\n'])
+def test_a_garbled_manifest_is_data_loss_there_and_replaced_by_the_next_store(nodes, garbage):
+    a, b = nodes("a").store, nodes("b").store
+    key, other = SessionKey("alice", "garbled-m"), SessionKey("alice", "fine")
+    eng = HostEngine(seed=29)
+    save(a, key, eng, [0, 1], 32)
+    save(a, other, eng, [2], 16)
+    published(a, key)
+    published(a, other)
+    a.remote.store.client.set(a.remote.store._key(key, "m"), garbage)
+    for verb in (lambda: b.stat(key), lambda: b.lookup(key, list(range(32))), lambda: b.get(key),
+                 lambda: b.prefetch(key)):
+        with pytest.raises(DataLoss):
+            verb()
+    assert [i.session_id for i in b.list("alice")[0]] == ["fine"]  # the tenant's other sessions are listed
+    save(a, key, eng, [3, 4], 32)
+    published(a, key)
+    dst = HostEngine(seed=30)
+    b.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == eng.pages([3, 4])
+
+
+def test_a_key_of_another_type_is_that_session_s_loss_not_the_tier_s(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key, other = SessionKey("alice", "wrongtype"), SessionKey("alice", "neighbour")
+    eng = HostEngine(seed=31)
+    save(a, other, eng, [0], 16)
+    published(a, other)
+    a.remote.store.client.hset(a.remote.store._key(key, "m"), "x", "y")
+    with pytest.raises(DataLoss):
+        b.stat(key)
+    assert b.stat(other).tier == "remote"  # the remote tier is not marked down by it
+
+
+def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_serve(tmp_path):
+    import os
+    import signal
+
+    from tierd.core.events import NullEvents
+
+    class Ups(NullEvents):
+        def __init__(self):
+            self.seen = []
+
+        def remote_up(self, up):
+            self.seen.append(up)
+
+    hung = RedisCluster(tmp_path / "hung", masters=3, replicas=0).start()  # no replica: nothing takes over
+    ups = Ups()
+    h = Harness(str(tmp_path / "n"), remote=hung.url, events=ups)
+    try:
+        s = h.open()
+        key = SessionKey("alice", "local-while-hung")
+        eng = HostEngine(seed=32)
+        save(s, key, eng, [0, 1], 32)
+        published(s, key)
+        port = s.remote.store.client.get_node_from_key(s.remote.store._key(key, "m")).port
+        os.kill(hung.procs[port].pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 4.0  # the probe asks every second: it would have flapped by now
+            reads = 0
+            while time.monotonic() < end:
+                dst = HostEngine(seed=33)
+                s.restore(key, dst.memory, SPEC, [0, 1])  # the first waits out the timeout; then none waits
+                assert dst.pages([0, 1]) == eng.pages([0, 1])
+                reads += 1
+            assert reads > 20 and ups.seen.count(False) == 1 and True not in ups.seen[ups.seen.index(False):]
+        finally:
+            os.kill(hung.procs[port].pid, signal.SIGCONT)
+        wait_for(lambda: ups.seen[-1] is True, what="the probe finds every primary answering")
+        assert s.stat(key).remote_durable
+    finally:
+        h.close()
+        hung.close()

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -50,12 +50,17 @@ PIPELINE = 16  # chunks written or read per round trip
 _CAS = """
 local cur = redis.call('GET', KEYS[1])
 local have = 0
-if cur then have = tonumber(string.match(cur, '^(%d+) ')) end
+if cur then have = tonumber(string.match(cur, '^(%d+) ')) or 0 end  -- one that does not parse: replaced as none
 if have ~= tonumber(ARGV[1]) then return {0, have} end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
 return {1, cur or ''}
 """
+
+
+class Refused(Unavailable):
+    """The remote store answered, with an error (out of memory, say): the call
+    failed, the store is not down."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,7 @@ class Manifest:
     checksums: np.ndarray  # uint64, one per page
     token_hashes: np.ndarray  # one row per page where token ids were given, else empty
     saved: float = 0.0  # when it was published (seconds since the epoch)
+    owner: str = ""  # owner_of(the session): a manifest copied under another session's keys is refused
 
     @property
     def n_pages(self) -> int:
@@ -89,29 +95,63 @@ class Manifest:
         meta = {"write": self.write, "fingerprint": self.fingerprint, "spec": self.spec,
                 "num_tokens": self.num_tokens, "nbytes": self.nbytes, "page_bytes": self.page_bytes,
                 "pages": self.n_pages, "saved": self.saved, "hash_dtype": self.token_hashes.dtype.str,
-                "hash_shape": list(self.token_hashes.shape)}
+                "hash_shape": list(self.token_hashes.shape), "owner": self.owner}
         sums = np.ascontiguousarray(self.checksums, dtype="<u8").tobytes()
         return f"{self.version} ".encode() + json.dumps(meta).encode() + b"\n" + sums + \
             np.ascontiguousarray(self.token_hashes).tobytes()
 
     @classmethod
     def decode(cls, raw: bytes) -> Manifest:
+        """The manifest in raw, checked to agree with itself (DataLoss if not):
+        whatever the store holds, what comes out of here is safe to describe."""
         try:
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{len(raw)} bytes")
             head, _, rest = raw.partition(b"\n")
             version, _, text = head.partition(b" ")
             meta = json.loads(text)
-            n = int(meta["pages"])
+            if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict):
+                raise ValueError("not an object with a spec")
+            n = _whole(meta["pages"], 1, MAX_PAGES)
             sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
-            shape = tuple(int(d) for d in meta["hash_shape"])
+            shape = tuple(_whole(d, 0, 1 << 20) for d in meta["hash_shape"])
             hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"]))
-            if len(sums) != n or hashes.size != int(np.prod(shape)):
-                raise ValueError("its checksums or token hashes are cut short")
-            hashes = hashes.reshape(shape).copy()
-            return cls(int(version), str(meta["write"]), str(meta["fingerprint"]), dict(meta["spec"]),
-                       int(meta["num_tokens"]), int(meta["nbytes"]), int(meta["page_bytes"]), sums, hashes,
-                       float(meta.get("saved", 0.0)))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise DataLoss(f"a remote manifest does not parse ({exc})") from None
+            if len(sums) != n or hashes.size != int(np.prod(shape)) or (shape and shape[0] not in (0, n)):
+                raise ValueError("its checksums or token hashes do not add up")
+            m = cls(_whole(version.decode(), 1, 1 << 62), str(meta["write"]), str(meta["fingerprint"]),
+                    dict(meta["spec"]), _whole(meta["num_tokens"], 0, 1 << 40), _whole(meta["nbytes"], 1, 1 << 50),
+                    _whole(meta["page_bytes"], 1, 1 << 34), sums, hashes.reshape(shape).copy(),
+                    float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
+            if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes or not m.write.isalnum():
+                raise ValueError("its pages do not hold its bytes")
+            return m
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
+            raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+MAX_MANIFEST_BYTES = 256 << 20  # 24 bytes a page: ten million pages
+MAX_PAGES = 10_000_000
+
+
+def _whole(value: Any, low: int, high: int) -> int:
+    """An integer in [low, high] (a bool, a float or a string of digits is not one)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{str(value)[:40]!r} is not a whole number from {low} to {high}")
+    return value
+
+
+def _owned(key: SessionKey, m: Manifest) -> Manifest:
+    if m.owner != owner_of(key):
+        raise DataLoss("the remote tier's manifest for this session is another session's (keys copied in the store?)",
+                       tier="remote")
+    return m
+
+
+def owner_of(key: SessionKey) -> str:
+    """Who a manifest belongs to: tenant and session id, hashed."""
+    return hashlib.sha256(f"owner\x00{key.tenant}\x00{key.session_id}".encode()).hexdigest()
 
 
 def tag_of(key: SessionKey) -> str:
@@ -119,7 +159,7 @@ def tag_of(key: SessionKey) -> str:
     return hashlib.sha256(f"{key.tenant}\x00{key.session_id}".encode()).hexdigest()[:24]
 
 
-def connect(url: str, password: str | None = None, tls_ca: str | None = None, timeout: float = 2.0) -> Any:
+def connect(url: str, password: str | None = None, tls_ca: str | None = None, timeout: float = 0.5) -> Any:
     """A redis-py client for `redis[s]://[user@]host:port[,host:port...]`:
     a cluster client where the first reachable node is in cluster mode, else
     a plain one. Fails fast (timeout seconds a call); a wrong password is
@@ -129,20 +169,21 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("redis", "rediss") or not rest:
         raise InvalidArgument(f"the remote store's URL is redis://HOST:PORT[,HOST:PORT...] or rediss://..., "
                               f"not {url.split('@')[-1]!r}", field="remote")
-    user, _, hosts = parts.netloc.rpartition("@")
+    user, _, hosts = rest.rstrip("/").rpartition("@")
     nodes = []
     for hp in hosts.split(","):
         host, _, port = hp.rpartition(":")
-        if not host or not port.isdigit():
+        bracketed = host.startswith("[") == host.endswith("]")
+        if not host or not bracketed or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(f"{hp!r} in the remote store's URL is not HOST:PORT", field="remote")
         nodes.append((host.strip("[]"), int(port)))
     opts: dict[str, Any] = {"password": password, "username": user.split(":")[0] or None,
                             "socket_timeout": timeout, "socket_connect_timeout": timeout}
-    if parts.scheme == "rediss":
+    if scheme == "rediss":
         opts.update(ssl=True, ssl_ca_certs=tls_ca)
     last: Exception | None = None
     for host, port in nodes:
@@ -212,11 +253,11 @@ class RemoteStore:
         for key in keys:
             pipe.get(self._key(key, "m"))
         out: list[Manifest | None] = []
-        for raw in self._call("a manifest read", pipe.execute):
+        for key, raw in zip(keys, self._call("a manifest read", pipe.execute, raise_on_error=False)):
             try:
-                out.append(None if raw is None else Manifest.decode(raw))
-            except DataLoss:
-                out.append(None)
+                out.append(None if raw is None else _owned(key, Manifest.decode(raw)))
+            except (DataLoss, TypeError):
+                out.append(None)  # TypeError: an error in raw's place (a key of another type, say)
         return out
 
     def unlist(self, tenant: str, session_ids: list[str]) -> None:
@@ -234,6 +275,11 @@ class RemoteStore:
             return fn(*args, **kw)
         except (redis.ConnectionError, redis.TimeoutError, RedisClusterException, OSError) as exc:
             raise Unavailable(f"the remote store did not answer ({what}): {exc}") from None
+        except redis.ResponseError as exc:
+            if str(exc).startswith("WRONGTYPE"):  # one key holds something else: that session's copy is unusable
+                raise DataLoss(f"the remote store holds something else than tierd wrote ({what}): {exc}",
+                               tier="remote") from None
+            raise Refused(f"the remote store refused {what}: {exc}") from None
         except redis.RedisError as exc:
             raise Unavailable(f"the remote store refused {what}: {exc}") from None
         except (AttributeError, TypeError, KeyError, IndexError) as exc:
@@ -242,12 +288,29 @@ class RemoteStore:
             raise Unavailable(f"the remote store did not answer ({what}): {type(exc).__name__}: {exc}") from None
 
     def ping(self) -> None:
-        """Unavailable unless the store answers (every primary, for a cluster)."""
-        self._call("a ping", self.client.ping)
+        """Unavailable unless the store answers: every primary, for a cluster (one
+        that hangs while the others answer is not a store that is up)."""
+        from redis.cluster import RedisCluster
+
+        if isinstance(self.client, RedisCluster):
+            # The cluster as it is now (a replica promoted meanwhile is a primary), then each primary.
+            self._call("a topology read", self.client.nodes_manager.initialize)
+            self._call("a ping", self.client.ping, target_nodes=RedisCluster.PRIMARIES)
+        else:
+            self._call("a ping", self.client.ping)
 
     def manifest(self, key: SessionKey) -> Manifest | None:
+        """The session's current manifest, or None; DataLoss for one that does
+        not parse or is another session's (keys copied in the store)."""
         raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
-        return None if raw is None else Manifest.decode(raw)
+        return None if raw is None else _owned(key, Manifest.decode(raw))
+
+    def version_of(self, key: SessionKey) -> int:
+        """The version number the manifest switch sees in the manifest's key,
+        whatever the rest holds (0: none, or none it can read)."""
+        raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
+        found = re.match(rb"(\d+) ", raw) if isinstance(raw, bytes) else None
+        return int(found.group(1)) if found else 0
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
@@ -276,9 +339,13 @@ class RemoteStore:
                 self._put(key, write, chunks, batch)
                 chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
             manifest = Manifest(expect + 1, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
-                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time())
-            ok, old = self._call("the manifest switch", self._cas, keys=[self._key(key, "m")],
-                                 args=[expect, manifest.encode(), self.ttl_ms])
+                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(),
+                                owner_of(key))
+            reply = self._call("the manifest switch", self._cas, keys=[self._key(key, "m")],
+                               args=[expect, manifest.encode(), self.ttl_ms])
+            if not isinstance(reply, list) or len(reply) != 2:
+                raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
+            ok, old = reply
         except BaseException:
             if sending is not None:
                 wait([sending])
@@ -394,4 +461,4 @@ def _rechunk(data: Iterable[bytes | memoryview]) -> Iterator[bytes]:
         yield bytes(buf)
 
 
-__all__ = ["CHUNK_BYTES", "Manifest", "RemoteStore", "connect", "tag_of"]
+__all__ = ["CHUNK_BYTES", "Manifest", "Refused", "RemoteStore", "connect", "owner_of", "tag_of"]

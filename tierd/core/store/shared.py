@@ -55,7 +55,7 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Una
 from tierd.layout import KVSpec
 from tierd.tiers import HOST, REMOTE, tier_rank
 from tierd.tiers.ioqueue import IOClass
-from tierd.tiers.remote import CHUNK_BYTES, Manifest, RemoteStore
+from tierd.tiers.remote import CHUNK_BYTES, Manifest, Refused, RemoteStore
 from tierd.transfer.copier import EngineMemory
 from tierd.transfer.runs import Geometry
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
@@ -124,6 +124,9 @@ class Shared(Inspection):
             raise Unavailable("the remote tier is unreachable (a probe retries it every second)")
         try:
             return fn(*args, **kw)
+        except Refused:
+            self.events.remote_op(what, "refused")
+            raise
         except Unavailable:
             self._went_down(what)
             raise
@@ -223,25 +226,31 @@ class Shared(Inspection):
                 del self._fetching[key]
             done.set()
 
-    def _adopt(self, key: SessionKey, m: Manifest) -> None:
-        assert self.remote is not None
+    @staticmethod
+    def _spec_of(key: SessionKey, m: Manifest) -> KVSpec:
+        """The manifest's spec, checked against what the manifest says of its
+        pages (DataLoss if they disagree): the manifest is then safe to serve
+        from (Stat, Lookup, List) and to fetch."""
         try:
             spec = KVSpec.from_dict(m.spec)
-        except (TierdError, ValueError, TypeError, KeyError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds
             raise DataLoss(f"the remote copy of session {shown(key.session_id)} has a spec that does not parse "
-                           f"({exc})") from None
-        n = m.n_pages
-        if spec.fingerprint != m.fingerprint or m.page_bytes != spec.page_bytes or n == 0 or \
-                not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes or \
-                (not spec.is_opaque and spec.pages_for_tokens(m.num_tokens) != n) or \
-                len(m.token_hashes) not in (0, n):
+                           f"({type(exc).__name__})", tier=REMOTE) from None
+        form = tokens.empty(0)
+        if spec.fingerprint != m.fingerprint or m.page_bytes != spec.page_bytes or \
+                (not spec.is_opaque and spec.pages_for_tokens(m.num_tokens) != m.n_pages) or \
+                (len(m.token_hashes) and (m.token_hashes.dtype != form.dtype or
+                                          m.token_hashes.shape[1:] != form.shape[1:])):
             raise DataLoss(f"the remote copy of session {shown(key.session_id)} does not agree with itself "
-                           "(identity, page size, pages or token hashes)")
+                           "(identity, page size, tokens or token hashes)", tier=REMOTE)
+        return spec
+
+    def _adopt(self, key: SessionKey, m: Manifest) -> None:
+        assert self.remote is not None
+        spec = self._spec_of(key, m)
+        n = m.n_pages
         geom = Geometry(m.page_bytes, n, m.nbytes - (n - 1) * m.page_bytes)
         hashes = m.token_hashes if len(m.token_hashes) else None
-        form = tokens.empty(0)
-        if hashes is not None and (hashes.dtype != form.dtype or hashes.shape[1:] != form.shape[1:]):
-            raise DataLoss(f"the remote copy of session {shown(key.session_id)} has token hashes of another form")
         t0 = time.perf_counter()
         w = self._begin_write(key, spec, HOST, 0, m.num_tokens, m.nbytes, geom, hashes, None)
         try:
@@ -290,11 +299,7 @@ class Shared(Inspection):
         return self._remote_info(key, m) if m is not None else super().stat(key)
 
     def _remote_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
-        try:
-            spec = KVSpec.from_dict(m.spec)
-        except (TierdError, ValueError, TypeError, KeyError):
-            raise DataLoss(f"the remote copy of session {shown(key.session_id)} has a spec that does not "
-                           "parse") from None
+        spec = self._spec_of(key, m)
         return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=REMOTE, tier_bytes={REMOTE: m.nbytes},
                            state=REMOTE, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
                            durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
@@ -332,8 +337,13 @@ class Shared(Inspection):
                 self._call("list", self.remote.store.unlist, tenant, gone)  # expired or evicted
             except Unavailable:
                 pass
-        merged = sorted(page + [self._remote_info(SessionKey(tenant, i), m) for i, m in zip(ids, found) if m],
-                        key=lambda info: info.session_id)
+        infos = []
+        for i, m in zip(ids, found):
+            try:
+                infos.append(self._remote_info(SessionKey(tenant, i), m) if m is not None else None)
+            except DataLoss:
+                pass  # a copy that does not agree with itself: not listed (Stat on it says why)
+        merged = sorted(page + [info for info in infos if info is not None], key=lambda info: info.session_id)
         # Each source is complete up to the last id it returned, where it had more.
         ends = ([page[-1].session_id] if token and page else []) + ([listed[-1]] if len(listed) > limit else [])
         if ends:
@@ -536,8 +546,9 @@ class Shared(Inspection):
         try:
             try:
                 m = self._call("manifest", store.manifest, key)
-            except DataLoss:
-                m = None  # unreadable: replaced
+                expect = m.version if m is not None else 0
+            except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
+                m, expect = None, self._call("manifest", store.version_of, key)
             if m is not None and m.version != base and not fresh:
                 if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
                     self._published(session, version, m.version)  # the same content is there already
@@ -549,7 +560,7 @@ class Shared(Inspection):
                 return
             t0 = time.perf_counter()
             data = (chunk for chunk, _ in self.copier.read_stream(spans, geom, sums, CHUNK_BYTES, IOClass.WRITEBACK))
-            new = self._call("publish", store.publish, key, m.version if m is not None else 0, spec.to_dict(),
+            new = self._call("publish", store.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)
             seconds = time.perf_counter() - t0
