@@ -421,3 +421,22 @@ def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_ser
     finally:
         h.close()
         hung.close()
+
+
+def test_write_back_publishes_sessions_once_idle_on_disk(nodes):
+    h = nodes("a", remote_write="back", remote_idle=2)
+    a, b = h.store, nodes("b").store
+    key = SessionKey("alice", "backed")
+    eng = HostEngine(seed=34)
+    save(a, key, eng, [0, 1], 32)
+    a.write_back(key)  # on disk, still in use: not published
+    assert a.publish_queue() == (0, 0) and not a.stat(key).remote_durable
+    a.release(key)
+    h.clock.advance(1.0)  # idle, not long enough yet
+    with pytest.raises(NotFound):
+        b.stat(key)
+    h.clock.advance(1.5)
+    published(a, key)
+    dst = HostEngine(seed=35)
+    b.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == eng.pages([0, 1])
