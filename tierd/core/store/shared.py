@@ -63,7 +63,6 @@ from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
 log = logging.getLogger("tierd.core.store")
 
 PROBE_SECONDS = 1.0  # while the remote tier is down, how often a probe asks whether it answers again
-WRITE_MODES = ("through", "back", "off")
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class Remote:
     """The remote tier as the store uses it."""
 
     store: RemoteStore
-    write: str = "through"  # WRITE_MODES
+    write: str = "through"  # through (every store), back (sessions idle on disk) or off (read only)
     idle: float = 60.0  # write "back": seconds idle on disk before a session is published
     queue: int = 256  # sessions waiting to be published, at most
     tenant_quota: int = 0  # bytes each tenant's sessions may take in the remote tier (0: no limit)
@@ -603,4 +602,4 @@ class Shared(Inspection):
             return session.dropped
 
 
-__all__ = ["PROBE_SECONDS", "WRITE_MODES", "Remote", "Shared"]
+__all__ = ["PROBE_SECONDS", "Remote", "Shared"]
