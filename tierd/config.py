@@ -111,23 +111,32 @@ def _text(text: Any) -> str:
     return str(text)
 
 
+def parse_remote_url(url: str) -> tuple[str, str, list[tuple[str, int]]]:
+    """(scheme, user, [(host, port), ...]) of redis[s]://[USER@]HOST:PORT[,HOST:PORT...];
+    InvalidArgument for anything else, a password in it included."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("redis", "rediss") or not rest:
+        raise InvalidArgument("expected redis://HOST:PORT[,HOST:PORT...] or rediss://..., "
+                              f"got {url.split('@')[-1]!r}", field="remote")
+    user, _, hosts = rest.rstrip("/").rpartition("@")
+    if ":" in user:
+        raise InvalidArgument("the remote tier's URL carries no password: use --remote-password-file or "
+                              "TIERD_REMOTE_PASSWORD", field="remote")
+    nodes = []
+    for hp in hosts.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or host.startswith("[") != host.endswith("]") or not port.isascii() or not port.isdigit() \
+                or not 0 < int(port) <= 65535:
+            raise InvalidArgument(f"{hp!r} in the remote tier's URL is not HOST:PORT", field="remote")
+        nodes.append((host.strip("[]"), int(port)))
+    return scheme, user, nodes
+
+
 def _remote_url(text: Any) -> str:
     value = str(text).strip()
     if value.lower() in ("", "off", "none"):
         return ""
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("redis", "rediss") or not rest:
-        raise InvalidArgument("expected redis://HOST:PORT[,HOST:PORT...] or rediss://..., "
-                              f"got {value.split('@')[-1]!r}")
-    user, _, hosts = rest.rpartition("@")
-    if ":" in user:
-        raise InvalidArgument("the remote tier's URL carries no password: use --remote-password-file or "
-                              "TIERD_REMOTE_PASSWORD")
-    for hp in hosts.rstrip("/").split(","):
-        host, _, port = hp.rpartition(":")
-        if not host or host.startswith("[") != host.endswith("]") or not port.isascii() or not port.isdigit() \
-                or not 0 < int(port) <= 65535:
-            raise InvalidArgument(f"{hp!r} in the remote tier's URL is not HOST:PORT")
+    parse_remote_url(value)
     return value
 
 

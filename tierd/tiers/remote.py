@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from tierd.checksum import page_checksum
-from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
+from tierd.config import parse_remote_url
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
 from tierd.types import SessionKey
 
 CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
@@ -169,19 +170,8 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
-    scheme, _, rest = url.partition("://")
-    if scheme not in ("redis", "rediss") or not rest:
-        raise InvalidArgument(f"the remote store's URL is redis://HOST:PORT[,HOST:PORT...] or rediss://..., "
-                              f"not {url.split('@')[-1]!r}", field="remote")
-    user, _, hosts = rest.rstrip("/").rpartition("@")
-    nodes = []
-    for hp in hosts.split(","):
-        host, _, port = hp.rpartition(":")
-        bracketed = host.startswith("[") == host.endswith("]")
-        if not host or not bracketed or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(f"{hp!r} in the remote store's URL is not HOST:PORT", field="remote")
-        nodes.append((host.strip("[]"), int(port)))
-    opts: dict[str, Any] = {"password": password, "username": user.split(":")[0] or None,
+    scheme, user, nodes = parse_remote_url(url)
+    opts: dict[str, Any] = {"password": password, "username": user or None,
                             "socket_timeout": timeout, "socket_connect_timeout": timeout}
     if scheme == "rediss":
         opts.update(ssl=True, ssl_ca_certs=tls_ca)
