@@ -72,12 +72,14 @@ def hand_over(path: str, fds: list[int], token: str | None = None, timeout: floa
         try:
             reply = _hand_over_once(path, payload, fds, max(0.1, deadline - time.monotonic()))
         except OSError as exc:
-            turned_away = exc.errno in (errno.ECONNRESET, errno.EPIPE)
+            # Reset or closed: every place of this process (or of the intake) was taken; EAGAIN: the
+            # intake's backlog is full of connections it has yet to take (and turn away, if they flood it).
+            turned_away = exc.errno in (errno.ECONNRESET, errno.EPIPE, errno.EAGAIN)
             if not turned_away or time.monotonic() >= deadline:
                 raise FailedPrecondition(f"cannot hand engine memory to the daemon at {path}: "
                                          f"{exc.strerror or exc} (shared memory needs the daemon's Unix socket, "
                                          "on the same machine)") from None
-            time.sleep(0.05)  # every place of this process (or of the intake) was taken: again, shortly
+            time.sleep(0.05)  # again, shortly
             continue
         if reply or time.monotonic() >= deadline:
             break
