@@ -176,11 +176,19 @@ def tokens_file(root: Path, tokens: dict[str, str]) -> str:
     return str(path)
 
 
-def wait_for(predicate, timeout: float = 30.0, what: str = "the condition"):
-    """Poll predicate until it returns something true; fail after timeout seconds."""
+def wait_for(predicate, timeout: float = 30.0, what: str = "the condition", missing_ok: bool = False):
+    """Poll predicate until it returns something true; fail after timeout seconds.
+    With missing_ok, a session not found yet (NotFound) counts as not yet."""
+    from tierd.errors import NotFound
+
     deadline = time.monotonic() + timeout
     while True:
-        got = predicate()
+        try:
+            got = predicate()
+        except NotFound:
+            if not missing_ok:
+                raise
+            got = None
         if got:
             return got
         if time.monotonic() > deadline:

@@ -46,12 +46,17 @@ def published(store, key):
     wait_for(lambda: store.stat(key).remote_durable, what=f"{key} published")
 
 
+def stored(store, key, engine, blocks, num_tokens, **kw):
+    """save(), then until the remote tier holds it."""
+    save(store, key, engine, blocks, num_tokens, **kw)
+    published(store, key)
+
+
 def test_a_session_stored_on_one_node_is_read_and_restored_on_another(nodes):
     a, b = nodes("a").store, nodes("b").store
     key = SessionKey("alice", "chat")
     src = HostEngine(seed=1)
-    save(a, key, src, [3, 1, 4], 40)
-    published(a, key)
+    stored(a, key, src, [3, 1, 4], 40)
 
     info = b.stat(key)  # only the remote tier holds it here
     assert (info.tier, info.state, info.tier_bytes, info.num_tokens) == ("remote", "remote", {"remote": 3 * PAGE}, 40)
@@ -71,8 +76,7 @@ def test_the_next_turn_on_another_node_appends_and_publishes_one_history(nodes):
     a, b = nodes("a").store, nodes("b").store
     key = SessionKey("alice", "turns")
     eng = HostEngine(seed=3)
-    save(a, key, eng, [0, 1], 32)
-    published(a, key)
+    stored(a, key, eng, [0, 1], 32)
     save(b, key, eng, [2], 48, start_token=32)  # turn 2 lands on b: fetched, appended
     published(b, key)
     c = nodes("c").store
@@ -82,8 +86,7 @@ def test_the_next_turn_on_another_node_appends_and_publishes_one_history(nodes):
 
     # a holds turn 1 only: it finds b's turn 2 before it appends turn 3, and the history goes on
     assert a.stat(key).num_tokens == 48  # answered from the remote tier's manifest
-    save(a, key, eng, [3], 64, start_token=48)
-    published(a, key)
+    stored(a, key, eng, [3], 64, start_token=48)
     c.restore(key, dst.memory, SPEC, [5, 6, 7, 8])
     assert dst.pages([5, 6, 7, 8]) == eng.pages([0, 1, 2, 3]) and c.stat(key).num_tokens == 64
 
@@ -98,8 +101,7 @@ def test_a_copy_with_stores_not_published_is_served_as_it_is(nodes):
     key = SessionKey("alice", "mine-here")
     ours, theirs = HostEngine(seed=13), HostEngine(seed=14)
     save(quiet, key, ours, [0, 1], 32)  # never published: this node's copy is the session here
-    save(a, key, theirs, [0, 1], 32)
-    published(a, key)
+    stored(a, key, theirs, [0, 1], 32)
     dst = HostEngine(seed=15)
     quiet.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == ours.pages([0, 1]) and quiet.stat(key).tier == "host"
@@ -110,8 +112,7 @@ def test_a_copy_damaged_here_gives_way_to_the_remote_one(nodes):
     b = hb.store
     key = SessionKey("alice", "hurt-here")
     eng = HostEngine(seed=18)
-    save(a, key, eng, [0, 1], 32)
-    published(a, key)
+    stored(a, key, eng, [0, 1], 32)
     b.restore(key, HostEngine().memory, SPEC, [0, 1])  # fetched into b's host tier
     flip_in_arena(hb.root, eng.page(1)[:64])
     with pytest.raises(DataLoss):
@@ -125,8 +126,7 @@ def test_a_garbled_remote_manifest_leaves_local_copies_served(nodes):
     a, b = nodes("a").store, nodes("b").store
     key = SessionKey("alice", "garbled")
     eng = HostEngine(seed=20)
-    save(a, key, eng, [0, 1], 32)
-    published(a, key)
+    stored(a, key, eng, [0, 1], 32)
     a.remote.store.client.set(a.remote.store._key(key, "m"), b"1 {not json")
     dst = HostEngine(seed=21)
     a.restore(key, dst.memory, SPEC, [0, 1])
@@ -183,8 +183,7 @@ def test_prefetch_fetches_a_remote_session_and_wait_ready_sees_it_come(nodes):
     a, b = nodes("a").store, nodes("b").store
     key = SessionKey("alice", "prefetch")
     eng = HostEngine(seed=10)
-    save(a, key, eng, [0, 1, 2, 3], 64)
-    published(a, key)
+    stored(a, key, eng, [0, 1, 2, 3], 64)
     assert b.prefetch(key) == "queued"
     assert b.wait_ready(key, timeout=30) == (True, "host")
     with pytest.raises(NotFound):
@@ -198,8 +197,7 @@ def test_with_the_remote_tier_down_local_sessions_serve_and_others_are_not_found
         s = h.open()
         key = SessionKey("alice", "local")
         eng = HostEngine(seed=11)
-        save(s, key, eng, [0, 1], 32)
-        published(s, key)
+        stored(s, key, eng, [0, 1], 32)
         for port, _ in down.nodes():
             down.kill(port)
         t0 = time.monotonic()
@@ -222,8 +220,7 @@ def test_with_the_remote_tier_down_local_sessions_serve_and_others_are_not_found
 def test_a_fetch_queued_then_dropped_leaves_nothing_waiting(nodes):
     a, b = nodes("a").store, nodes("b", movers=0).store  # b runs no moves: its fetch stays queued
     key = SessionKey("alice", "queued")
-    save(a, key, HostEngine(seed=16), [0], 16)
-    published(a, key)
+    stored(a, key, HostEngine(seed=16), [0], 16)
     assert b.prefetch(key) == "queued"
     assert b.ready(key) == (False, "remote")
     b.drop(key)
@@ -362,8 +359,7 @@ def test_a_garbled_manifest_is_data_loss_there_and_replaced_by_the_next_store(no
         with pytest.raises(DataLoss):
             verb()
     assert [i.session_id for i in b.list("alice")[0]] == ["fine"]  # the tenant's other sessions are listed
-    save(a, key, eng, [3, 4], 32)
-    published(a, key)
+    stored(a, key, eng, [3, 4], 32)
     dst = HostEngine(seed=30)
     b.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == eng.pages([3, 4])
@@ -373,8 +369,7 @@ def test_a_key_of_another_type_is_that_session_s_loss_not_the_tier_s(nodes):
     a, b = nodes("a").store, nodes("b").store
     key, other = SessionKey("alice", "wrongtype"), SessionKey("alice", "neighbour")
     eng = HostEngine(seed=31)
-    save(a, other, eng, [0], 16)
-    published(a, other)
+    stored(a, other, eng, [0], 16)
     a.remote.store.client.hset(a.remote.store._key(key, "m"), "x", "y")
     with pytest.raises(DataLoss):
         b.stat(key)
@@ -401,8 +396,7 @@ def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_ser
         s = h.open()
         key = SessionKey("alice", "local-while-hung")
         eng = HostEngine(seed=32)
-        save(s, key, eng, [0, 1], 32)
-        published(s, key)
+        stored(s, key, eng, [0, 1], 32)
         port = s.remote.store.client.get_node_from_key(s.remote.store._key(key, "m")).port
         os.kill(hung.procs[port].pid, signal.SIGSTOP)
         try:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import metric, tokens_file, wait_for
-from tests.security.test_memory import peak_growth
+from tests.security.test_memory import peak_growth, settle
 from tierd.client import FailedPrecondition, InvalidArgument, KVSpec, ResourceExhausted, SharedKVCache
 from tierd.daemon import HANDSHAKE_SECONDS
 from tierd.testing import Daemon
@@ -280,7 +280,7 @@ def test_gets_of_one_byte_chunks_hold_a_bounded_heap(on_disk):
         def stalled():
             for ch in channels:
                 next(pb_grpc.TierdStub(ch).Get(pb.GetRequest(session_id="big", chunk_bytes=1), metadata=md))
-            time.sleep(5)  # they stall: the daemon's reads wait on the stream's flow control
+            settle(on_disk)  # they stall: the daemon's reads wait on the streams' flow control, its heap stops growing
 
         growth = peak_growth(on_disk, stalled)
         assert growth < 96 * MiB, f"{growth / MiB:.0f} MiB for two stalled Gets"
@@ -322,12 +322,13 @@ def test_a_tenants_puts_in_progress_hold_half_the_host_tier(tmp_path):
     tier: every other tenant's Put was refused for room."""
     d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS), "--writeback-idle", "off",
                "--host-budget", "64MiB", "--host-slab", "auto").start()
+    done = threading.Event()
     try:
         with d.client(token=TOKENS["alice"]) as alice, d.client(token=TOKENS["bob"]) as bob:
             with pytest.raises(ResourceExhausted, match="Puts in progress may hold 33554432 bytes"):
                 alice.put("whole", bytes(64 * MiB), KVSpec.opaque("m"), 1)
             with grpc.insecure_channel("unix:" + d.socket) as ch:
-                trickle = pb_grpc.TierdStub(ch).Put.future(iter(_trickle(32 * MiB)), metadata=(
+                trickle = pb_grpc.TierdStub(ch).Put.future(iter(_trickle(32 * MiB, done)), metadata=(
                     ("authorization", f"Bearer {TOKENS['alice']}"),), timeout=60)
                 wait_for(lambda: next(t.used for t in alice.stats()["tiers"] if t.name == "host") == 32 * MiB, 10,
                          "the trickling Put's room taken")
@@ -336,14 +337,15 @@ def test_a_tenants_puts_in_progress_hold_half_the_host_tier(tmp_path):
                 trickle.cancel()
             assert bob.list_page(limit=100)[0] and len(bob.list()) == 24 and alice.list() == []
     finally:
+        done.set()
         d.close()
 
 
-def _trickle(nbytes):
+def _trickle(nbytes, done):
     yield pb.PutRequest(header=pb.PutHeader(session_id="slow", spec=spec_to_pb(KVSpec.opaque("m")), num_tokens=1,
                                             size=nbytes))
     yield pb.PutRequest(chunk=pb.Chunk(data=bytes(4096)))
-    time.sleep(30)  # then nothing more (cancelled first)
+    done.wait(30)  # then nothing more, until the test is done with it
 
 
 def test_silent_connections_to_the_descriptor_intake_turn_no_other_engine_away(two):
@@ -351,8 +353,9 @@ def test_silent_connections_to_the_descriptor_intake_turn_no_other_engine_away(t
     dropped, took every one of its 64 places: other engines' RegisterEngine
     failed 39 times in 40. One process may hold four places at once."""
     hog = subprocess.Popen([sys.executable, "-c", f"""
-import socket, time
+import select, socket, time
 conns = []
+ready = False
 end = time.monotonic() + 15
 while time.monotonic() < end:
     conns = [c for c in conns if c.fileno() >= 0]
@@ -364,7 +367,10 @@ while time.monotonic() < end:
             s.close()
             break
         conns.append(s)
-    time.sleep(0.2)
+    if not ready:
+        print("ready", flush=True)
+        ready = True
+    select.select(conns, [], [], 0.2)  # until the daemon drops one (it reads as closed), at most 0.2 s
     for c in conns:
         c.setblocking(False)
         try:
@@ -374,9 +380,9 @@ while time.monotonic() < end:
             pass
         except OSError:
             c.close()
-"""])
+"""], stdout=subprocess.PIPE)
     try:
-        time.sleep(1)  # (the hog's connections made)
+        assert hog.stdout.readline() == b"ready\n"  # the hog's connections made
         failed = 0
         with two.client(token=TOKENS["bob"]) as bob:
             for _ in range(20):

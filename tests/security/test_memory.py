@@ -43,6 +43,20 @@ def peak_growth(d, run):
     return _status(d.pid(), "VmHWM") - before
 
 
+def settle(d, still: float = 1.0, timeout: float = 15.0) -> None:
+    """Until the daemon's resident set has grown by less than 1 MiB over `still`
+    seconds, or timeout (memory that keeps growing never settles)."""
+    samples: list[tuple[float, int]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        samples.append((now, _status(d.pid(), "VmRSS")))
+        past = [rss for t, rss in samples if t <= now - still]
+        if past and samples[-1][1] - past[-1] < MiB:
+            return
+        time.sleep(0.1)
+
+
 def lookup(d, ids, token):
     raw = pb.LookupRequest(session_id="s").SerializeToString() + field(2, ids)
     with grpc.insecure_channel("unix:" + d.socket) as ch:

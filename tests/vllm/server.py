@@ -4,6 +4,7 @@ a random-weight Llama built from a config, a tokenizer trained on the spot
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -13,6 +14,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tests import helpers
 
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one have this from or had "
          "by hot word but what some we can out other were all there when up use your how said an each she which do "
@@ -54,20 +57,8 @@ def expected_served(p1: list[int], out1: list[int], p2: list[int]) -> int:
     return min(len(p1) + len(out1) - 1, len(p2) - 1) // BLOCK * BLOCK
 
 
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    """Until predicate() holds; a session not found yet (its save runs just
-    after the response) counts as not yet."""
-    from tierd.client import NotFound
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except NotFound:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("timed out")
+# A session the connector saves just after the response may not be found yet: that counts as not yet.
+wait_for = functools.partial(helpers.wait_for, missing_ok=True)
 
 
 def tiny_llama(path: str | Path, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,

@@ -159,16 +159,15 @@ def reset_vllm_cache(server, timeout=30.0):
     request's blocks are not freed yet (a save in flight holds them): its log
     says so, and then it is asked again."""
     refused = "Failed to reset prefix cache"
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def reset() -> bool:
         before = server.log().count(refused)
         req = urllib.request.Request(server.url + "/reset_prefix_cache", b"", method="POST")
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
-        if server.log().count(refused) == before:
-            return
-        assert time.monotonic() < deadline, "vLLM would not reset its prefix cache"
-        time.sleep(0.1)
+        return server.log().count(refused) == before
+
+    wait_for(reset, timeout, "vLLM emptying its prefix cache")
 
 
 def test_with_vllm_prefix_caching_on(cached_world, reference):
