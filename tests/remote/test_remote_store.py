@@ -39,7 +39,7 @@ def snapshot(n_pages, seed, last=PAGE // 3):
 
 def publish(store, pages, sums, expect=0, key=KEY):
     return store.publish(key, expect, {"model_id": "m"}, "fp", len(pages) * 16, PAGE, sums,
-                         np.arange(len(pages), dtype=np.uint64), pages)
+                         np.arange(len(pages), dtype=np.uint64), ((p, True) for p in pages))
 
 
 def keys_of(store, key=KEY):
@@ -58,6 +58,32 @@ def test_a_version_round_trips_byte_exact_under_keys_that_name_no_one(store):
     assert len(names) == 1 + m.chunks and not any("alice" in n or "chat-1" in n for n in names)
     sizes = [store.client.strlen(n) for n in names if not n.endswith(":m")]
     assert max(sizes) == CHUNK_BYTES < 1 << 20  # below the power of two the allocator would round up to
+
+
+def test_pieces_valid_until_the_next_are_copied_and_held_ones_sent_as_they_are(store):
+    """A file tier hands out pages in staging buffers that it fills again; a
+    memory tier's views stay put. Cut at random, the two mixed, more chunks
+    than the buffers a publish keeps: what is read back is what was given."""
+    pages, sums = snapshot(28, seed=11)  # 40 MiB: 41 chunks
+    data = memoryview(b"".join(pages))
+    rng = np.random.default_rng(12)
+    staging = bytearray(3 << 20)
+
+    def pieces():
+        at = 0
+        while at < len(data):
+            size = min(int(rng.integers(1, 3 << 20)), len(data) - at)
+            if rng.random() < 0.3:
+                yield data[at : at + size], True
+            else:
+                staging[:size] = data[at : at + size]
+                yield memoryview(staging)[:size], False
+                staging[:size] = b"\xee" * size  # filled again: a piece that was not copied would show it
+            at += size
+
+    m = store.publish(KEY, 0, {"model_id": "m"}, "fp", len(pages) * 16, PAGE, sums,
+                      np.arange(len(pages), dtype=np.uint64), pieces())
+    assert m.chunks > 32 and list(store.read(KEY, m)) == pages
 
 
 def test_a_new_version_replaces_the_old_whole_and_reclaims_it(store):
@@ -123,6 +149,21 @@ def test_drop_removes_every_key(store):
     publish(store, pages, sums)
     store.drop(KEY)
     assert store.manifest(KEY) is None and keys_of(store) == []
+
+
+def test_values_go_out_as_they_lie_and_replies_are_parsed_in_c(store):
+    """hiredis's packer would copy each chunk into one buffer before sending it."""
+    from redis.connection import PythonRespSerializer
+
+    node = store.client.get_node_from_key(f"{store.prefix}:{{{tag_of(KEY)}}}:m")
+    conn = node.redis_connection.connection_pool.get_connection()
+    try:
+        assert isinstance(conn._command_packer, PythonRespSerializer)
+        view = memoryview(bytearray(CHUNK_BYTES))
+        assert any(piece is view for piece in conn.pack_commands([("SET", "k", view)]))
+        assert type(conn._parser).__name__ == "_HiredisParser"
+    finally:
+        node.redis_connection.connection_pool.release(conn)
 
 
 def test_a_replica_serves_the_session_after_its_master_is_killed(tmp_path):

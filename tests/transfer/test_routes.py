@@ -119,3 +119,30 @@ def test_a_route_is_registered_once():
     with pytest.raises(ValueError, match="registered already"):
         routes.route(MEMORY, MEMORY)(routes.memory_to_memory)
     assert routes.ROUTES[(MEMORY, MEMORY)] is routes.memory_to_memory
+
+
+@pytest.mark.parametrize("page", [PAGE, PAGE - 100])  # packed, and pages a stride apart
+def test_views_hand_out_every_tier_s_bytes_checked_and_say_which_stay_put(world, page):
+    tiers, copier = world
+    n = 7
+    geom = Geometry(page, n, page // 3)
+    data = np.random.default_rng(8).integers(0, 256, geom.nbytes, dtype=np.uint8).tobytes()
+    host = _spans(tiers, "host", n, geom)
+    for s in host:
+        for i in range(s.n_pages):
+            p = s.first_page + i
+            tiers["host"].view(s.offset + i * geom.stride, geom.size_of(p))[:] = \
+                np.frombuffer(data, np.uint8, geom.size_of(p), p * page)
+    sums = copier.checksums(host, geom)
+    disk = _spans(tiers, "disk", n, geom)
+    copier.move(host, disk, geom, sums)
+    for spans, held in ((host, True), (disk, False)):
+        views = list(copier.views(spans, geom, sums))
+        assert b"".join(bytes(v) for v, _ in views) == data and {h for _, h in views} == {held}
+        if geom.stride != page:
+            assert len(views) == n  # a view a page
+        elif held:
+            assert len(views) == len(spans)  # a view a span: its pages lie end to end
+    tiers["host"].view(host[0].offset + 5, 1)[0] ^= 1
+    with pytest.raises(DataLoss, match="host"):
+        list(copier.views(host, geom, sums))

@@ -30,6 +30,7 @@ import hashlib
 import json
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -166,10 +167,15 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
     a plain one. Fails fast (timeout seconds a call); a wrong password is
     Unauthenticated, an unreachable store Unavailable, both saying which."""
     import redis
+    import redis.connection
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
+    # With hiredis, replies are parsed in C (a fetch runs about 1.4 times as fast), but its command packer copies
+    # every value into one buffer first (a publish runs at half speed): commands are packed in Python, values sent
+    # as they lie. The flag is read each time a connection is made; the parser was chosen at import.
+    redis.connection.HIREDIS_AVAILABLE = False
     scheme, user, nodes = parse_remote_url(url)
     opts: dict[str, Any] = {"password": password, "username": user or None,
                             "socket_timeout": timeout, "socket_connect_timeout": timeout}
@@ -210,6 +216,8 @@ class RemoteStore:
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000) if ttl else 0
         self._cas = client.register_script(_CAS)
+        self._spare: list[bytearray] = []  # chunk buffers between publishes
+        self._spare_lock = threading.Lock()
         # Sends one batch of chunks while the caller reads the next (the socket releases the GIL),
         # and reads one batch ahead of a fetch that writes the last into its pages.
         self._sender = ThreadPoolExecutor(2, thread_name_prefix="tierd-remote")
@@ -304,18 +312,22 @@ class RemoteStore:
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
-                data: Iterable[bytes | memoryview]) -> Manifest:
+                data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
         """Store a new version of the session: `data` is its logical bytes, in
-        pieces of any size (a piece that is a memoryview of a bytearray and a
-        whole chunk long is sent as it is: the caller gives it up). `expect` is the version this one replaces (0:
-        none); if another writer published first, FailedPrecondition and
-        nothing is left behind."""
+        pieces of any size, each with whether it stays valid until this
+        returns (sent as it is, no copy) or only until the next piece is asked
+        for (copied). `expect` is the version this one replaces (0: none); if
+        another writer published first, FailedPrecondition and nothing is
+        left behind."""
         write = secrets.token_hex(8)
         chunks = nbytes = 0
-        batch: list[bytes] = []
+        batch: list[memoryview] = []
         sending: Future | None = None  # the batch before, sent by the sender thread meanwhile
+        # Two batches of buffers: one being sent while the other fills (a buffer is filled
+        # again only once the batch it went out in has been sent).
+        buffers = self._take_buffers(2 * PIPELINE)
         try:
-            for chunk in _rechunk(data):
+            for chunk in _rechunk(data, buffers):
                 batch.append(chunk)
                 if len(batch) == PIPELINE:
                     if sending is not None:
@@ -341,6 +353,8 @@ class RemoteStore:
                 wait([sending])
             self._delete(key, write, chunks + len(batch))  # what may have been written
             raise
+        finally:
+            self._give_back(buffers)  # no send is in flight here
         if not ok:
             self._delete(key, write, chunks)
             raise FailedPrecondition(f"another node published version {int(old)} of this session first",
@@ -363,7 +377,19 @@ class RemoteStore:
             self._delete(key, previous.write, previous.chunks)  # the version replaced: reclaimed
         return manifest
 
-    def _put(self, key: SessionKey, write: str, first: int, chunks: list[bytes]) -> None:
+    def _take_buffers(self, count: int) -> list[bytearray]:
+        """Chunk buffers, the spare ones first: a new one costs a page fault per
+        4 KiB when first filled, which on a busy host takes longer than the copy."""
+        with self._spare_lock:
+            taken = self._spare[len(self._spare) - min(count, len(self._spare)) :]
+            del self._spare[len(self._spare) - len(taken) :]
+        return taken + [bytearray(CHUNK_BYTES) for _ in range(count - len(taken))]
+
+    def _give_back(self, buffers: list[bytearray]) -> None:
+        with self._spare_lock:  # kept for one publish at a time; the others' go back to the allocator
+            self._spare.extend(buffers[: 2 * PIPELINE - len(self._spare)])
+
+    def _put(self, key: SessionKey, write: str, first: int, chunks: list[memoryview]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for i, chunk in enumerate(chunks):
             pipe.set(self._key(key, f"w{write}", str(first + i)), chunk, px=self.ttl_ms or None)
@@ -435,20 +461,27 @@ class RemoteStore:
         return existed
 
 
-def _rechunk(data: Iterable[bytes | memoryview]) -> Iterator[bytes]:
-    """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter)."""
-    buf = bytearray()
-    for piece in data:
-        if not buf and len(piece) == CHUNK_BYTES:  # already a chunk, as the store's reads hand them out
-            owned = isinstance(piece, bytes) or (isinstance(piece, memoryview) and isinstance(piece.obj, bytearray))
-            yield piece if owned else bytes(piece)  # a view of tier memory is copied: it is valid until the next
-            continue
-        buf += piece
-        while len(buf) >= CHUNK_BYTES:
-            yield bytes(buf[:CHUNK_BYTES])
-            del buf[:CHUNK_BYTES]
-    if buf:
-        yield bytes(buf)
+def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[bytearray]) -> Iterator[memoryview]:
+    """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter):
+    views of a piece that stays valid where a chunk lies in it, else copies
+    into buffers in turn (a buffer is filled again len(buffers) copies later)."""
+    turn, filled = 0, 0
+    for piece, held in data:
+        piece = memoryview(piece).cast("B")
+        while len(piece):
+            if held and not filled and len(piece) >= CHUNK_BYTES:
+                yield piece[:CHUNK_BYTES]
+                piece = piece[CHUNK_BYTES:]
+                continue
+            out = buffers[turn % len(buffers)]
+            take = min(len(piece), CHUNK_BYTES - filled)
+            out[filled : filled + take] = piece[:take]
+            filled, piece = filled + take, piece[take:]
+            if filled == CHUNK_BYTES:
+                yield memoryview(out)
+                turn, filled = turn + 1, 0
+    if filled:
+        yield memoryview(buffers[turn % len(buffers)])[:filled]
 
 
 __all__ = ["CHUNK_BYTES", "Manifest", "Refused", "RemoteStore", "connect", "owner_of", "tag_of"]

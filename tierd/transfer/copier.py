@@ -75,6 +75,24 @@ class CopyEngine(EngineCopies):
         if filled:
             yield memoryview(out)[:filled], 0
 
+    def views(self, src: list[Span], geom: Geometry, checksums: np.ndarray,
+              io_class: int = IOClass.DEMAND) -> Iterator[tuple[memoryview, bool]]:
+        """The snapshot's logical bytes as views, each page checked first, with
+        no copy: a window of packed pages (stride == page_bytes) as one view,
+        else page by page. Each comes with whether it stays valid while the
+        caller holds the session as a reader (a memory tier's pages, or a
+        device window's own copy), or only until the next is asked for (a
+        file tier's staging buffer)."""
+        packed = geom.stride == geom.page_bytes
+        for first, count, tier, buf in self.windows(src, geom, checksums, io_class, handout=True):
+            held = self._host_view(tier, buf) or not isinstance(buf, np.ndarray)  # to_host: a copy of its own
+            host = memoryview(memory.to_host(buf)).cast("B")
+            if packed:
+                yield host[: (count - 1) * geom.page_bytes + geom.size_of(first + count - 1)], held
+                continue
+            for i in range(count):
+                yield host[i * geom.stride : i * geom.stride + geom.size_of(first + i)], held
+
     # -- lease segments: files the daemon reads and writes, never maps --------
 
     def from_segment(self, segment: Any, dst: list[Span], geom: Geometry, first_page: int) -> np.ndarray:

@@ -55,7 +55,7 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Una
 from tierd.layout import KVSpec
 from tierd.tiers import HOST, REMOTE, tier_rank
 from tierd.tiers.ioqueue import IOClass
-from tierd.tiers.remote import CHUNK_BYTES, Manifest, Refused, RemoteStore
+from tierd.tiers.remote import Manifest, Refused, RemoteStore
 from tierd.transfer.copier import EngineMemory
 from tierd.transfer.runs import Geometry
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
@@ -558,7 +558,7 @@ class Shared(Inspection):
             if self.remote.tenant_quota and not self._within_quota(key, geom.nbytes):
                 return
             t0 = time.perf_counter()
-            data = (chunk for chunk, _ in self.copier.read_stream(spans, geom, sums, CHUNK_BYTES, IOClass.WRITEBACK))
+            data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK)  # sent as they lie where they can be
             new = self._call("publish", store.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)
