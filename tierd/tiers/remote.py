@@ -381,8 +381,7 @@ class RemoteStore:
         """Chunk buffers, the spare ones first: a new one costs a page fault per
         4 KiB when first filled, which on a busy host takes longer than the copy."""
         with self._spare_lock:
-            taken = self._spare[len(self._spare) - min(count, len(self._spare)) :]
-            del self._spare[len(self._spare) - len(taken) :]
+            taken, self._spare = self._spare[:count], self._spare[count:]
         return taken + [bytearray(CHUNK_BYTES) for _ in range(count - len(taken))]
 
     def _give_back(self, buffers: list[bytearray]) -> None:

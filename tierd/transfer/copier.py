@@ -83,15 +83,10 @@ class CopyEngine(EngineCopies):
         caller holds the session as a reader (a memory tier's pages, or a
         device window's own copy), or only until the next is asked for (a
         file tier's staging buffer)."""
-        packed = geom.stride == geom.page_bytes
         for first, count, tier, buf in self.windows(src, geom, checksums, io_class, handout=True):
             held = self._host_view(tier, buf) or not isinstance(buf, np.ndarray)  # to_host: a copy of its own
-            host = memoryview(memory.to_host(buf)).cast("B")
-            if packed:
-                yield host[: (count - 1) * geom.page_bytes + geom.size_of(first + count - 1)], held
-                continue
-            for i in range(count):
-                yield host[i * geom.stride : i * geom.stride + geom.size_of(first + i)], held
+            for view in _pages(memory.to_host(buf), first, count, geom):
+                yield view, held
 
     # -- lease segments: files the daemon reads and writes, never maps --------
 
@@ -151,7 +146,7 @@ class PageWriter:
 
 def _pages(buf: np.ndarray, first: int, count: int, geom: Geometry) -> list[memoryview]:
     """The bytes of `count` pages from page `first` on, stride apart in buf:
-    one view when they lie back to back, else one per page."""
-    if geom.stride == geom.page_bytes and geom.size_of(first + count - 1) == geom.page_bytes:
-        return [memoryview(buf[: count * geom.stride])]
+    one view when they lie back to back (the last may end short), else one per page."""
+    if geom.stride == geom.page_bytes:
+        return [memoryview(buf[: (count - 1) * geom.stride + geom.size_of(first + count - 1)])]
     return [memoryview(buf[i * geom.stride : i * geom.stride + geom.size_of(first + i)]) for i in range(count)]
