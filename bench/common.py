@@ -44,13 +44,18 @@ def spread(samples: list[float]) -> dict:
 
 
 def ratio_result(name: str, ours: list[float], limit: list[float], nbytes: int, target: float, higher_is_better: bool = True,
-                 note: str = "") -> Result:
-    """A bandwidth figure beside its limit: ratio = limit time / our time."""
+                 note: str = "", paired: bool = False) -> Result:
+    """A bandwidth figure beside its limit: ratio = limit time / our time, of
+    the medians; paired: the median of each turn's own ratio (ours[i] and
+    limit[i] measured one after the other), which a host whose speed drifts
+    during the run shifts far less."""
     ours_s, limit_s = statistics.median(ours), statistics.median(limit)
-    ratio = limit_s / ours_s
+    ratio = statistics.median(li / o for li, o in zip(limit, ours)) if paired else limit_s / ours_s
+    sp = {"ours_seconds": spread(ours), "limit_seconds": spread(limit)}
+    if paired:
+        sp["ratio_of_medians"] = round(limit_s / ours_s, 3)
     return Result(name, nbytes / ours_s / 1e9, "GB/s", nbytes / limit_s / 1e9, round(ratio, 3),
-                  f"ratio >= {target}", ratio >= target,
-                  {"ours_seconds": spread(ours), "limit_seconds": spread(limit)}, note)
+                  f"ratio >= {target}", ratio >= target, sp, note)
 
 
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:

@@ -6,7 +6,8 @@ nothing else constructs tiers for them.
 Each choice is logged in one line and kept in `backends`, which the metrics
 expose: whether there is a device tier (and on what), whether the host arena
 is pinned for DMA, which disk I/O path runs, whether GPU copies run as
-kernels, and whether engines may register GPU memory. Runs once, on the
+kernels, whether engines may register GPU memory, and how malloc keeps
+freed buffers (glibc's is told to keep them for the next). Runs once, on the
 main thread, before anything is served.
 """
 
@@ -155,6 +156,31 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
             f"redis {kind} at {hosts}; write {cfg.remote_write}")
 
 
+# glibc's malloc gives freed memory at the top of a heap back to the kernel once more than
+# about two of the largest recent buffers lie free there; the next ones then cost a page fault
+# per 4 KiB when first written. The daemon allocates buffers of about a MiB by the dozen (the
+# remote store's replies, a Put's or a Get's chunks): kept, they are written at memory speed.
+KEEP_FREED_BYTES = 64 << 20  # per heap: a few batches of buffers
+MMAP_ABOVE_BYTES = 4 << 20  # buffers up to this come from a heap (and are kept); larger ones are mapped
+
+
+def keep_freed_buffers() -> str:
+    """Tell glibc's malloc to keep freed buffers for the next (what was done, for the log)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        version, mallopt = libc.gnu_get_libc_version, libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, say): its malloc as it is
+        return "not glibc: as it is"
+    version.restype = ctypes.c_char_p
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not (mallopt(m_mmap_threshold, MMAP_ABOVE_BYTES) and mallopt(m_trim_threshold, KEEP_FREED_BYTES)):
+        return f"glibc {version().decode()}: refused the settings, as it is"
+    return f"glibc {version().decode()}: buffers up to {format_size(MMAP_ABOVE_BYTES)} from heaps, " \
+           f"up to {format_size(KEEP_FREED_BYTES)} freed kept per heap"
+
+
 def probe_disk_io(cfg: Config, directory: str):
     """(kvikio FileOps or None for POSIX, why kvikio is not used)."""
     if cfg.disk_io == "posix":
@@ -220,6 +246,8 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
     backends["gpu_copies"] = "kernels" if kernels is not None else "per-run"
     ipc = open_ipc() if pin else None
     backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
+    backends["malloc"] = keep_freed_buffers()
+    log.info("malloc: %s", backends["malloc"])
     copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels)
     remote, text = remote_tier(cfg)
     log.info("remote tier: %s", text)

@@ -50,7 +50,7 @@ def test_metrics_follow_the_naming_rules_and_report_the_work(daemon):
         s[("tierd_tier_backend_info", (("backend", "posix-buffered"), ("tier", "disk")))] == 1
     info = [k for k in s if k[0] == "tierd_build_info"][0]
     assert dict(info[1])["device"] == "absent" and dict(info[1])["gpu_copies"] == "per-run"
-    assert dict(info[1])["engine_memory"] == "shm"
+    assert dict(info[1])["engine_memory"] == "shm" and dict(info[1])["malloc"].startswith("glibc ")
     assert s[("tierd_process_resident_memory_bytes", ())] > 0
     assert s[("tierd_copy_operations_total", ())] > 0
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, flip_in_arena, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, wait_for
 from tierd.errors import DataLoss, NotFound
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
@@ -72,6 +72,44 @@ def test_a_session_stored_on_one_node_is_read_and_restored_on_another(nodes):
     assert b"".join(bytes(c) for c in reader) == b"".join(src.pages([3, 1, 4]))
 
 
+def test_a_restore_of_a_remote_session_scatters_its_pages_as_they_arrive_each_checked(nodes, cluster):
+    a = nodes("a", host_budget=32 * MiB).store
+    b = nodes("b", window_bytes=4 * PAGE).store  # blocks written four pages at a time at least
+    src = HostEngine(seed=11, num_blocks=128)
+    key, bad, late = SessionKey("alice", "long"), SessionKey("alice", "bad"), SessionKey("alice", "late")
+    for k in (key, bad, late):
+        stored(a, k, src, list(range(96)), 96 * 16)  # 3 MiB: three chunks
+    steps = []
+    scatter = b.copier.scatter
+
+    def spy(spans, engine, ids, geom, sums, *rest):
+        steps.append((min(s.first_page for s in spans), sum(s.n_pages for s in spans), len(ids)))
+        return scatter(spans, engine, ids, geom, sums, *rest)
+
+    b.copier.scatter = spy
+    dst = HostEngine(seed=12, num_blocks=128)
+    blocks = list(range(127, 57, -1))  # 70 blocks for the first 70 of 96 pages
+    r = b.restore(key, dst.memory, SPEC, blocks)
+    assert (r.source_tier, r.num_pages, r.num_tokens) == ("remote", 70, 70 * 16)
+    assert dst.pages(blocks) == src.pages(range(70))
+    assert len(steps) > 1 and [n for _, _, n in steps][-1] == 70  # in steps, as the chunks came
+    assert sorted((f, c) for f, c, _ in steps) == [(f, c) for f, c, _ in steps]  # in page order
+    assert [f for f, _, _ in steps][1:] == [f + c for f, c, _ in steps][:-1] and sum(c for _, c, _ in steps) == 70
+    assert b.stat(key).tier == "host" and b.stat(key).remote_durable  # all 96 pages fetched
+    _, reader = b.get(key)
+    assert b"".join(bytes(c) for c in reader) == b"".join(src.pages(range(96)))
+
+    client, store = a.remote.store.client, a.remote.store
+    for k, chunk, blocks in ((bad, 0, list(range(40))), (late, 2, [0, 1, 2])):  # pages 31 (a block) and 95 (none)
+        name = store._key(k, f"w{store.manifest(k).write}", str(chunk))
+        value = bytearray(client.get(name))
+        value[-5] ^= 1
+        client.set(name, bytes(value))
+        with pytest.raises(DataLoss, match="remote tier"):
+            b.restore(k, HostEngine().memory, SPEC, blocks)
+        assert k not in b.keys() and b.check_accounting() == []  # nothing of it kept here
+
+
 def test_the_next_turn_on_another_node_appends_and_publishes_one_history(nodes):
     a, b = nodes("a").store, nodes("b").store
     key = SessionKey("alice", "turns")
@@ -120,6 +158,27 @@ def test_a_copy_damaged_here_gives_way_to_the_remote_one(nodes):
     dst = HostEngine(seed=19)
     b.restore(key, dst.memory, SPEC, [0, 1])  # the damaged copy is replaced by the remote tier's
     assert dst.pages([0, 1]) == eng.pages([0, 1]) and b.stat(key).state != "damaged"
+
+
+@pytest.mark.parametrize("verify", [("disk",), ("host", "disk")])
+def test_host_memory_damaged_before_a_publish_is_never_served_from_the_remote_tier(nodes, verify):
+    ha = nodes("a", remote_write="off", verify=verify)  # publishes when asked
+    a, b = ha.store, nodes("b").store
+    key = SessionKey("alice", "bitflip")
+    eng = HostEngine(seed=31)
+    save(a, key, eng, [0, 1, 2], 48)
+    flip_in_arena(ha.root, eng.page(2)[:64])
+    if verify == ("disk",):  # a move out of host memory, unchecked there: every reader checks it
+        assert a.publish(key)
+        with pytest.raises(DataLoss, match="remote tier"):
+            b.restore(key, HostEngine().memory, SPEC, [0, 1, 2])
+        assert key not in b.keys()
+    else:  # host memory verified on moves: the publish finds it
+        assert not a.publish(key) and a.stat(key).state == "damaged"
+        with pytest.raises(NotFound):
+            b.restore(key, HostEngine().memory, SPEC, [0, 1, 2])
+    with pytest.raises(DataLoss):
+        a.restore(key, HostEngine().memory, SPEC, [0, 1, 2])
 
 
 def test_a_garbled_remote_manifest_leaves_local_copies_served(nodes):

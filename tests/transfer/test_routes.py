@@ -121,19 +121,24 @@ def test_a_route_is_registered_once():
     assert routes.ROUTES[(MEMORY, MEMORY)] is routes.memory_to_memory
 
 
-@pytest.mark.parametrize("page", [PAGE, PAGE - 100])  # packed, and pages a stride apart
-def test_views_hand_out_every_tier_s_bytes_checked_and_say_which_stay_put(world, page):
-    tiers, copier = world
+def _in_host(tiers, copier, page, seed):
+    """Seven pages of random bytes (the last short) in the host tier: (n, geometry, bytes, spans, checksums)."""
     n = 7
     geom = Geometry(page, n, page // 3)
-    data = np.random.default_rng(8).integers(0, 256, geom.nbytes, dtype=np.uint8).tobytes()
+    data = np.random.default_rng(seed).integers(0, 256, geom.nbytes, dtype=np.uint8).tobytes()
     host = _spans(tiers, "host", n, geom)
     for s in host:
         for i in range(s.n_pages):
             p = s.first_page + i
             tiers["host"].view(s.offset + i * geom.stride, geom.size_of(p))[:] = \
                 np.frombuffer(data, np.uint8, geom.size_of(p), p * page)
-    sums = copier.checksums(host, geom)
+    return n, geom, data, host, copier.checksums(host, geom)
+
+
+@pytest.mark.parametrize("page", [PAGE, PAGE - 100])  # packed, and pages a stride apart
+def test_views_hand_out_every_tier_s_bytes_checked_and_say_which_stay_put(world, page):
+    tiers, copier = world
+    n, geom, data, host, sums = _in_host(tiers, copier, page, 8)
     disk = _spans(tiers, "disk", n, geom)
     copier.move(host, disk, geom, sums)
     for spans, held in ((host, True), (disk, False)):
@@ -146,3 +151,30 @@ def test_views_hand_out_every_tier_s_bytes_checked_and_say_which_stay_put(world,
     tiers["host"].view(host[0].offset + 5, 1)[0] ^= 1
     with pytest.raises(DataLoss, match="host"):
         list(copier.views(host, geom, sums))
+    # Not a handout: a move to another tier, which checks a memory tier's pages only where it is verified.
+    assert b"".join(bytes(v) for v, _ in copier.views(host, geom, sums, handout=False)) != data
+    with pytest.raises(DataLoss, match="host"):
+        list(CopyEngine(tiers, window_bytes=2 * PAGE, verify_tiers=("host",)).views(host, geom, sums, handout=False))
+
+
+@pytest.mark.parametrize("page", [PAGE, PAGE - 100])
+def test_views_in_pieces_are_cut_where_the_caller_cuts_and_check_each_piece_s_pages_as_it_goes(world, page):
+    tiers, copier = world
+    n, geom, data, host, sums = _in_host(tiers, copier, page, 9)
+    piece = page // 2 + 100  # cuts inside pages and across them
+    views = list(copier.views(host, geom, sums, piece_bytes=piece))
+    assert b"".join(bytes(v) for v, _ in views) == data and all(h for _, h in views)
+    ends = np.cumsum([len(v) for v, _ in views])
+    view_ends = {(p + 1) * page for p in range(n)} if geom.stride != page \
+        else {(s.first_page + s.n_pages) * page for s in host}  # a view a page, or a view a span
+    assert all(e % piece == 0 or e in view_ends or e == len(data) for e in ends)  # cut at a multiple, or a view's end
+    assert max(len(v) for v, _ in views) <= piece
+    # Page 5 damaged: the pieces before it come out whole, the one that reaches it fails.
+    s = next(s for s in host if s.first_page <= 5 < s.first_page + s.n_pages)
+    tiers["host"].view(s.offset + (5 - s.first_page) * geom.stride + 7, 1)[0] ^= 1
+    got = []
+    with pytest.raises(DataLoss, match="page 5 .*host"):
+        for v, _ in copier.views(host, geom, sums, piece_bytes=piece):
+            got.append(bytes(v))
+    out = b"".join(got)
+    assert out == data[: len(out)] and 5 * page - piece < len(out) <= 5 * page

@@ -75,18 +75,38 @@ class CopyEngine(EngineCopies):
         if filled:
             yield memoryview(out)[:filled], 0
 
-    def views(self, src: list[Span], geom: Geometry, checksums: np.ndarray,
-              io_class: int = IOClass.DEMAND) -> Iterator[tuple[memoryview, bool]]:
-        """The snapshot's logical bytes as views, each page checked first, with
-        no copy: a window of packed pages (stride == page_bytes) as one view,
-        else page by page. Each comes with whether it stays valid while the
-        caller holds the session as a reader (a memory tier's pages, or a
-        device window's own copy), or only until the next is asked for (a
-        file tier's staging buffer)."""
-        for first, count, tier, buf in self.windows(src, geom, checksums, io_class, handout=True):
-            held = self._host_view(tier, buf) or not isinstance(buf, np.ndarray)  # to_host: a copy of its own
-            for view in _pages(memory.to_host(buf), first, count, geom):
-                yield view, held
+    def views(self, src: list[Span], geom: Geometry, checksums: np.ndarray, io_class: int = IOClass.DEMAND,
+              piece_bytes: int = 0, handout: bool = True) -> Iterator[tuple[memoryview, bool]]:
+        """The snapshot's logical bytes as views, with no copy: a window of
+        packed pages (stride == page_bytes) as one view, else page by page.
+        Each comes with whether it stays valid while the caller holds the
+        session as a reader (a memory tier's pages, or a device window's own
+        copy), or only until the next is asked for (a file tier's staging
+        buffer). Pages are checked first: every page for a handout, else as
+        a move between tiers checks them (a file tier's always, a memory
+        tier's where it is verified). With piece_bytes, a memory tier's views
+        are cut where the snapshot's bytes reach a multiple of it, and each
+        piece's pages are checked as it is asked for: the checks overlap what
+        the caller does with the pieces before."""
+        for first, count, tier, buf in self.windows(src, geom, checksums, io_class, handout=handout,
+                                                    host_checked_by_caller=True):
+            if not self._host_view(tier, buf):
+                held = not isinstance(buf, np.ndarray)  # to_host: a copy of its own
+                for view in _pages(memory.to_host(buf), first, count, geom):
+                    yield view, held
+                continue
+            at = first * geom.page_bytes  # where the next view starts in the snapshot's bytes
+            checked = 0 if handout or tier in self.verify_tiers else count  # pages of the window checked
+            for view in _pages(buf, first, count, geom):
+                while len(view):
+                    take = len(view) if not piece_bytes else min(len(view), piece_bytes - at % piece_bytes)
+                    upto = min(count, -(-(at + take) // geom.page_bytes) - first)  # the pages this piece reaches
+                    if upto > checked:
+                        self.verify(buf[checked * geom.stride : upto * geom.stride], first + checked,
+                                    upto - checked, geom, checksums, tier)
+                        checked = upto
+                    yield view[:take], True
+                    view, at = view[take:], at + take
 
     # -- lease segments: files the daemon reads and writes, never maps --------
 
@@ -143,6 +163,13 @@ class PageWriter:
             if self._within == view.nbytes:
                 self._slot, self._within = self._slot + 1, 0
         self.received += data.nbytes
+
+    @property
+    def pages(self) -> int:
+        """Pages written whole so far: pages [0, pages) of dst, for a write that
+        starts at its first page."""
+        return self._slot
+
 
 def _pages(buf: np.ndarray, first: int, count: int, geom: Geometry) -> list[memoryview]:
     """The bytes of `count` pages from page `first` on, stride apart in buf:

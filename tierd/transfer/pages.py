@@ -239,3 +239,14 @@ def clip(spans: list[Span], n_pages: int) -> list[Span]:
             break
         out.append(Span(s.first_page, min(s.n_pages, n_pages - s.first_page), s.tier, s.offset))
     return out
+
+
+def between(spans: list[Span], start: int, stop: int, stride: int) -> list[Span]:
+    """The spans' parts in pages [start, stop), in page order (pages stride
+    bytes apart in their tiers)."""
+    out = []
+    for s in clip(spans, stop):
+        skip = max(0, start - s.first_page)
+        if skip < s.n_pages:
+            out.append(Span(s.first_page + skip, s.n_pages - skip, s.tier, s.offset + skip * stride))
+    return out

@@ -54,11 +54,17 @@ class Reads(Writes):
             source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
             t0 = time.perf_counter()
             self._read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
-            self.events.restored(source, ids.size * snap.spec.page_bytes, seconds)
-            return RestoreResult(min(snap.num_tokens, ids.size * snap.spec.block_tokens), int(ids.size), source, seconds)
+            return self._restored(session, snap.spec, snap.num_tokens, int(ids.size), source,
+                                  time.perf_counter() - t0)
+
+    def _restored(self, session: Session, spec: KVSpec, num_tokens: int, n_pages: int, source: str,
+                  seconds: float) -> RestoreResult:
+        """Account for the first n_pages of a snapshot (of spec, num_tokens)
+        scattered into an engine's blocks from source."""
+        with self._lock:
+            session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+        self.events.restored(source, n_pages * spec.page_bytes, seconds)
+        return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         """The snapshot's info and a reader of its bytes, checked against their

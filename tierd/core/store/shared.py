@@ -7,8 +7,10 @@ asks the remote tier for the session's manifest: where this node holds no
 copy, or a copy of an older version with nothing stored here since, the
 remote version is the session. Stat and Lookup answer from the manifest;
 the others fetch it into the host tier first, every page checked, and then
-serve it as any other. A local copy with stores not yet published is this
-node's and is served as it is. Drop removes both copies.
+serve it as any other; a Restore scatters each window of pages into the
+engine's blocks as soon as it is in (checked on its way out, as every page
+is), while the next chunks are fetched. A local copy with stores not yet
+published is this node's and is served as it is. Drop removes both copies.
 
 Publishing. With write "through", every committed store queues the session
 for the publisher thread, which reads its pages (no lock held, as a Get
@@ -48,15 +50,16 @@ import numpy as np
 from tierd.core import tokens
 from tierd.core.model import Session, Snapshot
 from tierd.core.move_queue import Job
-from tierd.core.store.checks import check_identity, check_priority
+from tierd.core.store.checks import check_blocks, check_identity, check_priority
 from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, WouldBlock, shown
 from tierd.layout import KVSpec
 from tierd.tiers import HOST, REMOTE, tier_rank
 from tierd.tiers.ioqueue import IOClass
-from tierd.tiers.remote import Manifest, Refused, RemoteStore
+from tierd.tiers.remote import CHUNK_BYTES, PIPELINE, Manifest, Refused, RemoteStore
 from tierd.transfer.copier import EngineMemory
+from tierd.transfer.pages import between
 from tierd.transfer.runs import Geometry
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
 
@@ -74,6 +77,18 @@ class Remote:
     idle: float = 60.0  # write "back": seconds idle on disk before a session is published
     queue: int = 256  # sessions waiting to be published, at most
     tenant_quota: int = 0  # bytes each tenant's sessions may take in the remote tier (0: no limit)
+
+
+@dataclass
+class _Into:
+    """Engine blocks a fetch scatters pages [0, len(ids)) into as they arrive:
+    a Restore of a session whose current version only the remote tier holds.
+    session is set once the version fetched is the session's (the blocks
+    then hold it); else the Restore reads the session as it is."""
+
+    engine: EngineMemory
+    ids: np.ndarray
+    session: Session | None = None
 
 
 class Shared(Inspection):
@@ -202,11 +217,12 @@ class Shared(Inspection):
         if m is not None:
             self._fetch(key, m)
 
-    def _fetch(self, key: SessionKey, m: Manifest | None = None) -> bool:
+    def _fetch(self, key: SessionKey, m: Manifest | None = None, into: _Into | None = None) -> bool:
         """Bring the session's remote version (m, else the current one) into the
-        host tier, every page checked, in place of an older local copy;
-        False if the remote tier holds none. One fetch per key at once: a
-        second caller waits for the first."""
+        host tier, every page checked, in place of an older local copy (and
+        into engine blocks on the way, see _Into); False if the remote tier
+        holds none. One fetch per key at once: a second caller waits for the
+        first."""
         with self._lock:
             running = self._fetching.get(key)
             if running is None:
@@ -218,7 +234,7 @@ class Shared(Inspection):
             m = m or self._stale(key)
             if m is None:
                 return self._has(key)
-            self._adopt(key, m)
+            self._adopt(key, m, into)
             return True
         finally:
             with self._lock:
@@ -244,7 +260,7 @@ class Shared(Inspection):
                            "(identity, page size, tokens or token hashes)", tier=REMOTE)
         return spec
 
-    def _adopt(self, key: SessionKey, m: Manifest) -> None:
+    def _adopt(self, key: SessionKey, m: Manifest, into: _Into | None = None) -> None:
         assert self.remote is not None
         spec = self._spec_of(key, m)
         n = m.n_pages
@@ -254,9 +270,18 @@ class Shared(Inspection):
         w = self._begin_write(key, spec, HOST, 0, m.num_tokens, m.nbytes, geom, hashes, None)
         try:
             writer = self.copier.page_writer(w.spans, geom)
+            want = into.ids.size if into is not None else 0
+            step, scattered = max(1, self.copier.window_bytes // geom.stride), 0
             for chunk in self.remote.store.chunks(key, m):  # each straight into its pages: one copy
                 writer.write(chunk)
-            sums = self.copier.checksums(w.spans, geom)
+                done = min(writer.pages, want)
+                if done - scattered >= step or scattered < done == want:  # while the next chunks are fetched
+                    assert into is not None
+                    self._scatter_fetched(key, w.spans, geom, m.checksums, into, scattered, done)
+                    scattered = done
+            # Pages scattered were checked against the manifest's checksums on their way out.
+            sums = np.concatenate([m.checksums[:scattered],
+                                   self.copier.checksums(between(w.spans, scattered, n, geom.stride), geom)])
             bad = np.flatnonzero(sums != m.checksums)
             if bad.size:
                 raise DataLoss(f"page {int(bad[0])} of session {shown(key.session_id)} failed its checksum in the "
@@ -281,6 +306,8 @@ class Shared(Inspection):
             session = self._publish(key, lock, session, spec, 0, w.pieces, HOST, sums, m.num_tokens, m.nbytes, None,
                                     hashes)
             w.pieces = []
+            if into is not None:
+                into.session = session
             with self._lock:
                 session.remote_version, session.remote_at = m.version, session.snap.version
                 session.released_at = self.clock.now()
@@ -290,6 +317,18 @@ class Shared(Inspection):
         seconds = time.perf_counter() - t0
         self.copier.record(f"{REMOTE}->{HOST}", m.nbytes, seconds)
         self.events.moved(REMOTE, HOST, "fetch", m.nbytes, seconds)
+
+    def _scatter_fetched(self, key: SessionKey, spans: list, geom: Geometry, sums: np.ndarray, into: _Into,
+                         start: int, stop: int) -> None:
+        """Pages [start, stop) of a fetch, written to its host pages, into the
+        engine's blocks, each checked against the manifest's checksum: a
+        mismatch is the remote copy's (DataLoss)."""
+        try:
+            self.copier.scatter(between(spans, start, stop, geom.stride), into.engine, into.ids[:stop], geom, sums)
+        except DataLoss as exc:
+            page = exc.details.get("page", start)
+            raise DataLoss(f"page {page} of session {shown(key.session_id)} failed its checksum in the remote tier",
+                           page=page, tier=REMOTE) from None
 
     # -- the calls that reach the remote tier ---------------------------------------------------
 
@@ -354,7 +393,19 @@ class Shared(Inspection):
         return merged, ""
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int]) -> RestoreResult:
-        self._bring(key)
+        m = self._stale(key)
+        if m is not None:
+            ids = check_blocks(block_ids, engine.layout.num_blocks)
+            # Where the call would succeed on the version fetched, its pages go into the blocks as
+            # they arrive (the scatter overlaps the fetch); else the restore below says why not.
+            fetched = self._spec_of(key, m)
+            into = _Into(engine, ids) if fetched.fingerprint == spec.fingerprint and 0 < ids.size <= m.n_pages \
+                else None
+            t0 = time.perf_counter()
+            self._fetch(key, m, into)
+            if into is not None and into.session is not None:
+                return self._restored(into.session, fetched, m.num_tokens, int(ids.size), REMOTE,
+                                      time.perf_counter() - t0)
         return super().restore(key, engine, spec, block_ids)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20):  # type: ignore[override]
@@ -479,9 +530,10 @@ class Shared(Inspection):
         publisher would; whether the remote tier then holds its content."""
         if self.remote is None:
             raise FailedPrecondition("there is no remote tier: start with --remote")
-        self._get(key)
+        session = self._get(key)
         self._publish_one(key)
-        return self.stat(key).remote_durable
+        with self._lock:
+            return session.remote_durable and not session.dropped
 
     def publish_queue(self) -> tuple[int, int]:
         """Sessions waiting for the publisher, and being published (0 or 1)."""
@@ -558,7 +610,9 @@ class Shared(Inspection):
             if self.remote.tenant_quota and not self._within_quota(key, geom.nbytes):
                 return
             t0 = time.perf_counter()
-            data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK)  # sent as they lie where they can be
+            # A move to another tier, checked as moves are: every reader checks every page against the
+            # manifest, so a page damaged here is never served from there either.
+            data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, PIPELINE * CHUNK_BYTES, handout=False)
             new = self._call("publish", store.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)
