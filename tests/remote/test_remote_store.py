@@ -144,6 +144,26 @@ def test_a_changed_byte_is_data_loss_and_a_lost_chunk_not_found(store):
         list(store.read(KEY, m))
 
 
+def test_a_chunk_of_another_size_or_type_is_read_again_through_redis_py_and_is_data_loss(store):
+    pages, sums = snapshot(3, seed=12)
+    publish(store, pages, sums)
+    assert list(store.read(KEY, store.manifest(KEY))) == pages and store.fallbacks == 0  # straight into memory
+    chunk = next(n for n in keys_of(store) if n.endswith(":1"))
+    value = store.client.get(chunk)
+    store.client.set(chunk, value + b"x")  # a byte longer than its manifest says
+    with pytest.raises(DataLoss, match="bytes, not what its manifest says"):
+        list(store.read(KEY, store.manifest(KEY)))
+    assert store.fallbacks == 1
+    store.client.delete(chunk)
+    store.client.rpush(chunk, b"not a value")  # a list where a chunk was
+    with pytest.raises(DataLoss, match="WRONGTYPE"):
+        list(store.read(KEY, store.manifest(KEY)))
+    store.client.delete(chunk)
+    store.client.set(chunk, value)
+    assert list(store.read(KEY, store.manifest(KEY))) == pages  # the connections closed on the way work again
+    assert store.fallbacks == 2
+
+
 def test_drop_removes_every_key(store):
     pages, sums = snapshot(2, seed=9)
     publish(store, pages, sums)

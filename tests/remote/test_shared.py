@@ -73,11 +73,12 @@ def test_a_session_stored_on_one_node_is_read_and_restored_on_another(nodes):
 
 
 def test_a_restore_of_a_remote_session_scatters_its_pages_as_they_arrive_each_checked(nodes, cluster):
-    a = nodes("a", host_budget=32 * MiB).store
+    a = nodes("a", host_budget=96 * MiB).store
     b = nodes("b", window_bytes=4 * PAGE).store  # blocks written four pages at a time at least
-    src = HostEngine(seed=11, num_blocks=128)
+    src = HostEngine(seed=11, num_blocks=640)
     key, bad, late = SessionKey("alice", "long"), SessionKey("alice", "bad"), SessionKey("alice", "late")
-    for k in (key, bad, late):
+    stored(a, key, src, list(range(640)), 640 * 16)  # 20 MiB: two batches of chunks
+    for k in (bad, late):
         stored(a, k, src, list(range(96)), 96 * 16)  # 3 MiB: three chunks
     steps = []
     scatter = b.copier.scatter
@@ -87,17 +88,17 @@ def test_a_restore_of_a_remote_session_scatters_its_pages_as_they_arrive_each_ch
         return scatter(spans, engine, ids, geom, sums, *rest)
 
     b.copier.scatter = spy
-    dst = HostEngine(seed=12, num_blocks=128)
-    blocks = list(range(127, 57, -1))  # 70 blocks for the first 70 of 96 pages
+    dst = HostEngine(seed=12, num_blocks=640)
+    blocks = list(range(639, 39, -1))  # 600 blocks for the first 600 of 640 pages
     r = b.restore(key, dst.memory, SPEC, blocks)
-    assert (r.source_tier, r.num_pages, r.num_tokens) == ("remote", 70, 70 * 16)
-    assert dst.pages(blocks) == src.pages(range(70))
-    assert len(steps) > 1 and [n for _, _, n in steps][-1] == 70  # in steps, as the chunks came
-    assert sorted((f, c) for f, c, _ in steps) == [(f, c) for f, c, _ in steps]  # in page order
-    assert [f for f, _, _ in steps][1:] == [f + c for f, c, _ in steps][:-1] and sum(c for _, c, _ in steps) == 70
-    assert b.stat(key).tier == "host" and b.stat(key).remote_durable  # all 96 pages fetched
+    assert (r.source_tier, r.num_pages, r.num_tokens) == ("remote", 600, 600 * 16)
+    assert dst.pages(blocks) == src.pages(range(600))
+    assert len(steps) > 1 and [n for _, _, n in steps][-1] == 600  # in steps, as the chunks came
+    assert [f for f, _, _ in steps][1:] == [f + c for f, c, _ in steps][:-1] and sum(c for _, c, _ in steps) == 600
+    assert b.stat(key).tier == "host" and b.stat(key).remote_durable  # all 640 pages fetched
     _, reader = b.get(key)
-    assert b"".join(bytes(c) for c in reader) == b"".join(src.pages(range(96)))
+    assert b"".join(bytes(c) for c in reader) == b"".join(src.pages(range(640)))
+    assert b.remote.store.fallbacks == 0  # every reply read straight into the pages
 
     client, store = a.remote.store.client, a.remote.store
     for k, chunk, blocks in ((bad, 0, list(range(40))), (late, 2, [0, 1, 2])):  # pages 31 (a block) and 95 (none)

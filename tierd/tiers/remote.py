@@ -18,6 +18,13 @@ under a write id of its own, then the manifest switched by compare-and-set
 version loses (FailedPrecondition) and deletes its chunks; the winner
 deletes the chunks of the version it replaced. A reader never sees a mix.
 
+Reading. The replies to a batch of GETs are read off the connection straight
+into the memory the caller names (the host tier's pages of a fetch): redis-
+py's parser would copy each value into a bytes object of its own, and the
+caller would copy it again. Anything else than a value of the size asked for
+(a redirection while slots move, an error) closes that connection, and the
+batch is read again through redis-py, which handles it.
+
 Never wrong KV. The manifest carries the identity fingerprint, the page
 checksums and the token hashes; every page read back is checked (DataLoss
 on a mismatch). A chunk that is gone (evicted, expired, lost in a fail-over)
@@ -32,7 +39,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -221,6 +228,7 @@ class RemoteStore:
         # Sends one batch of chunks while the caller reads the next (the socket releases the GIL),
         # and reads one batch ahead of a fetch that writes the last into its pages.
         self._sender = ThreadPoolExecutor(2, thread_name_prefix="tierd-remote")
+        self.fallbacks = 0  # batches of GETs read again through redis-py (see _get_into)
 
     def close(self) -> None:
         self._sender.shutdown(wait=True)
@@ -274,7 +282,8 @@ class RemoteStore:
         except (redis.ConnectionError, redis.TimeoutError, RedisClusterException, OSError) as exc:
             raise Unavailable(f"the remote store did not answer ({what}): {exc}") from None
         except redis.ResponseError as exc:
-            if str(exc).startswith("WRONGTYPE"):  # one key holds something else: that session's copy is unusable
+            # One key holds something else (on its own, or as a pipeline's command): that session's copy is unusable.
+            if re.match(r"(Command # \d+ .* caused error: )?WRONGTYPE", str(exc)):
                 raise DataLoss(f"the remote store holds something else than tierd wrote ({what}): {exc}",
                                tier="remote") from None
             raise Refused(f"the remote store refused {what}: {exc}") from None
@@ -410,42 +419,98 @@ class RemoteStore:
             except Unavailable:
                 return
 
-    def chunks(self, key: SessionKey, manifest: Manifest) -> Iterator[bytes]:
-        """The version's stored chunks in order, as they are (the caller checks
-        the pages they make up against the manifest's checksums); NotFound
-        if any is gone (the session is incomplete: recompute)."""
+    def read_into(self, key: SessionKey, manifest: Manifest,
+                  claim: Callable[[int], list[Any]]) -> Iterator[int]:
+        """Read the version's chunks, in order, into the memory claim(n) gives
+        for each next n bytes (writable buffers, in order), one batch ahead
+        of the caller; yields how many bytes are in place after each batch.
+        The caller checks the pages they make up against the manifest's
+        checksums. NotFound if any chunk is gone (the session is incomplete:
+        recompute); nothing is written into claimed memory once this
+        returns or raises."""
         count = manifest.chunks
-        batches = range(0, count, PIPELINE)
-        ahead = self._sender.submit(self._get, key, manifest.write, 0, min(PIPELINE, count)) if count else None
-        for first in batches:
-            assert ahead is not None
-            values = ahead.result()
-            nxt = first + PIPELINE
-            ahead = self._sender.submit(self._get, key, manifest.write, nxt, min(PIPELINE, count - nxt)) \
-                if nxt < count else None
-            for i, value in enumerate(values, first):
-                if value is None:
+
+        def ask(first: int) -> Future | None:
+            if first >= count:
+                return None
+            sinks = [claim(min(CHUNK_BYTES, manifest.nbytes - i * CHUNK_BYTES))
+                     for i in range(first, min(count, first + PIPELINE))]
+            return self._sender.submit(self._get_into, key, manifest.write, first, sinks)
+
+        ahead = ask(0)
+        try:
+            for first in range(0, count, PIPELINE):
+                assert ahead is not None
+                found = ahead.result()
+                ahead = ask(first + PIPELINE)
+                if not all(found):
                     raise NotFound("the remote copy of this session is incomplete (evicted or expired)")
-                if len(value) != min(CHUNK_BYTES, manifest.nbytes - i * CHUNK_BYTES):
-                    raise DataLoss(f"chunk {i} of the remote copy has {len(value)} bytes, not what its manifest "
-                                   "says", tier="remote")
-            yield from values
+                yield min(manifest.nbytes, (first + PIPELINE) * CHUNK_BYTES)
+        finally:
+            if ahead is not None:
+                wait([ahead])  # its memory may be given back by the caller next
+
+    def _get_into(self, key: SessionKey, write: str, first: int, sinks: list[list[Any]]) -> list[bool]:
+        """GETs of chunks first.. straight into their sinks (each the buffers
+        one chunk's bytes go to): each reply read off the connection's socket
+        into them, with no copy on the way. Whether each chunk was there.
+        Where the store answers anything else than a value of the size
+        expected (a redirection while slots move, an error, a value of
+        another size), the batch is read again through redis-py, which says
+        what it was."""
+        import redis
+
+        names = [self._key(key, f"w{write}", str(first + i)) for i in range(len(sinks))]
+        try:
+            return _read_into(self._pool_of(names[0]), names, sinks)
+        except (redis.TimeoutError, TimeoutError) as exc:
+            raise Unavailable(f"the remote store did not answer (a page read): {exc}") from None
+        except (_Unexpected, redis.RedisError, OSError):
+            pass
+        self.fallbacks += 1
+        found = []
+        for value, views in zip(self._get(key, write, first, len(sinks)), sinks):
+            if value is not None:
+                if len(value) != sum(memoryview(v).nbytes for v in views):
+                    raise DataLoss(f"a chunk of the remote copy has {len(value)} bytes, not what its manifest says",
+                                   tier="remote")
+                at = 0
+                for v in views:
+                    view = memoryview(v).cast("B")
+                    view[:] = value[at : at + view.nbytes]
+                    at += view.nbytes
+            found.append(value is not None)
+        return found
+
+    def _pool_of(self, name: str) -> Any:
+        """The connection pool of the node that serves key `name`."""
+        from redis.cluster import RedisCluster
+
+        if not isinstance(self.client, RedisCluster):
+            return self.client.connection_pool
+        node = self.client.get_node_from_key(name)
+        if node is None:
+            raise _Unexpected("no node serves the slot")
+        return self.client.get_redis_connection(node).connection_pool
 
     def read(self, key: SessionKey, manifest: Manifest) -> Iterator[bytes]:
         """The session's pages in order, each checked against the manifest's
         checksum: DataLoss on a mismatch, NotFound if any chunk is gone."""
-        buf = bytearray()
-        page = 0
-        for value in self.chunks(key, manifest):
-            buf += value
-            while page < manifest.n_pages and len(buf) >= manifest.size_of(page):
-                size = manifest.size_of(page)
-                data = bytes(buf[:size])
-                del buf[:size]
-                if page_checksum(data) != int(manifest.checksums[page]):
-                    raise DataLoss(f"page {page} failed its checksum in the remote tier", page=page, tier="remote")
-                yield data
-                page += 1
+        buf = memoryview(bytearray(manifest.nbytes))
+        at = 0
+
+        def claim(n: int) -> list[memoryview]:
+            nonlocal at
+            at += n
+            return [buf[at - n : at]]
+
+        for _ in self.read_into(key, manifest, claim):
+            pass
+        for page in range(manifest.n_pages):
+            data = bytes(buf[page * manifest.page_bytes : page * manifest.page_bytes + manifest.size_of(page)])
+            if page_checksum(data) != int(manifest.checksums[page]):
+                raise DataLoss(f"page {page} failed its checksum in the remote tier", page=page, tier="remote")
+            yield data
 
     def drop(self, key: SessionKey) -> bool:
         """Delete the session's current version; whether there was one."""
@@ -481,6 +546,79 @@ def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[byte
                 turn, filled = turn + 1, 0
     if filled:
         yield memoryview(buffers[turn % len(buffers)])[:filled]
+
+
+class _Unexpected(Exception):
+    """The store answered something else than the replies asked for."""
+
+
+def _read_into(pool: Any, names: list[str], sinks: list[list[Any]]) -> list[bool]:
+    """Pipelined GETs of names on a connection of pool, each value read into
+    its sink; whether each was there. The connection is closed on anything
+    unexpected (its stream is then not at a reply's start)."""
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
+        replies = _Replies(conn._sock)
+        found = [replies.value_into(sink) for sink in sinks]
+        if replies.buf:
+            raise _Unexpected("more than the replies asked for")
+        return found
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+class _Replies:
+    """RESP replies read off a socket: lines through a small buffer, a bulk
+    value's bytes, past what that buffer already holds, straight into the
+    caller's memory."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        got = self.sock.recv(1 << 16)
+        if not got:
+            raise ConnectionError("the remote store closed the connection")
+        self.buf += got
+
+    def _line(self) -> bytes:
+        while (end := self.buf.find(b"\r\n")) < 0:
+            if len(self.buf) > 1024:
+                raise _Unexpected("a reply line without an end")
+            self._fill()
+        line = bytes(self.buf[:end])
+        del self.buf[: end + 2]
+        return line
+
+    def value_into(self, sink: list[Any]) -> bool:
+        """Read one GET's reply into the buffers of sink, which together take
+        exactly its value's size; False for a nil (no such key)."""
+        line = self._line()
+        if line == b"$-1":
+            return False
+        views = [memoryview(v).cast("B") for v in sink]
+        if line[:1] != b"$" or line[1:] != str(sum(v.nbytes for v in views)).encode():
+            raise _Unexpected(line[:120].decode(errors="replace"))
+        for view in views:
+            take = min(view.nbytes, len(self.buf))
+            view[:take] = self.buf[:take]
+            del self.buf[:take]
+            while take < view.nbytes:
+                got = self.sock.recv_into(view[take:])
+                if not got:
+                    raise ConnectionError("the remote store closed the connection")
+                take += got
+        while len(self.buf) < 2:
+            self._fill()
+        if self.buf[:2] != b"\r\n":
+            raise _Unexpected("a value longer than it said")
+        del self.buf[:2]
+        return True
 
 
 __all__ = ["CHUNK_BYTES", "Manifest", "Refused", "RemoteStore", "connect", "owner_of", "tag_of"]

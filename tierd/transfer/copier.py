@@ -136,8 +136,9 @@ class CopyEngine(EngineCopies):
 
 class PageWriter:
     """Bytes of a stream written into tier pages in page order, chunk by
-    chunk as they arrive (on the event loop: one memcpy each); `received`
-    counts them. A chunk past what the pages hold is refused, unwritten."""
+    chunk as they arrive (on the event loop: one memcpy each), or read into
+    them by whoever claims the memory the next bytes go to; `received`
+    counts them. Bytes past what the pages hold are refused, unwritten."""
 
     def __init__(self, copier: CopyEngine, dst: list[Span], geom: Geometry) -> None:
         self._slots = []  # a view of each page's bytes
@@ -149,26 +150,28 @@ class PageWriter:
         self.received = 0
         self._slot = self._within = 0
 
-    def write(self, chunk: Any) -> None:
-        data = np.frombuffer(chunk, dtype=np.uint8) if not isinstance(chunk, np.ndarray) else chunk.reshape(-1)
-        if self.received + data.nbytes > self.capacity:
+    def claim(self, nbytes: int) -> list[np.ndarray]:
+        """The pages' memory the next nbytes of the stream go to, in order, as
+        views (one per page they reach); they count as received."""
+        if self.received + nbytes > self.capacity:
             raise InvalidArgument(f"the stream carries more than the {self.capacity} bytes its header announced",
                                   field="size", want=self.capacity)
-        pos = 0
-        while pos < data.nbytes:
+        out = []
+        while nbytes:
             view = self._slots[self._slot]
-            take = min(data.nbytes - pos, view.nbytes - self._within)
-            view[self._within : self._within + take] = data[pos : pos + take]
-            pos, self._within = pos + take, self._within + take
+            take = min(nbytes, view.nbytes - self._within)
+            out.append(view[self._within : self._within + take])
+            nbytes, self.received, self._within = nbytes - take, self.received + take, self._within + take
             if self._within == view.nbytes:
                 self._slot, self._within = self._slot + 1, 0
-        self.received += data.nbytes
+        return out
 
-    @property
-    def pages(self) -> int:
-        """Pages written whole so far: pages [0, pages) of dst, for a write that
-        starts at its first page."""
-        return self._slot
+    def write(self, chunk: Any) -> None:
+        data = np.frombuffer(chunk, dtype=np.uint8) if not isinstance(chunk, np.ndarray) else chunk.reshape(-1)
+        pos = 0
+        for view in self.claim(data.nbytes):
+            view[:] = data[pos : pos + view.nbytes]
+            pos += view.nbytes
 
 
 def _pages(buf: np.ndarray, first: int, count: int, geom: Geometry) -> list[memoryview]:

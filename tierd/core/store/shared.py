@@ -272,9 +272,8 @@ class Shared(Inspection):
             writer = self.copier.page_writer(w.spans, geom)
             want = into.ids.size if into is not None else 0
             step, scattered = max(1, self.copier.window_bytes // geom.stride), 0
-            for chunk in self.remote.store.chunks(key, m):  # each straight into its pages: one copy
-                writer.write(chunk)
-                done = min(writer.pages, want)
+            for received in self.remote.store.read_into(key, m, writer.claim):  # read into its pages
+                done = min(n if received == m.nbytes else received // geom.page_bytes, want)
                 if done - scattered >= step or scattered < done == want:  # while the next chunks are fetched
                     assert into is not None
                     self._scatter_fetched(key, w.spans, geom, m.checksums, into, scattered, done)
