@@ -158,8 +158,9 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
 
 # glibc's malloc gives freed memory at the top of a heap back to the kernel once more than
 # about two of the largest recent buffers lie free there; the next ones then cost a page fault
-# per 4 KiB when first written. The daemon allocates buffers of about a MiB by the dozen (the
-# remote store's replies, a Put's or a Get's chunks): kept, they are written at memory speed.
+# per 4 KiB when first written. The daemon allocates buffers of about a MiB by the dozen (a
+# Get's chunks that span pages, a Put's messages, replies read through redis-py): kept, they
+# are written at memory speed.
 KEEP_FREED_BYTES = 64 << 20  # per heap: a few batches of buffers
 MMAP_ABOVE_BYTES = 4 << 20  # buffers up to this come from a heap (and are kept); larger ones are mapped
 
