@@ -8,8 +8,9 @@ replicas, started here from redis-server).
   sizes and batches, in turns (the ratio: the median of each turn's own).
 - remote_restore_vs_raw_get: restoring a session that only the remote tier
   holds into engine blocks on another node (manifest, GETs, every page
-  checked, into the host tier, scattered) against pipelined GETs of the same
-  chunks, in turns (likewise).
+  checked, into the host tier, scattered) against redis-py's pipelined GETs
+  of the same chunks, in turns (likewise); the note adds the store's own
+  reader alone (its GETs in flight, into one buffer, nothing checked).
 - trace_multinode_served: three daemons and one cluster; a router sends each
   turn of each session to a random node, which is told to prefetch it a
   lead time before. The share of resumes served from tierd, beside the same
@@ -39,7 +40,7 @@ from tierd.errors import InvalidArgument, NotFound
 from tierd.machine import build
 from tierd.policy import PolicyConfig
 from tierd.testing import Daemon, RedisCluster
-from tierd.tiers.remote import CHUNK_BYTES, PIPELINE, tag_of
+from tierd.tiers.remote import CHUNK_BYTES, PIPELINE, READ_BATCH, READ_DEPTH, _read_into, tag_of
 from tierd.transfer.copier import EngineMemory
 
 MiB = 1 << 20
@@ -116,6 +117,15 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
                     pipe.get(name)
                 assert all(v is not None for v in pipe.execute())
 
+        into = memoryview(bytearray(sum(len(c) for c in raw)))
+        ends = np.cumsum([len(c) for c in raw])
+        sinks = [[into[end - len(c) : end]] for c, end in zip(raw, ends)]
+
+        def store_reader() -> None:
+            """The store's own reader alone: its GETs in flight, into one buffer, nothing checked."""
+            pool = a.store.remote.store._pool_of(raw_keys[0])
+            assert all(_read_into(pool, raw_keys, sinks, lambda i, found: None, lambda: False))
+
         def publish() -> None:
             assert a.store.publish(KEY)
 
@@ -155,14 +165,22 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
 
         forget()
         restore()  # warm
-        ours, limit = [], []
+        store_reader()
+        ours, limit, reader = [], [], []
         for _ in range(repeat):
             limit += timed(raw_get, 1)
+            reader += timed(store_reader, 1)
             ours += timed(restore, 1, forget)
         results.append(ratio_result("remote_restore_vs_raw_get", ours, limit, nbytes, 0.8, paired=True,
                                     note="a session only the remote tier holds, restored on another node: "
                                          "every page checked, into the host tier and, as they arrive, into "
-                                         "engine blocks"))
+                                         f"engine blocks; limit: redis-py's pipelined GETs, {PIPELINE} a round "
+                                         "trip"))
+        alone = statistics.median(reader)
+        results[-1].spread["store_reader_seconds"] = spread(reader)
+        results[-1].note += f"; the store's reader alone ({READ_BATCH} GETs a round trip, {READ_DEPTH} in flight, " \
+                            f"into one buffer, nothing checked): {nbytes / alone / 1e9:.2f} GB/s " \
+                            f"({alone / statistics.median(ours):.3f} of it)"
         client.delete(*raw_keys, *[f"bench-raw{generation[0]}:{{{tag}}}:{i}" for i in range(len(raw))])
         return results
     finally:

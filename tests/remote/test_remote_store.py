@@ -4,7 +4,9 @@ reclaimed old versions, every page checked as it is read back, a session
 cut short answering NotFound, and clear errors for a wrong password or a
 store that is down."""
 
+import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -259,3 +261,95 @@ def test_calls_to_a_store_that_went_down_fail_fast(tmp_path):
         with pytest.raises(Unavailable, match="the remote store did not answer"):
             call()
         assert time.monotonic() - t0 < 5
+
+
+class CuttingProxy:
+    """A TCP proxy in front of a store that, once armed, closes the first
+    connection whose replies since then pass `cut` bytes; it records what
+    every connection carried to the store after that."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut: int | None = None
+        self.after = bytearray()  # what connections carried to the store once one was cut
+        self.was_cut = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, src, dst, up: bool) -> None:
+        down = 0
+        try:
+            while data := src.recv(1 << 16):
+                if up and self.was_cut:
+                    self.after += data
+                if not up and self.cut is not None:
+                    down += len(data)
+                    if down > self.cut:
+                        self.cut, self.was_cut = None, True  # once
+                        dst.sendall(data[: len(data) // 2])
+                        break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it_stopped(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    proxy = None
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                connect(f"redis://127.0.0.1:{port}").close()
+                break
+            except Unavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        proxy = CuttingProxy(port)
+        store = RemoteStore(connect(f"redis://127.0.0.1:{proxy.port}"), prefix="cut")
+        pages, sums = snapshot(12, seed=15)  # 17 chunks: several batches in flight at once
+        publish(store, pages, sums)
+        m = store.manifest(KEY)
+        proxy.cut = 6 * CHUNK_BYTES + CHUNK_BYTES // 3  # in the middle of chunk 6 (the manifest's reply is small)
+        buf = bytearray(m.nbytes)
+        at = 0
+
+        def claim(n):
+            nonlocal at
+            at += n
+            return [memoryview(buf)[at - n : at]]
+
+        told = list(store.read_into(KEY, m, claim))
+        assert told == sorted(set(told)) and told[-1] == m.nbytes  # more each time, to the end
+        assert bytes(buf) == b"".join(pages) and store.fallbacks == 1
+        # The chunks before the cut were told to the reader (it may be placing them): not read again.
+        wanted = [int(name.rsplit(b":", 1)[1]) for name in re.findall(rb"cut:\{[^}]+\}:w[^:\r]+:\d+", proxy.after)]
+        assert proxy.was_cut and wanted == list(range(6, m.chunks))
+        store.close()
+    finally:
+        if proxy is not None:
+            proxy.close()
+        proc.kill()
+        proc.wait(10)

@@ -18,12 +18,14 @@ under a write id of its own, then the manifest switched by compare-and-set
 version loses (FailedPrecondition) and deletes its chunks; the winner
 deletes the chunks of the version it replaced. A reader never sees a mix.
 
-Reading. The replies to a batch of GETs are read off the connection straight
-into the memory the caller names (the host tier's pages of a fetch): redis-
-py's parser would copy each value into a bytes object of its own, and the
-caller would copy it again. Anything else than a value of the size asked for
-(a redirection while slots move, an error) closes that connection, and the
-batch is read again through redis-py, which handles it.
+Reading. A fetch keeps several small batches of GETs in flight on one
+connection, so the store builds the next replies while these are read, and
+reads the replies off the connection straight into the memory the caller
+names (the host tier's pages): redis-py's parser would copy each value into
+a bytes object of its own, and the caller would copy it again. Anything else
+than a value of the size asked for (a redirection while slots move, an
+error) closes that connection, and the rest is read through redis-py, which
+handles it.
 
 Never wrong KV. The manifest carries the identity fingerprint, the page
 checksums and the token hashes; every page read back is checked (DataLoss
@@ -52,7 +54,8 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated
 from tierd.types import SessionKey
 
 CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
-PIPELINE = 16  # chunks written or read per round trip
+PIPELINE = 16  # chunks written (or read through redis-py) per round trip
+READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
 
 # KEYS[1]: the manifest. ARGV: the version expected (0: none), the new manifest, its TTL in ms (0: none).
 # Returns {1, old manifest} if switched, {0, current version} if another writer got there first.
@@ -225,10 +228,10 @@ class RemoteStore:
         self._cas = client.register_script(_CAS)
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
-        # Sends one batch of chunks while the caller reads the next (the socket releases the GIL),
-        # and reads one batch ahead of a fetch that writes the last into its pages.
-        self._sender = ThreadPoolExecutor(2, thread_name_prefix="tierd-remote")
-        self.fallbacks = 0  # batches of GETs read again through redis-py (see _get_into)
+        # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
+        # reads the chunks of a fetch while its caller checks and places those that have arrived.
+        self._sender = ThreadPoolExecutor(4, thread_name_prefix="tierd-remote")
+        self.fallbacks = 0  # fetches finished through redis-py (see _fetch)
 
     def close(self) -> None:
         self._sender.shutdown(wait=True)
@@ -422,65 +425,77 @@ class RemoteStore:
     def read_into(self, key: SessionKey, manifest: Manifest,
                   claim: Callable[[int], list[Any]]) -> Iterator[int]:
         """Read the version's chunks, in order, into the memory claim(n) gives
-        for each next n bytes (writable buffers, in order), one batch ahead
-        of the caller; yields how many bytes are in place after each batch.
-        The caller checks the pages they make up against the manifest's
-        checksums. NotFound if any chunk is gone (the session is incomplete:
-        recompute); nothing is written into claimed memory once this
-        returns or raises."""
-        count = manifest.chunks
-
-        def ask(first: int) -> Future | None:
-            if first >= count:
-                return None
-            sinks = [claim(min(CHUNK_BYTES, manifest.nbytes - i * CHUNK_BYTES))
-                     for i in range(first, min(count, first + PIPELINE))]
-            return self._sender.submit(self._get_into, key, manifest.write, first, sinks)
-
-        ahead = ask(0)
+        for each next n bytes (writable buffers, in order; all claimed before
+        the first is read), on a thread of the store's while the caller works
+        on what has arrived; yields how many bytes are in place each time more
+        chunks are (once for several where the caller was busy). The caller
+        checks the pages they make up against the manifest's checksums.
+        NotFound if any chunk is gone (the session is incomplete: recompute);
+        nothing is written into claimed memory once this returns or raises."""
+        sinks = [claim(min(CHUNK_BYTES, manifest.nbytes - i * CHUNK_BYTES)) for i in range(manifest.chunks)]
+        arrivals = _Arrivals()
+        reading = self._sender.submit(self._fetch, key, manifest.write, sinks, arrivals)
+        reading.add_done_callback(arrivals.finish)
         try:
-            for first in range(0, count, PIPELINE):
-                assert ahead is not None
-                found = ahead.result()
-                ahead = ask(first + PIPELINE)
-                if not all(found):
-                    raise NotFound("the remote copy of this session is incomplete (evicted or expired)")
-                yield min(manifest.nbytes, (first + PIPELINE) * CHUNK_BYTES)
+            seen, finished = 0, False
+            while not finished:
+                count, finished = arrivals.past(seen)
+                if count > seen:
+                    seen = count
+                    yield min(manifest.nbytes, count * CHUNK_BYTES)
+            if not reading.result():
+                raise NotFound("the remote copy of this session is incomplete (evicted or expired)")
         finally:
-            if ahead is not None:
-                wait([ahead])  # its memory may be given back by the caller next
+            arrivals.stop = True  # the reader stops at its next batch
+            wait([reading])  # its memory may be given back by the caller next
 
-    def _get_into(self, key: SessionKey, write: str, first: int, sinks: list[list[Any]]) -> list[bool]:
-        """GETs of chunks first.. straight into their sinks (each the buffers
-        one chunk's bytes go to): each reply read off the connection's socket
-        into them, with no copy on the way. Whether each chunk was there.
+    def _fetch(self, key: SessionKey, write: str, sinks: list[list[Any]], arrivals: _Arrivals) -> bool:
+        """GETs of the chunks straight into their sinks (each the buffers one
+        chunk's bytes go to): each reply read off the connection's socket into
+        them, with no copy on the way, and arrivals told as each is in place.
+        Whether all were there (False too where arrivals.stop cut it short).
         Where the store answers anything else than a value of the size
         expected (a redirection while slots move, an error, a value of
-        another size), the batch is read again through redis-py, which says
-        what it was."""
+        another size), the chunks from that one on are read through redis-py,
+        which says what it was."""
         import redis
 
-        names = [self._key(key, f"w{write}", str(first + i)) for i in range(len(sinks))]
+        if not sinks:
+            return True
+        names = [self._key(key, f"w{write}", str(i)) for i in range(len(sinks))]
+        placed = 0  # the leading chunks in place (one past a missing chunk is not told)
+
+        def read(i: int, found: bool) -> None:
+            nonlocal placed
+            if found and i == placed:
+                placed += 1
+                arrivals.arrived(placed)
+
         try:
-            return _read_into(self._pool_of(names[0]), names, sinks)
+            found = _read_into(self._pool_of(names[0]), names, sinks, read, lambda: arrivals.stop)
+            return len(found) == len(sinks) and all(found)
         except (redis.TimeoutError, TimeoutError) as exc:
             raise Unavailable(f"the remote store did not answer (a page read): {exc}") from None
         except (_Unexpected, redis.RedisError, OSError):
             pass
         self.fallbacks += 1
-        found = []
-        for value, views in zip(self._get(key, write, first, len(sinks)), sinks):
-            if value is not None:
-                if len(value) != sum(memoryview(v).nbytes for v in views):
-                    raise DataLoss(f"a chunk of the remote copy has {len(value)} bytes, not what its manifest says",
-                                   tier="remote")
-                at = 0
-                for v in views:
-                    view = memoryview(v).cast("B")
-                    view[:] = value[at : at + view.nbytes]
-                    at += view.nbytes
-            found.append(value is not None)
-        return found
+        whole = True  # chunks before `placed` were told, so perhaps in the caller's hands: not written again
+        for first in range(placed, len(sinks), PIPELINE):
+            if arrivals.stop:
+                return False
+            for i, value in enumerate(self._get(key, write, first, min(PIPELINE, len(sinks) - first)), first):
+                if value is not None:
+                    views = [memoryview(v).cast("B") for v in sinks[i]]
+                    if len(value) != sum(v.nbytes for v in views):
+                        raise DataLoss(f"a chunk of the remote copy has {len(value)} bytes, not what its manifest "
+                                       "says", tier="remote")
+                    at = 0
+                    for view in views:
+                        view[:] = value[at : at + view.nbytes]
+                        at += view.nbytes
+                read(i, value is not None)
+                whole = whole and value is not None
+        return whole
 
     def _pool_of(self, name: str) -> Any:
         """The connection pool of the node that serves key `name`."""
@@ -548,19 +563,62 @@ def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[byte
         yield memoryview(buffers[turn % len(buffers)])[:filled]
 
 
+class _Arrivals:
+    """How many chunks of a fetch are in place, in order (told by the thread
+    that reads them), and whether that thread is done; stop asks it to stop."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.count = 0
+        self.done = False
+        self.stop = False
+
+    def arrived(self, count: int) -> None:
+        with self._cv:
+            self.count = count
+            self._cv.notify_all()
+
+    def finish(self, _: Any = None) -> None:
+        with self._cv:
+            self.done = True
+            self._cv.notify_all()
+
+    def past(self, seen: int) -> tuple[int, bool]:
+        """Once more than seen chunks are in place or the reader is done:
+        how many are, and whether it is done."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.count > seen or self.done)
+            return self.count, self.done
+
+
 class _Unexpected(Exception):
     """The store answered something else than the replies asked for."""
 
 
-def _read_into(pool: Any, names: list[str], sinks: list[list[Any]]) -> list[bool]:
-    """Pipelined GETs of names on a connection of pool, each value read into
-    its sink; whether each was there. The connection is closed on anything
-    unexpected (its stream is then not at a reply's start)."""
+def _read_into(pool: Any, names: list[str], sinks: list[list[Any]], read: Callable[[int, bool], None],
+               stop: Callable[[], bool]) -> list[bool]:
+    """GETs of names on a connection of pool, READ_BATCH a round trip with
+    READ_DEPTH of them in flight (the store builds the next replies while
+    these are read), each value read into its sink and read(i, found) told
+    as each is; whether each was there, for those read before stop() said so.
+    The connection is closed on anything unexpected and where stopped (its
+    stream is then not at a reply's start)."""
+    batches = [names[i : i + READ_BATCH] for i in range(0, len(names), READ_BATCH)]
     conn = pool.get_connection()
+    found: list[bool] = []
     try:
-        conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
         replies = _Replies(conn._sock)
-        found = [replies.value_into(sink) for sink in sinks]
+        for batch in batches[:READ_DEPTH]:
+            conn.send_packed_command(conn.pack_commands([("GET", n) for n in batch]))
+        for k in range(len(batches)):
+            if stop():
+                conn.disconnect()
+                return found
+            if k + READ_DEPTH < len(batches):
+                conn.send_packed_command(conn.pack_commands([("GET", n) for n in batches[k + READ_DEPTH]]))
+            for _ in batches[k]:
+                found.append(replies.value_into(sinks[len(found)]))
+                read(len(found) - 1, found[-1])
         if replies.buf:
             raise _Unexpected("more than the replies asked for")
         return found
