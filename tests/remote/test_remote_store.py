@@ -353,3 +353,25 @@ def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it
             proxy.close()
         proc.kill()
         proc.wait(10)
+
+
+def test_a_tenant_s_bytes_are_a_running_total_kept_with_its_list(store):
+    sizes = {}
+    for i, n in enumerate((3, 1, 2)):
+        pages, sums = snapshot(n, seed=20 + i)
+        publish(store, pages, sums, key=SessionKey("alice", f"u{i}"))
+        sizes[f"u{i}"] = sum(map(len, pages))
+    publish(store, *snapshot(2, seed=30), key=SessionKey("bob", "u0"))  # another tenant's are its own
+    assert store.usage("alice", "u1") == (sum(sizes.values()), sizes["u1"])
+    pages, sums = snapshot(1, seed=31)
+    publish(store, pages, sums, expect=1, key=SessionKey("alice", "u0"))  # a new version in place of the old
+    sizes["u0"] = len(pages[0])
+    assert store.usage("alice", "u0") == (sum(sizes.values()), sizes["u0"])
+    store.drop(SessionKey("alice", "u2"))
+    del sizes["u2"]
+    assert store.usage("alice", "nobody") == (sum(sizes.values()), 0)
+    total = store._index("alice", "u")
+    for damage in (lambda: store.client.delete(total), lambda: store.client.set(total, b"many")):
+        damage()  # a store written before there was a total, or one garbled: summed again
+        assert store.usage("alice", "u1") == (sum(sizes.values()), sizes["u1"])
+        assert int(store.client.get(total)) == sum(sizes.values())

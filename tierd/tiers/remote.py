@@ -10,7 +10,9 @@ chunks of CHUNK_BYTES, a little below a power of two (jemalloc rounds an
 exact 2**n value up by a quarter). Every key has the store's TTL. Each
 tenant's session ids are members of one sorted set, `PREFIX:{TENANT TAG}:s`
 (for List; a member whose manifest is gone is dropped when found), and
-`PREFIX:{TENANT TAG}:b` maps each to its bytes (the tenant's quota).
+`PREFIX:{TENANT TAG}:b` maps each to its bytes and `PREFIX:{TENANT TAG}:u`
+holds their sum (the tenant's quota, read in one call whatever its number
+of sessions).
 
 One history per session. A version is published in two steps: its chunks
 under a write id of its own, then the manifest switched by compare-and-set
@@ -67,6 +69,36 @@ if have ~= tonumber(ARGV[1]) then return {0, have} end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
 return {1, cur or ''}
+"""
+
+
+# KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
+# then pairs of session id and bytes (-1: unlisted). Keeps the total equal to the map's sum (the map of a
+# store written before there was a total is summed once); returns the total.
+_LIST = """
+local total = tonumber(redis.call('GET', KEYS[3]) or '-1') or -1  -- none, or garbled: summed again
+if total < 0 then
+  total = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (tonumber(v) or 0) end
+end
+for i = 2, #ARGV, 2 do
+  local id, new = ARGV[i], tonumber(ARGV[i + 1])
+  total = total - (tonumber(redis.call('HGET', KEYS[2], id) or '0') or 0)
+  if new < 0 then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+  else
+    redis.call('ZADD', KEYS[1], 0, id)
+    redis.call('HSET', KEYS[2], id, new)
+    total = total + new
+  end
+end
+if total < 0 then total = 0 end
+redis.call('SET', KEYS[3], total)
+if tonumber(ARGV[1]) > 0 then
+  for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ARGV[1]) end
+end
+return total
 """
 
 
@@ -226,6 +258,7 @@ class RemoteStore:
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000) if ttl else 0
         self._cas = client.register_script(_CAS)
+        self._list = client.register_script(_LIST)
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
         # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
@@ -243,10 +276,21 @@ class RemoteStore:
     def _index(self, tenant: str, what: str = "s") -> str:
         return f"{self.prefix}:{{t{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:{what}"
 
-    def usage(self, tenant: str) -> dict[str, int]:
-        """Bytes of each of the tenant's sessions, as their publishes recorded them."""
-        raw = self._call("a usage read", self.client.hgetall, self._index(tenant, "b"))
-        return {k.decode(): int(v) for k, v in raw.items()}
+    def usage(self, tenant: str, session_id: str) -> tuple[int, int]:
+        """Bytes of the tenant's sessions, and of this one, as their publishes recorded them."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self._index(tenant, "u"))
+        pipe.hget(self._index(tenant, "b"), session_id)
+        total, own = self._call("a usage read", pipe.execute)
+        if not _count(total):  # none (a store written before there was a total) or garbled: summed again
+            total = self._relist(tenant, [])
+        return int(total), int(own) if _count(own) else 0
+
+    def _relist(self, tenant: str, entries: list[tuple[str, int]]) -> int:
+        """List or (bytes -1) unlist the tenant's sessions, keeping the total; the total."""
+        args = [self.ttl_ms] + [x for entry in entries for x in entry]
+        return int(self._call("a list entry", self._list, keys=[self._index(tenant, w) for w in ("s", "b", "u")],
+                              args=args))
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         """The tenant's session ids in the store's index, in order, after `after`."""
@@ -271,10 +315,7 @@ class RemoteStore:
 
     def unlist(self, tenant: str, session_ids: list[str]) -> None:
         if session_ids:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zrem(self._index(tenant), *session_ids)
-            pipe.hdel(self._index(tenant, "b"), *session_ids)
-            self._call("an unlist", pipe.execute)
+            self._relist(tenant, [(i, -1) for i in session_ids])
 
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         import redis
@@ -372,13 +413,7 @@ class RemoteStore:
             raise FailedPrecondition(f"another node published version {int(old)} of this session first",
                                      version=int(old))
         try:  # listed for its tenant: where this fails, the session is served, only not listed
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zadd(self._index(key.tenant), {key.session_id: 0})
-            pipe.hset(self._index(key.tenant, "b"), key.session_id, nbytes)
-            if self.ttl_ms:
-                pipe.pexpire(self._index(key.tenant), self.ttl_ms)
-                pipe.pexpire(self._index(key.tenant, "b"), self.ttl_ms)
-            self._call("a list entry", pipe.execute)
+            self._relist(key.tenant, [(key.session_id, nbytes)])
         except Unavailable:
             pass
         if old:
@@ -561,6 +596,11 @@ def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[byte
                 turn, filled = turn + 1, 0
     if filled:
         yield memoryview(buffers[turn % len(buffers)])[:filled]
+
+
+def _count(raw: bytes | None) -> bool:
+    """Whether a value read back is a count of bytes."""
+    return raw is not None and raw.isdigit() and len(raw) < 20
 
 
 class _Arrivals:

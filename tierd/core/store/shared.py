@@ -636,8 +636,8 @@ class Shared(Inspection):
         the session's last). Checked before each publish: nodes publishing at
         the same moment may each take one session past it."""
         assert self.remote is not None
-        usage = self._call("quota", self.remote.store.usage, key.tenant)
-        held = sum(usage.values()) - usage.get(key.session_id, 0)
+        total, own = self._call("quota", self.remote.store.usage, key.tenant, key.session_id)
+        held = total - own
         if held + nbytes <= self.remote.tenant_quota:
             return True
         self.events.remote_op("publish", "quota")
