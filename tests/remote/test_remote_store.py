@@ -17,7 +17,7 @@ import pytest
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
 from tierd.testing import RedisCluster, _free_port
-from tierd.tiers.remote import CHUNK_BYTES, RemoteStore, connect, tag_of
+from tierd.tiers.remote import CHUNK_BYTES, FIRST_VERSIONS, Refused, RemoteStore, connect, tag_of
 from tierd.types import SessionKey
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -51,9 +51,10 @@ def keys_of(store, key=KEY):
 def test_a_version_round_trips_byte_exact_under_keys_that_name_no_one(store):
     pages, sums = snapshot(3, seed=1)
     m = publish(store, pages, sums)
-    assert (m.version, m.n_pages, m.nbytes) == (1, 3, sum(map(len, pages)))
+    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS  # a history starts at a number of its own
+    assert (m.n_pages, m.nbytes) == (3, sum(map(len, pages)))
     got = store.manifest(KEY)
-    assert got.version == 1 and got.fingerprint == "fp" and list(got.checksums) == list(sums)
+    assert got.version == m.version and got.fingerprint == "fp" and list(got.checksums) == list(sums)
     assert list(got.token_hashes) == [0, 1, 2] and got.num_tokens == 48
     assert list(store.read(KEY, got)) == pages
     names = keys_of(store)
@@ -90,10 +91,10 @@ def test_pieces_valid_until_the_next_are_copied_and_held_ones_sent_as_they_are(s
 
 def test_a_new_version_replaces_the_old_whole_and_reclaims_it(store):
     pages, sums = snapshot(3, seed=2)
-    publish(store, pages, sums)
+    first = publish(store, pages, sums)
     newer, new_sums = snapshot(4, seed=3)
-    m = publish(store, newer, new_sums, expect=1)
-    assert m.version == 2 and list(store.read(KEY, store.manifest(KEY))) == newer
+    m = publish(store, newer, new_sums, expect=first.version)
+    assert m.version == first.version + 1 and list(store.read(KEY, store.manifest(KEY))) == newer
     assert len(keys_of(store)) == 1 + m.chunks  # version 1's chunks are gone
 
 
@@ -123,11 +124,11 @@ def test_racing_writers_leave_one_whole_history(store):
 
 def test_a_stale_writer_is_refused_and_changes_nothing(store):
     pages, sums = snapshot(2, seed=6)
-    publish(store, pages, sums)
-    publish(store, pages, sums, expect=1)
+    first = publish(store, pages, sums)
+    second = publish(store, pages, sums, expect=first.version)
     before = keys_of(store)
-    with pytest.raises(FailedPrecondition, match="version 2"):
-        publish(store, *snapshot(2, seed=7), expect=1)
+    with pytest.raises(FailedPrecondition, match=f"version {second.version}"):
+        publish(store, *snapshot(2, seed=7), expect=first.version)
     assert keys_of(store) == before and list(store.read(KEY, store.manifest(KEY))) == pages
 
 
@@ -166,11 +167,37 @@ def test_a_chunk_of_another_size_or_type_is_read_again_through_redis_py_and_is_d
     assert store.fallbacks == 2
 
 
-def test_drop_removes_every_key(store):
+def test_drop_leaves_only_a_tombstone_that_the_next_history_numbers_on_from(store):
     pages, sums = snapshot(2, seed=9)
-    publish(store, pages, sums)
-    store.drop(KEY)
-    assert store.manifest(KEY) is None and keys_of(store) == []
+    m = publish(store, pages, sums)
+    assert store.drop(KEY)
+    assert store.manifest(KEY) is None and store.head(KEY) == (None, m.version + 1)
+    assert keys_of(store) == [f"{store.prefix}:{{{tag_of(KEY)}}}:m"]  # the chunks are gone, the tombstone stays
+    assert store.listed("alice") == [] and not store.drop(KEY)  # nothing there to drop
+    assert store.head(KEY) == (None, m.version + 1)
+    with pytest.raises(FailedPrecondition):
+        publish(store, pages, sums, expect=m.version)  # a node still holding the dropped version
+    again = publish(store, pages, sums, expect=m.version + 1)  # a store from token 0, after the drop
+    assert again.version == m.version + 2 and list(store.read(KEY, again)) == pages
+
+
+def test_a_version_whose_chunks_are_not_all_there_is_not_published(store):
+    """A fail-over between the chunks' writes and the manifest's switch loses
+    the chunks the old master had not passed on: the switch sees it."""
+    pages, sums = snapshot(3, seed=16)
+    m = publish(store, pages, sums)
+    put = store._put
+
+    def lose_one(key, write, first, chunks):
+        put(key, write, first, chunks)
+        store.client.delete(store._key(key, f"w{write}", str(first)))
+
+    store._put = lose_one
+    with pytest.raises(Refused, match="chunks written"):
+        publish(store, *snapshot(3, seed=17), expect=m.version)
+    store._put = put
+    assert store.manifest(KEY).write == m.write and list(store.read(KEY, m)) == pages  # the version before is served
+    assert len(keys_of(store)) == 1 + m.chunks  # the new version's chunks are gone
 
 
 def test_values_go_out_as_they_lie_and_replies_are_parsed_in_c(store):
@@ -364,7 +391,7 @@ def test_a_tenant_s_bytes_are_a_running_total_kept_with_its_list(store):
     publish(store, *snapshot(2, seed=30), key=SessionKey("bob", "u0"))  # another tenant's are its own
     assert store.usage("alice", "u1") == (sum(sizes.values()), sizes["u1"])
     pages, sums = snapshot(1, seed=31)
-    publish(store, pages, sums, expect=1, key=SessionKey("alice", "u0"))  # a new version in place of the old
+    publish(store, pages, sums, expect=store.manifest(SessionKey("alice", "u0")).version, key=SessionKey("alice", "u0"))  # a new version in place of the old
     sizes["u0"] = len(pages[0])
     assert store.usage("alice", "u0") == (sum(sizes.values()), sizes["u0"])
     store.drop(SessionKey("alice", "u2"))

@@ -229,6 +229,62 @@ def test_a_damaged_or_cut_short_remote_copy_is_never_served(nodes, cluster):
     assert b.keys() == [] and b.check_accounting() == []  # nothing half-fetched is left behind
 
 
+def test_a_session_dropped_on_one_node_is_gone_from_the_copies_of_the_others(nodes):
+    a, b, c = nodes("a").store, nodes("b").store, nodes("c").store
+    key = SessionKey("alice", "dropped")
+    old, new = HostEngine(seed=30), HostEngine(seed=31)
+    stored(a, key, old, [0, 1], 32)
+    _, reader = b.get(key)
+    assert b"".join(bytes(x) for x in reader) == b"".join(old.pages([0, 1]))  # b holds a copy now
+    a.drop(key)
+    with pytest.raises(NotFound):
+        b.stat(key)  # its copy is of a version dropped since: forgotten
+    assert b.keys() == [] and b.check_accounting() == []
+    stored(a, key, old, [0, 1], 32)
+    _, reader = b.get(key)
+    assert b"".join(bytes(x) for x in reader) == b"".join(old.pages([0, 1]))
+    a.drop(key)
+    stored(c, key, new, [2, 3, 4], 48)  # a new history of the same id, after the drop
+    _, reader = b.get(key)  # b's copy is neither version: the new one is fetched
+    assert b"".join(bytes(x) for x in reader) == b"".join(new.pages([2, 3, 4]))
+
+
+def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_tombstone(nodes):
+    from tierd.core.store.writes import Writes
+
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "raced")
+    eng = HostEngine(seed=32)
+    stored(a, key, eng, [0, 1], 32)
+    _, reader = b.get(key)
+    b"".join(bytes(x) for x in reader)
+    a.drop(key)
+    # b's append committed before it could learn of the drop (Writes.save: the store without the look first)
+    Writes.save(b, key, eng.memory, SPEC, [2], 48, 32, token_ids=list(range(48)))
+    wait_for(lambda: b.publish_queue() == (0, 0), what="the publisher idle")
+    assert not b.stat(key).remote_durable and a.remote.store.manifest(key) is None  # the drop stands
+    with pytest.raises(NotFound):
+        a.stat(key)
+
+
+def test_wait_ready_after_a_failed_fetch_says_why(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "spoiled")
+    stored(a, key, HostEngine(seed=33), [0, 1], 32)
+    client = a.remote.store.client
+    chunk = sorted(client.keys(f"{a.remote.store.prefix}:{{{tag_of(key)}}}:w*"))[0]
+    value = bytearray(client.get(chunk))
+    value[7] ^= 1
+    client.set(chunk, bytes(value))
+    assert b.prefetch(key) == "queued"
+    with pytest.raises(DataLoss, match="failed its checksum"):
+        b.wait_ready(key, timeout=30)
+    client.delete(chunk)
+    assert b.prefetch(key) == "queued"
+    with pytest.raises(NotFound, match="incomplete"):
+        b.wait_ready(key, timeout=30)
+
+
 def test_a_tenant_reaches_only_its_own_remote_sessions(nodes):
     a, b = nodes("a").store, nodes("b").store
     save(a, SessionKey("alice", "mine"), HostEngine(seed=9), [0], 16)

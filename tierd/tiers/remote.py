@@ -57,19 +57,36 @@ from tierd.types import SessionKey
 
 CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
 PIPELINE = 16  # chunks written (or read through redis-py) per round trip
+FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
 
-# KEYS[1]: the manifest. ARGV: the version expected (0: none), the new manifest, its TTL in ms (0: none).
-# Returns {1, old manifest} if switched, {0, current version} if another writer got there first.
+# KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
+# manifest, its TTL in ms (0: none). Returns {1, old manifest} if switched, {0, current version} if another
+# writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
 _CAS = """
 local cur = redis.call('GET', KEYS[1])
 local have = 0
 if cur then have = tonumber(string.match(cur, '^(%d+) ')) or 0 end  -- one that does not parse: replaced as none
 if have ~= tonumber(ARGV[1]) then return {0, have} end
+local there = 0
+for i = 2, #KEYS, 1000 do there = there + redis.call('EXISTS', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
+if there ~= #KEYS - 1 then return {2, there} end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
 return {1, cur or ''}
 """
+
+# KEYS[1]: the manifest. ARGV: a TTL in ms (0: none). A session dropped leaves a tombstone, "N dropped", one
+# version past the one it ends: a node holding a copy of a version before it learns the session is gone,
+# and the next history goes on numbering from it. Returns the manifest replaced (false: none).
+_DROP = """
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.match(cur, '^%d+ dropped$') then return cur end  -- none, or dropped already
+local tomb = ((tonumber(string.match(cur, '^(%d+) ')) or 0) + 1) .. ' dropped'
+if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[1], tomb, 'PX', ARGV[1]) else redis.call('SET', KEYS[1], tomb) end
+return cur
+"""
+_TOMBSTONE = re.compile(rb"(\d+) dropped")
 
 
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
@@ -259,6 +276,7 @@ class RemoteStore:
         self.ttl_ms = int(ttl * 1000) if ttl else 0
         self._cas = client.register_script(_CAS)
         self._list = client.register_script(_LIST)
+        self._drop = client.register_script(_DROP)
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
         # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
@@ -353,8 +371,20 @@ class RemoteStore:
     def manifest(self, key: SessionKey) -> Manifest | None:
         """The session's current manifest, or None; DataLoss for one that does
         not parse or is another session's (keys copied in the store)."""
+        return self.head(key)[0]
+
+    def head(self, key: SessionKey) -> tuple[Manifest | None, int]:
+        """The session's current manifest (None: none, or a tombstone: the
+        session was dropped) and the version number at its key (0: none);
+        DataLoss for a manifest that does not parse or is another session's."""
         raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
-        return None if raw is None else _owned(key, Manifest.decode(raw))
+        if raw is None:
+            return None, 0
+        dropped = _TOMBSTONE.fullmatch(raw) if isinstance(raw, bytes) else None
+        if dropped:
+            return None, int(dropped.group(1))
+        m = _owned(key, Manifest.decode(raw))
+        return m, m.version
 
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,
@@ -393,14 +423,23 @@ class RemoteStore:
             if batch:
                 self._put(key, write, chunks, batch)
                 chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
-            manifest = Manifest(expect + 1, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
-                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(),
-                                owner_of(key))
-            reply = self._call("the manifest switch", self._cas, keys=[self._key(key, "m")],
+            # A history's first version is numbered at random: one that ended unseen (its manifest evicted
+            # or expired, its tombstone too) has numbers no later one repeats, so a node still holding one
+            # of its versions never takes the new history for it. (Below 10**14, which the scripts' Lua
+            # numbers hold and print exactly.)
+            manifest = Manifest(expect + 1 if expect else FIRST_VERSIONS + secrets.randbelow(FIRST_VERSIONS), write,
+                                fingerprint,
+                                spec, num_tokens, nbytes, page_bytes, np.asarray(checksums, dtype=np.uint64),
+                                np.asarray(token_hashes), time.time(), owner_of(key))
+            reply = self._call("the manifest switch", self._cas,
+                               keys=[self._key(key, "m")] + [self._key(key, f"w{write}", str(i)) for i in range(chunks)],
                                args=[expect, manifest.encode(), self.ttl_ms])
             if not isinstance(reply, list) or len(reply) != 2:
                 raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
             ok, old = reply
+            if ok == 2:
+                raise Refused(f"the remote store holds {old} of the {chunks} chunks written (lost in a fail-over, or "
+                              "evicted): the version is not published")
         except BaseException:
             if sending is not None:
                 wait([sending])
@@ -563,16 +602,18 @@ class RemoteStore:
             yield data
 
     def drop(self, key: SessionKey) -> bool:
-        """Delete the session's current version; whether there was one."""
-        try:
-            manifest = self.manifest(key)
-        except DataLoss:
-            manifest = None  # unreadable: its chunks go by their TTL
-        existed = bool(self._call("a drop", self.client.delete, self._key(key, "m")))
+        """Delete the session's current version, leaving a tombstone in its
+        manifest's place; whether there was one."""
+        old = self._call("a drop", self._drop, keys=[self._key(key, "m")], args=[self.ttl_ms])
         self.unlist(key.tenant, [key.session_id])
-        if manifest is not None:
-            self._delete(key, manifest.write, manifest.chunks)
-        return existed
+        if not isinstance(old, bytes) or _TOMBSTONE.fullmatch(old):
+            return False
+        try:
+            manifest = _owned(key, Manifest.decode(old))
+        except DataLoss:
+            return True  # unreadable: its chunks go by their TTL
+        self._delete(key, manifest.write, manifest.chunks)
+        return True
 
 
 def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[bytearray]) -> Iterator[memoryview]:

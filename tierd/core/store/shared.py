@@ -68,6 +68,9 @@ log = logging.getLogger("tierd.core.store")
 PROBE_SECONDS = 1.0  # while the remote tier is down, how often a probe asks whether it answers again
 
 
+FAILED_KEPT = 1024  # keys whose last fetch failed, remembered for WaitReady
+
+
 @dataclass(frozen=True)
 class Remote:
     """The remote tier as the store uses it."""
@@ -99,6 +102,8 @@ class Shared(Inspection):
         self.remote = remote
         self._down = threading.Event()  # set while the remote tier is down (the probe clears it)
         self._fetches: set[SessionKey] = set()  # queued or running fetches (Prefetch), under the store lock
+        # Why the last fetch of a key failed (DataLoss, NotFound), for WaitReady; the latest FAILED_KEPT.
+        self._failed: OrderedDict[SessionKey, TierdError] = OrderedDict()
         self._fetching: dict[SessionKey, threading.Event] = {}  # one fetch per key at once
         self._pub_cv = threading.Condition()
         self._pub_queue: OrderedDict[SessionKey, None] = OrderedDict()
@@ -172,15 +177,6 @@ class Shared(Inspection):
                 self._pub_cv.notify_all()
             return
 
-    def _manifest(self, key: SessionKey) -> Manifest | None:
-        """The remote tier's manifest of a session; None where there is none or the tier is unreachable."""
-        if self.remote is None:
-            return None
-        try:
-            return self._call("manifest", self.remote.store.manifest, key)
-        except Unavailable:
-            return None
-
     def _has(self, key: SessionKey) -> bool:
         with self._lock:
             return key in self._sessions
@@ -193,7 +189,10 @@ class Shared(Inspection):
         stored here since. None where the local copy (or nothing) is the
         session, or the remote tier does not answer. A damaged local copy
         gives way to whatever the remote tier holds; a remote manifest that
-        does not parse is DataLoss only where this node holds no copy."""
+        does not parse is DataLoss only where this node holds no copy. A copy
+        of a version the remote tier has since dropped (its tombstone is of
+        another version) is forgotten here: the session was dropped on
+        another node."""
         if self.remote is None:
             return None
         with self._lock:
@@ -202,13 +201,28 @@ class Shared(Inspection):
                 return None  # stores not published yet: this node's copy is the session
             version = -1 if session is None or session.damaged else session.remote_version
         try:
-            m = self._manifest(key)
+            m, at = self._call("manifest", self.remote.store.head, key)
+        except Unavailable:
+            return None
         except DataLoss:
             if session is None:
                 raise
             log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
             return None
+        if m is None and at and session is not None and at != version:
+            self._dropped_elsewhere(session)
         return m if m is not None and m.version != version else None
+
+    def _dropped_elsewhere(self, session: Session) -> None:
+        """Forget this node's copy of a session another node dropped, unless it
+        was stored here meanwhile."""
+        lock, now = self._acquire(session.key)
+        try:
+            if now is session and (session.remote_durable or session.damaged):
+                log.info("%s/%s was dropped on another node: this node's copy is forgotten", *session.key)
+                self._forget(session, "drop")
+        finally:
+            lock.release()
 
     def _bring(self, key: SessionKey) -> None:
         """Make this node's copy the session's current version, fetching it
@@ -441,6 +455,7 @@ class Shared(Inspection):
             return super().prefetch(key, tier, priority, deadline)
         with self._lock:
             self._fetches.add(key)
+            self._failed.pop(key, None)
         self.moves.submit(Job(key, tier, "fetch", IOClass.PREFETCH, priority, deadline), merge_prefetch)
         return "queued"
 
@@ -448,6 +463,9 @@ class Shared(Inspection):
         with self._lock:
             if key in self._fetches:
                 return False, REMOTE
+            failed = self._failed.get(key) if key not in self._sessions else None
+        if failed is not None:
+            raise failed  # the prefetch's fetch failed: why, rather than "not found"
         return super().ready(key, tier)
 
     def _run_job(self, job: Job) -> None:
@@ -463,6 +481,11 @@ class Shared(Inspection):
             except TierdError as exc:
                 log.warning("fetch of %s/%s from the remote tier failed: %s", *job.key, exc)
                 found = False
+                if isinstance(exc, (DataLoss, NotFound)):
+                    with self._lock:
+                        self._failed[job.key] = exc
+                        while len(self._failed) > FAILED_KEPT:
+                            self._failed.popitem(last=False)
             if not found:
                 self.events.prefetch_outcome("missed")
                 return
@@ -595,10 +618,14 @@ class Shared(Inspection):
             session.readers += 1
         try:
             try:
-                m = self._call("manifest", store.manifest, key)
-                expect = m.version if m is not None else 0
+                m, expect = self._call("manifest", store.head, key)
             except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
                 m, expect = None, self._call("manifest", store.version_of, key)
+            if m is None and expect and expect != base and not fresh:  # a tombstone
+                self.events.remote_op("publish", "conflict")
+                log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
+                         "again)", *key)
+                return
             if m is not None and m.version != base and not fresh:
                 if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
                     self._published(session, version, m.version)  # the same content is there already
