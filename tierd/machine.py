@@ -152,7 +152,8 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
     kind = "cluster" if type(client).__name__ == "RedisCluster" else "server"
     hosts = cfg.remote.partition("://")[2].rpartition("@")[2]
     store = RemoteStore(client, prefix=cfg.remote_prefix, ttl=cfg.remote_ttl)
-    return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota)),
+    sweep = min(60.0, cfg.remote_ttl / 10) if cfg.remote_ttl else 60.0  # well within a tombstone's life
+    return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep),
             f"redis {kind} at {hosts}; write {cfg.remote_write}")
 
 

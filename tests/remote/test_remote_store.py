@@ -174,11 +174,29 @@ def test_drop_leaves_only_a_tombstone_that_the_next_history_numbers_on_from(stor
     assert store.manifest(KEY) is None and store.head(KEY) == (None, m.version + 1)
     assert keys_of(store) == [f"{store.prefix}:{{{tag_of(KEY)}}}:m"]  # the chunks are gone, the tombstone stays
     assert store.listed("alice") == [] and not store.drop(KEY)  # nothing there to drop
-    assert store.head(KEY) == (None, m.version + 1)
+    assert store.head(KEY) == (None, m.version + 1) and store.tombstones([KEY, SessionKey("alice", "x")]) == \
+        [m.version + 1, 0]
     with pytest.raises(FailedPrecondition):
         publish(store, pages, sums, expect=m.version)  # a node still holding the dropped version
     again = publish(store, pages, sums, expect=m.version + 1)  # a store from token 0, after the drop
     assert again.version == m.version + 2 and list(store.read(KEY, again)) == pages
+
+
+@pytest.mark.parametrize("junk", [b"99999999999999999 {}", b"999999999999999999999 dropped", b"0 dropped"])
+def test_a_version_number_past_what_the_scripts_hold_exactly_is_garbage_and_replaced(store, junk):
+    """The scripts compare versions as Lua numbers (doubles): past 10**14 two
+    versions could compare equal, and two writers both win."""
+    manifest = f"{store.prefix}:{{{tag_of(KEY)}}}:m"
+    store.client.set(manifest, junk)
+    with pytest.raises(DataLoss, match="does not parse"):
+        store.head(KEY)
+    assert store.version_of(KEY) == 0 and store.tombstones([KEY]) == [0]
+    pages, sums = snapshot(2, seed=18)
+    m = publish(store, pages, sums)  # the next store replaces it
+    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS and list(store.read(KEY, store.manifest(KEY))) == pages
+    store.client.set(manifest, junk)
+    store.drop(KEY)
+    assert store.head(KEY) == (None, 1) and store.tombstones([KEY]) == [1]  # a tombstone of its own in its place
 
 
 def test_a_version_whose_chunks_are_not_all_there_is_not_published(store):

@@ -249,6 +249,24 @@ def test_a_session_dropped_on_one_node_is_gone_from_the_copies_of_the_others(nod
     assert b"".join(bytes(x) for x in reader) == b"".join(new.pages([2, 3, 4]))
 
 
+def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_them(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    eng = HostEngine(seed=34)
+    keys = [SessionKey("alice", f"swept{i}") for i in range(3)]
+    for i, key in enumerate(keys):
+        stored(a, key, eng, [i], 16)
+        _, reader = b.get(key)
+        b"".join(bytes(x) for x in reader)
+    a.drop(keys[0])
+    a.drop(keys[1])
+    client = a.remote.store.client
+    client.delete(f"{a.remote.store.prefix}:{{{tag_of(keys[1])}}}:m")  # its tombstone evicted before the sweep
+    assert b._sweep() == 1 and b._sweep() == 0
+    assert sorted(b.keys()) == sorted(keys[1:]) and b.check_accounting() == []  # the bytes are back
+    assert [i.session_id for i in b.list("alice")[0]] == ["swept1", "swept2"]
+    # (a copy whose tombstone went first stays, as a copy whose manifest was evicted does)
+
+
 def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_tombstone(nodes):
     from tierd.core.store.writes import Writes
 

@@ -58,15 +58,22 @@ from tierd.types import SessionKey
 CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
 PIPELINE = 16  # chunks written (or read through redis-py) per round trip
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
+MAX_VERSION = 10**14 - 1  # what the scripts' Lua numbers (doubles, printed to 14 digits) hold exactly
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
 
 # KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
 # manifest, its TTL in ms (0: none). Returns {1, old manifest} if switched, {0, current version} if another
 # writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
-_CAS = """
+_VERSION = """
+local function version(cur)  -- a manifest's or tombstone's number; 0 for one that does not parse: replaced as none
+  local v = cur and tonumber(string.match(cur, '^(%d+) ')) or 0
+  if v > 99999999999999 then return 0 end
+  return v
+end
+"""
+_CAS = _VERSION + """
 local cur = redis.call('GET', KEYS[1])
-local have = 0
-if cur then have = tonumber(string.match(cur, '^(%d+) ')) or 0 end  -- one that does not parse: replaced as none
+local have = version(cur)
 if have ~= tonumber(ARGV[1]) then return {0, have} end
 local there = 0
 for i = 2, #KEYS, 1000 do there = there + redis.call('EXISTS', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
@@ -79,10 +86,10 @@ return {1, cur or ''}
 # KEYS[1]: the manifest. ARGV: a TTL in ms (0: none). A session dropped leaves a tombstone, "N dropped", one
 # version past the one it ends: a node holding a copy of a version before it learns the session is gone,
 # and the next history goes on numbering from it. Returns the manifest replaced (false: none).
-_DROP = """
+_DROP = _VERSION + """
 local cur = redis.call('GET', KEYS[1])
-if not cur or string.match(cur, '^%d+ dropped$') then return cur end  -- none, or dropped already
-local tomb = ((tonumber(string.match(cur, '^(%d+) ')) or 0) + 1) .. ' dropped'
+if not cur or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then return cur end  -- none, or dropped
+local tomb = (version(cur) + 1) .. ' dropped'
 if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[1], tomb, 'PX', ARGV[1]) else redis.call('SET', KEYS[1], tomb) end
 return cur
 """
@@ -179,7 +186,7 @@ class Manifest:
             hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"]))
             if len(sums) != n or hashes.size != int(np.prod(shape)) or (shape and shape[0] not in (0, n)):
                 raise ValueError("its checksums or token hashes do not add up")
-            m = cls(_whole(version.decode(), 1, 1 << 62), str(meta["write"]), str(meta["fingerprint"]),
+            m = cls(_whole(version.decode(), 1, MAX_VERSION), str(meta["write"]), str(meta["fingerprint"]),
                     dict(meta["spec"]), _whole(meta["num_tokens"], 0, 1 << 40), _whole(meta["nbytes"], 1, 1 << 50),
                     _whole(meta["page_bytes"], 1, 1 << 34), sums, hashes.reshape(shape).copy(),
                     float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
@@ -380,18 +387,25 @@ class RemoteStore:
         raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
         if raw is None:
             return None, 0
-        dropped = _TOMBSTONE.fullmatch(raw) if isinstance(raw, bytes) else None
-        if dropped:
-            return None, int(dropped.group(1))
+        if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) and _version(raw):
+            return None, _version(raw)
         m = _owned(key, Manifest.decode(raw))
         return m, m.version
+
+    def tombstones(self, keys: list[SessionKey]) -> list[int]:
+        """For each session, the version of its tombstone (0: not dropped),
+        from the head of its manifest's key alone."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(self._key(key, "m"), 0, 31)
+        heads = self._call("a tombstone read", pipe.execute, raise_on_error=False)
+        return [_version(h) if isinstance(h, bytes) and _TOMBSTONE.fullmatch(h) else 0 for h in heads]
 
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,
         whatever the rest holds (0: none, or none it can read)."""
         raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
-        found = re.match(rb"(\d+) ", raw) if isinstance(raw, bytes) else None
-        return int(found.group(1)) if found else 0
+        return _version(raw)
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
@@ -637,6 +651,12 @@ def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[byte
                 turn, filled = turn + 1, 0
     if filled:
         yield memoryview(buffers[turn % len(buffers)])[:filled]
+
+
+def _version(raw: Any) -> int:
+    """The version number the scripts see at a manifest's key (0: none, or one they do not take as one)."""
+    found = re.match(rb"(\d+) ", raw) if isinstance(raw, bytes) else None
+    return int(found.group(1)) if found and int(found.group(1)) <= MAX_VERSION else 0
 
 
 def _count(raw: bytes | None) -> bool:

@@ -69,6 +69,7 @@ PROBE_SECONDS = 1.0  # while the remote tier is down, how often a probe asks whe
 
 
 FAILED_KEPT = 1024  # keys whose last fetch failed, remembered for WaitReady
+SWEEP_BATCH = 1000  # copies a sweep asks the remote tier about in one round trip
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Remote:
     idle: float = 60.0  # write "back": seconds idle on disk before a session is published
     queue: int = 256  # sessions waiting to be published, at most
     tenant_quota: int = 0  # bytes each tenant's sessions may take in the remote tier (0: no limit)
+    sweep: float = 60.0  # seconds between looks for drops on other nodes of the sessions this node holds
 
 
 @dataclass
@@ -113,6 +115,11 @@ class Shared(Inspection):
         if remote is not None and remote.write != "off":
             self._publisher = threading.Thread(target=self._publish_loop, name="tierd-publisher", daemon=True)
             self._publisher.start()
+        self._sweep_stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        if remote is not None:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="tierd-remote-sweep", daemon=True)
+            self._sweeper.start()
 
     def _stop_publisher(self, flush: bool, timeout: float = 10.0) -> None:
         """Stop the publisher; with flush, after what is queued is published (within timeout)."""
@@ -124,8 +131,10 @@ class Shared(Inspection):
         with self._pub_cv:
             self._pub_stop = True
             self._pub_cv.notify_all()
-        if self._publisher is not None:
-            self._publisher.join(timeout=30)
+        self._sweep_stop.set()
+        for thread in (self._publisher, self._sweeper):
+            if thread is not None:
+                thread.join(timeout=30)
 
     def _close_remote(self) -> None:
         """Close the connections to the remote tier (once nothing runs that uses them)."""
@@ -213,7 +222,37 @@ class Shared(Inspection):
             self._dropped_elsewhere(session)
         return m if m is not None and m.version != version else None
 
-    def _dropped_elsewhere(self, session: Session) -> None:
+    def _sweep_loop(self) -> None:
+        assert self.remote is not None
+        while not self._sweep_stop.wait(self.remote.sweep):
+            try:
+                self._sweep()
+            except Exception:  # noqa: BLE001 - the sweeper outlives any one pass
+                log.exception("looking for sessions dropped on other nodes failed")
+
+    def _sweep(self) -> int:
+        """Forget the copies held here of sessions another node dropped (their
+        tombstones are of another version), those no call named since: their
+        bytes go back and List stops showing them, well before a tombstone
+        expires. How many were forgotten."""
+        assert self.remote is not None
+        if self._down.is_set():
+            return 0
+        with self._lock:
+            held = [s for s in self._sessions.values() if s.remote_durable and not s.dropped]
+        gone = 0
+        for i in range(0, len(held), SWEEP_BATCH):
+            batch = held[i : i + SWEEP_BATCH]
+            try:
+                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s in batch])
+            except Unavailable:
+                return gone
+            for session, at in zip(batch, dropped):
+                if at and at != session.remote_version:
+                    gone += self._dropped_elsewhere(session)
+        return gone
+
+    def _dropped_elsewhere(self, session: Session) -> bool:
         """Forget this node's copy of a session another node dropped, unless it
         was stored here meanwhile."""
         lock, now = self._acquire(session.key)
@@ -221,6 +260,8 @@ class Shared(Inspection):
             if now is session and (session.remote_durable or session.damaged):
                 log.info("%s/%s was dropped on another node: this node's copy is forgotten", *session.key)
                 self._forget(session, "drop")
+                return True
+            return False
         finally:
             lock.release()
 
