@@ -265,6 +265,13 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     assert sorted(b.keys()) == sorted(keys[1:]) and b.check_accounting() == []  # the bytes are back
     assert [i.session_id for i in b.list("alice")[0]] == ["swept1", "swept2"]
     # (a copy whose tombstone went first stays, as a copy whose manifest was evicted does)
+    old = b._sessions[keys[2]]
+    seen = old.remote_version  # what a sweep read, before the drop and the new history below
+    a.drop(keys[2])
+    stored(a, keys[2], HostEngine(seed=35), [5], 16)
+    _, reader = b.get(keys[2])  # the new history fetched into the same session meanwhile
+    assert b"".join(bytes(x) for x in reader) == HostEngine(seed=35).pages([5])[0]
+    assert not b._dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
 
 
 def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_tombstone(nodes):

@@ -219,7 +219,7 @@ class Shared(Inspection):
             log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
             return None
         if m is None and at and session is not None and at != version:
-            self._dropped_elsewhere(session)
+            self._dropped_elsewhere(session, version)
         return m if m is not None and m.version != version else None
 
     def _sweep_loop(self) -> None:
@@ -239,25 +239,27 @@ class Shared(Inspection):
         if self._down.is_set():
             return 0
         with self._lock:
-            held = [s for s in self._sessions.values() if s.remote_durable and not s.dropped]
+            held = [(s, s.remote_version) for s in self._sessions.values() if s.remote_durable and not s.dropped]
         gone = 0
         for i in range(0, len(held), SWEEP_BATCH):
             batch = held[i : i + SWEEP_BATCH]
             try:
-                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s in batch])
+                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, _ in batch])
             except Unavailable:
                 return gone
-            for session, at in zip(batch, dropped):
-                if at and at != session.remote_version:
-                    gone += self._dropped_elsewhere(session)
+            for (session, version), at in zip(batch, dropped):
+                if at and at != version:
+                    gone += self._dropped_elsewhere(session, version)
         return gone
 
-    def _dropped_elsewhere(self, session: Session) -> bool:
-        """Forget this node's copy of a session another node dropped, unless it
-        was stored here meanwhile."""
+    def _dropped_elsewhere(self, session: Session, version: int) -> bool:
+        """Forget this node's copy of a session another node dropped (of remote
+        version `version`, the one that was found dropped), unless it was
+        stored here or fetched again meanwhile."""
         lock, now = self._acquire(session.key)
         try:
-            if now is session and (session.remote_durable or session.damaged):
+            if now is session and (session.remote_durable or session.damaged) and \
+                    (session.damaged or session.remote_version == version):
                 log.info("%s/%s was dropped on another node: this node's copy is forgotten", *session.key)
                 self._forget(session, "drop")
                 return True
