@@ -19,6 +19,9 @@ under a write id of its own, then the manifest switched by compare-and-set
 (a Lua script on the manifest's key): a writer that expected another
 version loses (FailedPrecondition) and deletes its chunks; the winner
 deletes the chunks of the version it replaced. A reader never sees a mix.
+A drop leaves a tombstone at the manifest's key, and a history's first
+version is numbered at random: a node's copy of a version that ended is
+never taken for the current one.
 
 Reading. A fetch keeps several small batches of GETs in flight on one
 connection, so the store builds the next replies while these are read, and
@@ -61,9 +64,6 @@ FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 
 MAX_VERSION = 10**14 - 1  # what the scripts' Lua numbers (doubles, printed to 14 digits) hold exactly
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
 
-# KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
-# manifest, its TTL in ms (0: none). Returns {1, old manifest} if switched, {0, current version} if another
-# writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
 _VERSION = """
 local function version(cur)  -- a manifest's or tombstone's number; 0 for one that does not parse: replaced as none
   local v = cur and tonumber(string.match(cur, '^(%d+) ')) or 0
@@ -71,6 +71,10 @@ local function version(cur)  -- a manifest's or tombstone's number; 0 for one th
   return v
 end
 """
+
+# KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
+# manifest, its TTL in ms (0: none). Returns {1, old manifest} if switched, {0, current version} if another
+# writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
 _CAS = _VERSION + """
 local cur = redis.call('GET', KEYS[1])
 local have = version(cur)
