@@ -199,6 +199,22 @@ def test_a_version_number_past_what_the_scripts_hold_exactly_is_garbage_and_repl
     assert store.head(KEY) == (None, 1) and store.tombstones([KEY]) == [1]  # a tombstone of its own in its place
 
 
+def test_a_history_at_the_top_of_the_numbers_starts_again_below(store):
+    from tierd.tiers.remote import MAX_VERSION
+
+    manifest = f"{store.prefix}:{{{tag_of(KEY)}}}:m"
+    store.client.set(manifest, f"{MAX_VERSION} dropped".encode())
+    assert store.head(KEY) == (None, MAX_VERSION)
+    pages, sums = snapshot(2, seed=19)
+    m = publish(store, pages, sums, expect=MAX_VERSION)
+    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS and store.manifest(KEY).version == m.version
+    raw = store.client.get(manifest)
+    store.client.set(manifest, str(MAX_VERSION).encode() + raw[raw.index(b" "):])  # the same, numbered at the top
+    assert store.manifest(KEY).version == MAX_VERSION
+    store.drop(KEY)
+    assert store.head(KEY) == (None, 1)  # a tombstone, not a number the scripts print as 1e+14
+
+
 def test_a_version_whose_chunks_are_not_all_there_is_not_published(store):
     """A fail-over between the chunks' writes and the manifest's switch loses
     the chunks the old master had not passed on: the switch sees it."""

@@ -274,6 +274,28 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     assert not b._dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
 
 
+@pytest.mark.parametrize("over", ["version", "tombstone"])
+def test_a_publish_the_store_lost_in_a_fail_over_leaves_the_node_s_copy_served_and_published_again(nodes, over):
+    """A master lost before its replica had a publish: the promoted replica
+    holds what that publish replaced (the version before, or a tombstone)."""
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", f"lost-{over}")
+    first, second = HostEngine(seed=36), HostEngine(seed=37)
+    manifest = f"{a.remote.store.prefix}:{{{tag_of(key)}}}:m"
+    client = a.remote.store.client
+    stored(a, key, first, [0, 1], 32)
+    if over == "tombstone":
+        a.drop(key)
+    before = client.get(manifest)
+    stored(a, key, second, [2, 3], 32)  # a new history, published over what `before` holds
+    client.set(manifest, before)  # what the promoted replica holds
+    (a._sweep if over == "tombstone" else lambda: a.stat(key))()  # the sweep, or the next call, sees it
+    assert a.keys() == [key]  # a's copy is the session: kept, and published again
+    wait_for(lambda: client.get(manifest) != before and a.stat(key).remote_durable, what="published again")
+    _, reader = b.get(key)
+    assert b"".join(bytes(x) for x in reader) == b"".join(second.pages([2, 3]))
+
+
 def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_tombstone(nodes):
     from tierd.core.store.writes import Writes
 

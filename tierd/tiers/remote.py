@@ -93,7 +93,9 @@ return {1, cur or ''}
 _DROP = _VERSION + """
 local cur = redis.call('GET', KEYS[1])
 if not cur or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then return cur end  -- none, or dropped
-local tomb = (version(cur) + 1) .. ' dropped'
+local n = version(cur) + 1
+if n > 99999999999999 then n = 1 end  -- past what a Lua number holds exactly
+local tomb = n .. ' dropped'
 if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[1], tomb, 'PX', ARGV[1]) else redis.call('SET', KEYS[1], tomb) end
 return cur
 """
@@ -444,9 +446,9 @@ class RemoteStore:
             # A history's first version is numbered at random: one that ended unseen (its manifest evicted
             # or expired, its tombstone too) has numbers no later one repeats, so a node still holding one
             # of its versions never takes the new history for it. (Below 10**14, which the scripts' Lua
-            # numbers hold and print exactly.)
-            manifest = Manifest(expect + 1 if expect else FIRST_VERSIONS + secrets.randbelow(FIRST_VERSIONS), write,
-                                fingerprint,
+            # numbers hold and print exactly: one at the top starts again at random.)
+            number = expect + 1 if 0 < expect < MAX_VERSION else FIRST_VERSIONS + secrets.randbelow(FIRST_VERSIONS)
+            manifest = Manifest(number, write, fingerprint,
                                 spec, num_tokens, nbytes, page_bytes, np.asarray(checksums, dtype=np.uint64),
                                 np.asarray(token_hashes), time.time(), owner_of(key))
             reply = self._call("the manifest switch", self._cas,

@@ -218,9 +218,26 @@ class Shared(Inspection):
                 raise
             log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
             return None
+        if session is not None and 0 < at == version - 1:
+            self._went_back(session, version, at)
+            return None
         if m is None and at and session is not None and at != version:
             self._dropped_elsewhere(session, version)
         return m if m is not None and m.version != version else None
+
+    def _went_back(self, session: Session, version: int, at: int) -> None:
+        """The remote tier holds again what this node's publish of `version`
+        replaced (a master lost before its replica had that publish): this
+        node's copy is the session. It is served as it is, is no longer
+        remote-durable, and is published again onto what the tier holds."""
+        with self._lock:
+            if session.remote_version != version or not session.remote_durable:
+                return
+            session.remote_version, session.remote_at = at, -1
+        log.warning("%s/%s: the remote tier lost this node's last publish (a fail-over?); it is published again",
+                    *session.key)
+        if self.remote is not None and self.remote.write != "off":
+            self._queue_publish(session.key)
 
     def _sweep_loop(self) -> None:
         assert self.remote is not None
@@ -248,7 +265,9 @@ class Shared(Inspection):
             except Unavailable:
                 return gone
             for (session, version), at in zip(batch, dropped):
-                if at and at != version:
+                if at and at == version - 1:
+                    self._went_back(session, version, at)
+                elif at and at != version:
                     gone += self._dropped_elsewhere(session, version)
         return gone
 
