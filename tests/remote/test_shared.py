@@ -296,6 +296,31 @@ def test_a_publish_the_store_lost_in_a_fail_over_leaves_the_node_s_copy_served_a
     assert b"".join(bytes(x) for x in reader) == b"".join(second.pages([2, 3]))
 
 
+def test_a_lost_publish_whose_number_another_node_took_gives_way_to_that_node_s_history(nodes):
+    """B's append is lost in a fail-over; A appends onto the version before,
+    publishing under the number B's had: B follows the store's history
+    rather than serving its own as current, and cannot publish over A's."""
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "renumbered")
+    eng = HostEngine(seed=38)
+    manifest = f"{a.remote.store.prefix}:{{{tag_of(key)}}}:m"
+    client = a.remote.store.client
+    stored(a, key, eng, [0, 1], 32)
+    before = client.get(manifest)
+    _, reader = b.get(key)
+    b"".join(bytes(x) for x in reader)
+    save(b, key, eng, [4], 48, 32)  # B's turn, published
+    published(b, key)
+    client.set(manifest, before)  # ... and lost: the store holds the version before again
+    save(a, key, eng, [5], 48, 32)  # A's turn onto that version, under the number B's had
+    published(a, key)
+    _, reader = b.get(key)
+    assert b"".join(bytes(x) for x in reader) == b"".join(eng.pages([0, 1, 5]))
+    assert b.publish(key) and client.get(manifest) == a.remote.store.client.get(manifest)
+    _, reader = a.get(key)
+    assert b"".join(bytes(x) for x in reader) == b"".join(eng.pages([0, 1, 5]))  # A's turn stands
+
+
 def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_tombstone(nodes):
     from tierd.core.store.writes import Writes
 

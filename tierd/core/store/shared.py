@@ -209,6 +209,7 @@ class Shared(Inspection):
             if session is not None and not session.remote_durable and not session.damaged:
                 return None  # stores not published yet: this node's copy is the session
             version = -1 if session is None or session.damaged else session.remote_version
+            write = "" if session is None else session.remote_write
         try:
             m, at = self._call("manifest", self.remote.store.head, key)
         except Unavailable:
@@ -219,13 +220,14 @@ class Shared(Inspection):
             log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
             return None
         if session is not None and 0 < at == version - 1:
-            self._went_back(session, version, at)
+            self._went_back(session, version, m)
             return None
         if m is None and at and session is not None and at != version:
             self._dropped_elsewhere(session, version)
-        return m if m is not None and m.version != version else None
+        # Another version, or another node's publish under this one's number (this node's was lost).
+        return m if m is not None and (m.version != version or (write and m.write != write)) else None
 
-    def _went_back(self, session: Session, version: int, at: int) -> None:
+    def _went_back(self, session: Session, version: int, m: Manifest | None) -> None:
         """The remote tier holds again what this node's publish of `version`
         replaced (a master lost before its replica had that publish): this
         node's copy is the session. It is served as it is, is no longer
@@ -233,7 +235,8 @@ class Shared(Inspection):
         with self._lock:
             if session.remote_version != version or not session.remote_durable:
                 return
-            session.remote_version, session.remote_at = at, -1
+            session.remote_version, session.remote_at = version - 1, -1
+            session.remote_write = m.write if m is not None else ""
         log.warning("%s/%s: the remote tier lost this node's last publish (a fail-over?); it is published again",
                     *session.key)
         if self.remote is not None and self.remote.write != "off":
@@ -266,7 +269,7 @@ class Shared(Inspection):
                 return gone
             for (session, version), at in zip(batch, dropped):
                 if at and at == version - 1:
-                    self._went_back(session, version, at)
+                    self._went_back(session, version, None)
                 elif at and at != version:
                     gone += self._dropped_elsewhere(session, version)
         return gone
@@ -374,8 +377,8 @@ class Shared(Inspection):
             raise
         lock, session = self._acquire(key)
         try:
-            if session is not None and not session.damaged and \
-                    (not session.remote_durable or session.remote_version == m.version):
+            fetched = (session.remote_version, session.remote_write) == (m.version, m.write) if session else False
+            if session is not None and not session.damaged and (not session.remote_durable or fetched):
                 self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
             session = self._publish(key, lock, session, spec, 0, w.pieces, HOST, sums, m.num_tokens, m.nbytes, None,
@@ -385,6 +388,7 @@ class Shared(Inspection):
                 into.session = session
             with self._lock:
                 session.remote_version, session.remote_at = m.version, session.snap.version
+                session.remote_write = m.write
                 session.released_at = self.clock.now()
                 self._schedule(session)
         finally:
@@ -677,6 +681,7 @@ class Shared(Inspection):
             version, spec, sums, hashes = snap.version, snap.spec, snap.checksums, snap.token_hashes
             num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
             base, fresh = session.remote_version, session.remote_fresh > session.remote_at
+            base_write = session.remote_write
             session.readers += 1
         try:
             try:
@@ -688,9 +693,9 @@ class Shared(Inspection):
                 log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
                          "again)", *key)
                 return
-            if m is not None and m.version != base and not fresh:
+            if m is not None and (m.version != base or (base_write and m.write != base_write)) and not fresh:
                 if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
-                    self._published(session, version, m.version)  # the same content is there already
+                    self._published(session, version, m)  # the same content is there already
                     return
                 self.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node stored a newer version (%d) of it", *key, m.version)
@@ -708,7 +713,7 @@ class Shared(Inspection):
             self.copier.record(f"{HOST}->{REMOTE}", geom.nbytes, seconds)
             self.events.moved(max((s.tier for s in spans), key=tier_rank), REMOTE, "publish", geom.nbytes, seconds)
             self.events.remote_op("publish", "ok")
-            if self._published(session, version, new.version):
+            if self._published(session, version, new):
                 self._call("drop", store.drop, key)  # dropped while it was published
         except FailedPrecondition as exc:
             self.events.remote_op("publish", "conflict")
@@ -734,11 +739,11 @@ class Shared(Inspection):
                  held, self.remote.tenant_quota)
         return False
 
-    def _published(self, session: Session, version: int, remote_version: int) -> bool:
-        """Record that the remote tier holds snapshot `version` as remote_version; whether the session was
+    def _published(self, session: Session, version: int, m: Manifest) -> bool:
+        """Record that the remote tier holds snapshot `version` as manifest m; whether the session was
         dropped meanwhile."""
         with self._lock:
-            session.remote_version = remote_version
+            session.remote_version, session.remote_write = m.version, m.write
             if session.snap.version == version:
                 session.remote_at = version
             return session.dropped
