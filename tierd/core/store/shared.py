@@ -10,7 +10,12 @@ the others fetch it into the host tier first, every page checked, and then
 serve it as any other; a Restore scatters each window of pages into the
 engine's blocks as soon as it is in (checked on its way out, as every page
 is), while the next chunks are fetched. A local copy with stores not yet
-published is this node's and is served as it is. Drop removes both copies.
+published is this node's and is served as it is. Drop removes both copies
+and leaves a tombstone: another node's copy of the dropped version is
+forgotten at its next call, or by the sweep thread, which looks at every
+copy held here each `sweep` seconds. A copy is of a version by number and
+write id: where the store holds again exactly what this node's last publish
+replaced (a fail-over lost it), the copy is kept and published again.
 
 Publishing. With write "through", every committed store queues the session
 for the publisher thread, which reads its pages (no lock held, as a Get
@@ -30,7 +35,8 @@ recomputes) and local copies are served as they are.
 
 Where the code runs: manifests and fetches on the RPC thread of the call
 that needs them, or on a mover for a Prefetch; publishes on the publisher
-thread; the probe on a thread of its own while the tier is down. A call on
+thread; the probe on a thread of its own while the tier is down; the sweep
+on its own thread. A call on
 the event loop that would have to ask the remote store raises WouldBlock,
 and the API runs it again on an RPC thread.
 """
