@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.helpers import wait_for
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
 from tierd.testing import RedisCluster, _free_port
@@ -268,28 +269,36 @@ def test_a_replica_serves_the_session_after_its_master_is_killed(tmp_path):
         cluster.close()
 
 
-def test_a_single_server_is_found_for_what_it_is(tmp_path):
+@pytest.fixture
+def single_server(tmp_path):
+    """A plain redis-server on loopback (no cluster): its port, once it answers."""
     port = _free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+
+    def answers():
+        try:
+            connect(f"redis://127.0.0.1:{port}").close()
+            return True
+        except Unavailable:
+            return False
+
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client = connect(f"redis://127.0.0.1:{port}")
-                break
-            except Unavailable:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        assert type(client).__name__ == "Redis"
-        store = RemoteStore(client, prefix="one")
-        pages, sums = snapshot(2, seed=11)
-        publish(store, pages, sums)
-        assert list(store.read(KEY, store.manifest(KEY))) == pages
-        client.close()
+        wait_for(answers, timeout=20, what="redis-server answering")
+        yield port
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_single_server_is_found_for_what_it_is(single_server):
+    client = connect(f"redis://127.0.0.1:{single_server}")
+    assert type(client).__name__ == "Redis"
+    store = RemoteStore(client, prefix="one")
+    pages, sums = snapshot(2, seed=11)
+    publish(store, pages, sums)
+    assert list(store.read(KEY, store.manifest(KEY))) == pages
+    client.close()
 
 
 def test_a_wrong_password_and_a_store_that_is_down_are_clear_errors(tmp_path):
@@ -374,21 +383,9 @@ class CuttingProxy:
         self.listener.close()
 
 
-def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it_stopped(tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    proxy = None
+def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it_stopped(single_server):
+    proxy = CuttingProxy(single_server)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                connect(f"redis://127.0.0.1:{port}").close()
-                break
-            except Unavailable:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        proxy = CuttingProxy(port)
         store = RemoteStore(connect(f"redis://127.0.0.1:{proxy.port}"), prefix="cut")
         pages, sums = snapshot(12, seed=15)  # 17 chunks: several batches in flight at once
         publish(store, pages, sums)
@@ -410,10 +407,7 @@ def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it
         assert proxy.was_cut and wanted == list(range(6, m.chunks))
         store.close()
     finally:
-        if proxy is not None:
-            proxy.close()
-        proc.kill()
-        proc.wait(10)
+        proxy.close()
 
 
 def test_a_tenant_s_bytes_are_a_running_total_kept_with_its_list(store):
