@@ -393,8 +393,8 @@ class RemoteStore:
         raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
         if raw is None:
             return None, 0
-        if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) and _version(raw):
-            return None, _version(raw)
+        if _dropped_at(raw):
+            return None, _dropped_at(raw)
         m = _owned(key, Manifest.decode(raw))
         return m, m.version
 
@@ -405,7 +405,7 @@ class RemoteStore:
         for key in keys:
             pipe.getrange(self._key(key, "m"), 0, 31)
         heads = self._call("a tombstone read", pipe.execute, raise_on_error=False)
-        return [_version(h) if isinstance(h, bytes) and _TOMBSTONE.fullmatch(h) else 0 for h in heads]
+        return [_dropped_at(h) for h in heads]
 
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,
@@ -626,7 +626,7 @@ class RemoteStore:
         manifest's place; whether there was one."""
         old = self._call("a drop", self._drop, keys=[self._key(key, "m")], args=[self.ttl_ms])
         self.unlist(key.tenant, [key.session_id])
-        if not isinstance(old, bytes) or _TOMBSTONE.fullmatch(old):
+        if not isinstance(old, bytes) or _dropped_at(old):
             return False
         try:
             manifest = _owned(key, Manifest.decode(old))
@@ -663,6 +663,11 @@ def _version(raw: Any) -> int:
     """The version number the scripts see at a manifest's key (0: none, or one they do not take as one)."""
     found = re.match(rb"(\d+) ", raw) if isinstance(raw, bytes) else None
     return int(found.group(1)) if found and int(found.group(1)) <= MAX_VERSION else 0
+
+
+def _dropped_at(raw: Any) -> int:
+    """The version of the tombstone at a manifest's key (0: not one the scripts take as one)."""
+    return _version(raw) if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) else 0
 
 
 def _count(raw: bytes | None) -> bool:
