@@ -225,11 +225,8 @@ class Shared(Inspection):
                 raise
             log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
             return None
-        if session is not None and 0 < at == version - 1:
-            self._went_back(session, version, m)
+        if session is not None and self._settle(session, version, m, at) == "kept":
             return None
-        if m is None and at and session is not None and at != version:
-            self._dropped_elsewhere(session, version)
         # Another version, or another node's publish under this one's number (this node's was lost).
         return m if m is not None and (m.version != version or (write and m.write != write)) else None
 
@@ -273,12 +270,22 @@ class Shared(Inspection):
                 dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, _ in batch])
             except Unavailable:
                 return gone
-            for (session, version), at in zip(batch, dropped):
-                if at and at == version - 1:
-                    self._went_back(session, version, None)
-                elif at and at != version:
-                    gone += self._dropped_elsewhere(session, version)
+            gone += sum(self._settle(session, version, None, at) == "forgotten"
+                        for (session, version), at in zip(batch, dropped))
         return gone
+
+    def _settle(self, session: Session, version: int, m: Manifest | None, at: int) -> str:
+        """What the remote tier's head (manifest m, or a tombstone, at version
+        `at`) makes of this node's copy of remote version `version`: "kept"
+        where it holds again what this node's publish of it replaced (the copy
+        is published again), "forgotten" where it dropped the session since,
+        else "" (the caller compares the versions)."""
+        if 0 < at == version - 1:
+            self._went_back(session, version, m)
+            return "kept"
+        if m is None and at and at != version and self._dropped_elsewhere(session, version):
+            return "forgotten"
+        return ""
 
     def _dropped_elsewhere(self, session: Session, version: int) -> bool:
         """Forget this node's copy of a session another node dropped (of remote
