@@ -167,6 +167,13 @@ def flip_in_arena(data_dir: str, needle: bytes) -> None:
     assert hits == 1
 
 
+def read_all(chunks) -> bytes:
+    """A Get's chunks joined, each copied as it comes: a chunk may be a view
+    valid only until the next (a disk tier's staging buffer), so collecting
+    the views first (as bytes.join does) would join bytes read over them."""
+    return b"".join(bytes(c) for c in chunks)
+
+
 def tokens_file(root: Path, tokens: dict[str, str]) -> str:
     """A --auth-tokens file under root for these tenants and their tokens; its path."""
     import hashlib

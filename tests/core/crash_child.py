@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from tests.helpers import SPEC, Harness, HostEngine
+from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 
 BT = SPEC.block_tokens
@@ -30,7 +30,7 @@ def main(root: str, seed: int) -> None:
     content: dict[str, list[bytes]] = {}
     for key in store.keys():  # what survived earlier runs
         info, chunks = store.get(key)
-        data = b"".join(chunks)
+        data = read_all(chunks)
         content[key.session_id] = [data[i : i + SPEC.page_bytes] for i in range(0, len(data), SPEC.page_bytes)]
     say("READY")
     step = 0

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helpers import Harness
+from tests.helpers import Harness, read_all
 
 CYCLES = 50
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,7 +56,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path):
             for key in store.keys():
                 info, chunks = store.get(key)
                 assert info.durable
-                found[key.session_id] = (info.num_tokens, hashlib.sha256(b"".join(chunks)).hexdigest())
+                found[key.session_id] = (info.num_tokens, hashlib.sha256(read_all(chunks)).hexdigest())
             for name in set(durable) | set(pending) | set(found):
                 allowed = set(pending.get(name, set()))
                 allowed.add(durable.get(name))

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine
+from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 from tierd.errors import TierdError
 from tierd.tiers.fileops import FileOps
@@ -130,7 +130,7 @@ def run(root, ops):
     assert sorted(store.keys()) == sorted(current)
     for key, pages in current.items():
         info, reader = store.get(key)
-        assert b"".join(reader) == b"".join(pages)
+        assert read_all(reader) == b"".join(pages)
     store = h.reopen(flush=False)  # a crash, then a healthy disk
     store.tiers["disk"].ops = FileOps()
     assert store.scan() == []

@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.helpers import SPEC, Harness, HostEngine
+from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 from tierd.errors import FailedPrecondition, NotFound, ResourceExhausted
 from tierd.policy import PolicyConfig
@@ -101,7 +101,7 @@ class StoreMachine(RuleBasedStateMachine):
     def get(self, data, chunk):
         key = data.draw(st.sampled_from(sorted(self.model)))
         info, chunks = self.store.get(key, chunk)
-        assert b"".join(chunks) == b"".join(self.model[key][0])
+        assert read_all(chunks) == b"".join(self.model[key][0])
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, read_all, wait_for
 from tierd.core.store import upkeep as store_module
 from tierd.core.store import make_key
 from tierd.errors import FailedPrecondition, IdentityMismatch, InvalidArgument, NotFound, ResourceExhausted
@@ -255,7 +255,7 @@ def test_put_get_roundtrip_and_failed_put_leaves_nothing(store):
     data = np.random.default_rng(16).integers(0, 256, 300_001, dtype=np.uint8).tobytes()
     store.put(A, spec, 123, len(data), [data[i : i + 50_000] for i in range(0, len(data), 50_000)])
     info, chunks = store.get(A, 70_000)
-    assert b"".join(chunks) == data and info.num_tokens == 123
+    assert read_all(chunks) == data and info.num_tokens == 123
     used = store.tiers["host"].used
     with pytest.raises(InvalidArgument, match="carried 1000 bytes"):
         store.put(B, spec, 1, 5000, [b"x" * 1000])

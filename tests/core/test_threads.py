@@ -7,7 +7,7 @@ import random
 import threading
 
 
-from tests.helpers import SPEC, Harness, HostEngine
+from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 from tierd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from tierd.policy import PolicyConfig
@@ -48,7 +48,7 @@ def test_racing_threads_leave_a_consistent_store(tmp_path):
                     assert digest in written[key], "restored bytes that were never saved"
                 elif op == "get":
                     info, reader = store.get(key, 5000)
-                    assert hashlib.sha256(b"".join(reader)).hexdigest() in written[key]
+                    assert hashlib.sha256(read_all(reader)).hexdigest() in written[key]
                 elif op == "drop":
                     store.drop(key)
                 elif op == "prefetch":
@@ -74,5 +74,5 @@ def test_racing_threads_leave_a_consistent_store(tmp_path):
     assert store.check_accounting() == []
     for key in store.keys():
         info, reader = store.get(key)
-        assert hashlib.sha256(b"".join(reader)).hexdigest() in written[key]
+        assert hashlib.sha256(read_all(reader)).hexdigest() in written[key]
     h.close()
