@@ -249,9 +249,11 @@ class SmallFS:
 
 def wire_accounting(client) -> list[str]:
     """What a client sees of the accounting invariant: per tier, the bytes the
-    daemon reports used are the sum of its sessions' bytes in that tier."""
-    used = {t.name: t.used for t in client.stats()["tiers"]}
-    held = dict.fromkeys(used, 0)
+    daemon reports used are the sum of its sessions' bytes in that tier, less
+    what sharing saves (an allocation several sessions hold counts in each)."""
+    tiers = client.stats()["tiers"]
+    used = {t.name: t.used for t in tiers}
+    held = {t.name: -t.saved for t in tiers}
     for info in client.list(all_tenants=True):
         for tier, nbytes in info.tier_bytes.items():
             held[tier] += nbytes

@@ -56,6 +56,11 @@ class Metrics:
         self.remote_ops = Counter("tierd_remote_ops_total", "Remote tier calls that did not simply succeed, and "
                                   "publishes: op (manifest, fetch, publish, drop, ...), outcome (ok, "
                                   "conflict, quota, queue_full, unavailable)", ["op", "outcome"], registry=registry)
+        self.prefix_hits = Counter("tierd_prefix_hits_total", "Calls answered from pages other sessions of the "
+                                   "tenant hold (prefix sharing): save, restore, lookup", ["call"], registry=registry)
+        self.prefix_pages = Counter("tierd_prefix_pages_total", "Pages taken from other sessions of the tenant "
+                                    "instead of stored again (save) or computed again (restore)", ["call"],
+                                    registry=registry)
         self.remote_reachable: Gauge | None = None  # made by set_backends where there is a remote tier
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
@@ -112,6 +117,11 @@ class Metrics:
         if self.remote_reachable is not None:
             self.remote_reachable.set(int(up))
 
+    def shared(self, call: str, pages: int, nbytes: int) -> None:
+        self.prefix_hits.labels(call).inc()
+        if pages:
+            self.prefix_pages.labels(call).inc(pages)
+
     # RPCs -----------------------------------------------------------------------
 
     def rpc_started(self, method: str) -> None:
@@ -135,6 +145,8 @@ class _StoreCollector:
             "tierd_tier_budget_bytes": ("The tier's budget", lambda t: t.budget),
             "tierd_tier_capacity_bytes": ("Bytes the tier has mapped or preallocated", lambda t: t.capacity),
             "tierd_tier_sessions": ("Sessions with pages in the tier", lambda t: t.sessions),
+            "tierd_tier_shared_saved_bytes": ("Bytes the tier would hold more if pages sessions share (prefix "
+                                              "sharing) were stored once per session", lambda t: t.saved),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["tier"])

@@ -42,6 +42,12 @@ class SessionInfo:
     fingerprint: str
     spec: KVSpec
     remote_durable: bool = False  # the remote tier holds this content: any node can serve it
+    shared_bytes: int = 0  # of size_bytes, in pages other sessions of the tenant hold too (prefix sharing)
+
+    @property
+    def own_bytes(self) -> int:
+        """Of size_bytes, in pages no other session holds."""
+        return self.size_bytes - self.shared_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,7 @@ class TierStats:
     capacity: int
     sessions: int
     backend: str
+    saved: int = 0  # bytes it would hold more if the pages sessions share (prefix sharing) were stored per session
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ down, local sessions are served and the others are NOT_FOUND at once."""
 
 import shutil
 import time
+import zlib
 
 import pytest
 
@@ -37,9 +38,15 @@ def nodes(cluster, tmp_path):
         h.close()
 
 
+def tokens_of(key, num_tokens):
+    """A session's token ids: its own, so that no two sessions here share pages (prefix sharing)."""
+    base = zlib.crc32(f"{key.tenant}/{key.session_id}".encode()) * 100_000
+    return list(range(base, base + num_tokens))
+
+
 def save(store, key, engine, blocks, num_tokens, start_token=0, tokens=None):
     return store.save(key, engine.memory, SPEC, blocks, num_tokens, start_token,
-                      token_ids=tokens if tokens is not None else list(range(num_tokens)))
+                      token_ids=tokens if tokens is not None else tokens_of(key, num_tokens))
 
 
 def published(store, key):
@@ -60,8 +67,8 @@ def test_a_session_stored_on_one_node_is_read_and_restored_on_another(nodes):
 
     info = b.stat(key)  # only the remote tier holds it here
     assert (info.tier, info.state, info.tier_bytes, info.num_tokens) == ("remote", "remote", {"remote": 3 * PAGE}, 40)
-    assert b.lookup(key, list(range(40))).num_tokens == 40
-    assert b.lookup(key, list(range(20)) + [7] * 20).num_tokens == 16  # the first page matches, the second not
+    assert b.lookup(key, tokens_of(key, 40)).num_tokens == 40
+    assert b.lookup(key, tokens_of(key, 20) + [7] * 20).num_tokens == 16  # the first page matches, the second not
     assert b.keys() == []  # neither fetched
 
     dst = HostEngine(seed=2)
@@ -332,7 +339,7 @@ def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_
     b"".join(bytes(x) for x in reader)
     a.drop(key)
     # b's append committed before it could learn of the drop (Writes.save: the store without the look first)
-    Writes.save(b, key, eng.memory, SPEC, [2], 48, 32, token_ids=list(range(48)))
+    Writes.save(b, key, eng.memory, SPEC, [2], 48, 32, token_ids=tokens_of(key, 48))
     wait_for(lambda: b.publish_queue() == (0, 0), what="the publisher idle")
     assert not b.stat(key).remote_durable and a.remote.store.manifest(key) is None  # the drop stands
     with pytest.raises(NotFound):

@@ -32,6 +32,12 @@ class StoreEvents(Protocol):
 
     def remote_up(self, up: bool) -> None: ...
 
+    def shared(self, call: str, pages: int, nbytes: int) -> None:
+        """A call answered from pages other sessions of the tenant hold: a
+        save that stored `pages` of them no more, a restore that started a
+        session from them, a lookup that found them (no pages counted)."""
+        ...
+
 
 class NullEvents:
     def moved(self, src: str, dst: str, reason: str, nbytes: int, seconds: float) -> None:
@@ -65,4 +71,7 @@ class NullEvents:
         pass
 
     def remote_up(self, up: bool) -> None:
+        pass
+
+    def shared(self, call: str, pages: int, nbytes: int) -> None:
         pass

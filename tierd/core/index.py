@@ -220,25 +220,32 @@ class DiskIndex:
              row.created, row.last_access, row.priority),
         )
 
-    def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
-                   row: Row | None) -> None:
-        """Record pieces already written and synced, with their pages' checksums
-        and token hashes; with row, mark a complete state."""
-        stmts = [
+    @staticmethod
+    def _piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple[str, tuple]]:
+        return [
             ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
              (key.tenant, key.session_id, p.first_page, p.n_pages, p.offset, p.alloc_bytes,
               np.ascontiguousarray(sums, dtype="<u8").tobytes(),
               np.ascontiguousarray(hashes, dtype=np.uint8).tobytes() if hashes.any() else b""))
             for p, sums, hashes in pieces
         ]
+
+    def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
+                   row: Row | None) -> None:
+        """Record pieces already written and synced (or held by another session
+        already: shared prefix pages), with their pages' checksums and token
+        hashes; with row, mark a complete state."""
+        stmts = self._piece_stmts(key, pieces)
         if row is not None:
             stmts.append(self._row_stmt(key, row))
         self._tx(stmts)
 
-    def truncate(self, key: SessionKey, n_pages: int, row: Row | None) -> None:
-        """Forget pages from n_pages on. row is the state that remains complete
-        on disk, or None when no complete state remains."""
-        self._tx(self._truncate_stmts(key, n_pages, row))
+    def truncate(self, key: SessionKey, n_pages: int, row: Row | None,
+                 pieces: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None) -> None:
+        """Forget pages from n_pages on, and record `pieces` (as add_pieces,
+        in the same transaction). row is the state that remains complete on
+        disk, or None when no complete state remains."""
+        self._tx(self._truncate_stmts(key, n_pages, row) + self._piece_stmts(key, pieces or []))
 
     def _truncate_stmts(self, key: SessionKey, n_pages: int, row: Row | None) -> list[tuple[str, tuple]]:
         stmts: list[tuple[str, tuple]] = [

@@ -5,6 +5,16 @@ prepare (allocate in the destination), copy, complete: the new pieces join
 the snapshot only after the copy succeeded (and, for the durable tier, after
 fdatasync and the index commit); on failure they are freed and the old copies stay
 authoritative. Where to make room is the store's business (make_room).
+
+An allocation may be held by several snapshots of one tenant (shared
+prefix pages: core/store/sharing.py), each holding a piece cut to the
+pages it shares, starting where the allocation starts. `hold` counts a
+holder more; `free` gives the room back only when its last holder lets go.
+Before a copy into a tier, the store may hand the session pages another
+snapshot already holds there (`borrow`), so they are not stored twice. Copies
+of pages other snapshots hold too (`shared`) go into a tier one at a time
+(the tier's copy lock, taken after the session's op lock and before the
+store lock): two sessions written back at once would each have stored them.
 """
 
 from __future__ import annotations
@@ -12,7 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
 
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
@@ -27,6 +40,7 @@ from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
 MakeRoom = Callable[[str, int, SessionKey, IOClass, "str | None"], bool]
+Borrow = Callable[[Session, str, list[tuple[int, int]]], tuple[list[Piece], list[tuple[int, int]]]]
 
 
 class Placement:
@@ -40,6 +54,15 @@ class Placement:
         self.lock = lock
         self.make_room: MakeRoom = lambda tier, need, protect, io_class, tenant: False
         self.quota: Callable[[str], int | None] = lambda tier: None
+        # Pieces of pages in these ranges that other snapshots hold in a tier, held (hold) for the session,
+        # and the ranges still missing.
+        self.borrow: Borrow = lambda session, tier, ranges: ([], ranges)
+        # Whether pages in these ranges of the session are held by other sessions too.
+        self.shared: Callable[[Session, list[tuple[int, int]]], bool] = lambda session, ranges: False
+        self._copy_locks = {t: threading.RLock() for t in tiers}  # re-entrant: making room copies too
+        self.also_damaged: Callable[[Session, DataLoss], None] = lambda session, exc: None  # its pages' other holders
+        self._holders: dict[tuple[str, int], int] = {}  # (tier, offset) -> holders, of allocations with several
+        self.shared_bytes: dict[str, int] = {}  # tier -> bytes its allocations would take again, one per holder more
 
     # -- allocation ------------------------------------------------------------
 
@@ -86,9 +109,37 @@ class Placement:
             f"the {tier} tier has no room for {total} bytes (budget {t.budget})",
             tier=tier, need=total, budget=t.budget, used=t.used)
 
+    def hold(self, tier: str, pieces: list[Piece]) -> None:
+        """One holder more for each piece's allocation (a piece cut from
+        one that a snapshot or a write holds)."""
+        with self.lock:
+            for p in pieces:
+                key = (tier, p.offset)
+                self._holders[key] = self._holders.get(key, 1) + 1
+                self.shared_bytes[tier] = self.shared_bytes.get(tier, 0) + p.alloc_bytes
+
+    def holders(self, tier: str, piece: Piece) -> int:
+        """How many pieces hold the allocation this piece is in (called with the store lock held)."""
+        return self._holders.get((tier, piece.offset), 1)
+
+    def shared_allocations(self) -> list[tuple[str, int]]:
+        """(tier, offset) of every allocation counted as held more than once (store lock held)."""
+        return list(self._holders)
+
     def free(self, tier: str, pieces: list[Piece]) -> None:
+        """Let go of each piece: its room returns when no other piece holds its allocation."""
         for p in pieces:
-            self.tiers[tier].free(p)
+            with self.lock:
+                key = (tier, p.offset)
+                n = self._holders.get(key, 1)
+                if n > 2:
+                    self._holders[key] = n - 1
+                elif n == 2:
+                    del self._holders[key]
+                if n > 1:
+                    self.shared_bytes[tier] -= p.alloc_bytes
+            if n == 1:
+                self.tiers[tier].free(p)
 
     def retire(self, session: Session, pieces: list[tuple[str, Piece]]) -> None:
         """Free pieces the session no longer holds, or, while a Get stream
@@ -98,7 +149,7 @@ class Placement:
                 session.deferred += pieces
                 return
         for tier, p in pieces:
-            self.tiers[tier].free(p)
+            self.free(tier, [p])
 
     def end_read(self, session: Session) -> None:
         """A Get stream is done with the session's pages: free what waited for it."""
@@ -108,7 +159,7 @@ class Placement:
                 return
             pieces, session.deferred = session.deferred, []
         for tier, p in pieces:
-            self.tiers[tier].free(p)
+            self.free(tier, [p])
 
     # -- moves -------------------------------------------------------------------
 
@@ -141,23 +192,42 @@ class Placement:
 
     def copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], io_class: IOClass,
                  reason: str) -> int:
+        with self._one_copy(session, target, missing):
+            return self._copy_in(session, target, missing, io_class, reason)
+
+    @contextmanager
+    def _one_copy(self, session: Session, tier: str, ranges: list[tuple[int, int]]) -> Iterator[None]:
+        """Held while pages of these ranges are copied into the tier, if other
+        sessions hold them too: the next copy of them borrows this one's."""
+        with self._copy_locks[tier] if self.shared(session, ranges) else nullcontext():
+            yield
+
+    def _copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], io_class: IOClass,
+                 reason: str) -> int:
         snap = session.snap
         geom = snap.geometry
-        pieces = self.alloc(target, missing, geom.stride, session.key, io_class)
+        borrowed, missing = self.borrow(session, target, missing)
+        try:
+            pieces = self.alloc(target, missing, geom.stride, session.key, io_class) if missing else []
+        except BaseException:
+            self.free(target, borrowed)
+            raise
         dst = [Span(p.first_page, p.n_pages, target, p.offset) for p in pieces]
         src = [s for s in snap.best_spans() if s.tier != target]
         t0 = time.perf_counter()
         try:
-            moved = self.copier.move(src, dst, geom, snap.checksums, io_class)
+            moved = self.copier.move(src, dst, geom, snap.checksums, io_class) if dst else 0
         except BaseException as exc:
-            self.free(target, pieces)
+            self.free(target, pieces + borrowed)
             if isinstance(exc, DataLoss):
                 self.mark_damaged(session, exc)
             elif isinstance(exc, OSError):
                 raise self.io_failed("read", exc, session.key) from exc
             raise
         with self.lock:
-            snap.add_pieces(target, pieces)
+            snap.add_pieces(target, pieces + borrowed)
+        if not dst:
+            return 0
         source = max((s.tier for s in src), key=tier_rank)
         self.events.moved(source, target, reason, moved, time.perf_counter() - t0)
         return moved
@@ -171,10 +241,23 @@ class Placement:
         if session.durable:
             return
         missing = snap.missing([durable])
+        with self._one_copy(session, durable, missing):
+            self._write_durable(session, missing, io_class, reason)
+
+    def _write_durable(self, session: Session, missing: list[tuple[int, int]], io_class: IOClass,
+                       reason: str) -> None:
+        durable = self.durable
+        assert self.index is not None and durable is not None
+        snap = session.snap
+        borrowed, missing = self.borrow(session, durable, missing)
         pieces: list[Piece] = []
         if missing:
             geom = snap.geometry
-            pieces = self.alloc(durable, missing, geom.stride, session.key, io_class)
+            try:
+                pieces = self.alloc(durable, missing, geom.stride, session.key, io_class)
+            except BaseException:
+                self.free(durable, borrowed)
+                raise
             dst = [Span(p.first_page, p.n_pages, durable, p.offset) for p in pieces]
             src = [s for s in snap.best_spans() if s.tier != durable]
             t0 = time.perf_counter()
@@ -183,7 +266,7 @@ class Placement:
                 moved = self.copier.move(src, dst, geom, snap.checksums, io_class)
                 self.tiers[durable].sync(epoch)
             except BaseException as exc:
-                self.free(durable, pieces)
+                self.free(durable, pieces + borrowed)
                 if isinstance(exc, DataLoss):
                     self.mark_damaged(session, exc)
                 elif isinstance(exc, OSError):
@@ -193,6 +276,7 @@ class Placement:
             self.events.moved(source, durable, reason, moved, time.perf_counter() - t0)
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
                   session.priority)
+        pieces += borrowed
         try:
             self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],
                                                  snap.token_hashes[p.first_page : p.first_page + p.n_pages])
@@ -204,19 +288,26 @@ class Placement:
             snap.add_pieces(durable, pieces)
             session.row, session.row_version = row, snap.version
 
-    def truncate(self, session: Session, n_pages: int) -> list[tuple[str, Piece]]:
-        """Forget pages from n_pages on (the index first); returns pieces to free."""
+    def truncate(self, session: Session, n_pages: int,
+                 add: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None) -> list[tuple[str, Piece]]:
+        """Forget pages from n_pages on (the index first), recording in the
+        index, in the same transaction, the durable tier's pieces `add` (with
+        their checksums and token hashes) that the session takes from other
+        sessions; returns pieces to free."""
         snap = session.snap
-        if n_pages >= snap.n_pages:
+        cut = n_pages < snap.n_pages
+        if not cut and not add:
             return []
-        if self.index is not None and (snap.pieces(self.durable) or session.row is not None):
+        if self.index is not None and (add or snap.pieces(self.durable) or session.row is not None):
             row = session.row
             if row is not None and row.num_pages > n_pages:
                 row = None if snap.spec.is_opaque or n_pages == 0 else Row(
                     row.spec, min(row.num_tokens, n_pages * row.spec.block_tokens), n_pages,
                     n_pages * row.spec.page_bytes, row.created, row.last_access, row.priority)
-            self.index.truncate(session.key, n_pages, row)
+            self.index.truncate(session.key, n_pages, row, add)
             session.row = row
+        if not cut:
+            return []
         with self.lock:
             freed = snap.truncate(n_pages)
             snap.version += 1
@@ -249,4 +340,5 @@ class Placement:
         log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)
         with self.lock:
             session.damaged = True
+        self.also_damaged(session, exc)
         self.events.checksum_failed(str(exc.details.get("tier", self.durable)))

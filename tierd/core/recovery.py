@@ -5,7 +5,9 @@ the slab files it finds (recreating a missing one, sparse), the index parses
 its rows and quarantines those it cannot read (DiskIndex.recover), and here
 each remaining session's pieces are checked against the slab files: aligned,
 inside one slab whose file was whole, and sharing no byte with another
-session's. A session that fails is quarantined too. Each quarantined session
+session's, unless both hold the same allocation of shared prefix pages (same
+tenant, same offset, size and first page, and the same checksums for the
+pages both hold). A session that fails is quarantined too. Each quarantined session
 gets one log line and one count in tierd_sessions_quarantined_total{reason},
 and leaves the index; the rest are reserved in the disk tier and served.
 """
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.rows import Problem, Recovered
+from tierd.tiers.allocator import Piece
 from tierd.tiers.disk import DiskTier
 from tierd.transfer.runs import page_stride
 from tierd.types import SessionKey
@@ -31,7 +36,8 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents) -> tuple[list
     top = index.highest_offset()
     lost = disk.open_existing(max(disk.max_slabs(), 0 if top is None else top // disk.slab_bytes + 1))
     found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
-    disk.reserve([(p, rec.key.tenant) for rec in found for p in rec.pieces])
+    allocations = {p.offset: (p, rec.key.tenant) for rec in found for p in rec.pieces}  # a shared one once
+    disk.reserve(list(allocations.values()))
     for problem in problems:
         if problem.quarantined:
             log.error("recovery: quarantined %s/%s (%s): %s; it is not served and its disk space is reused",
@@ -48,7 +54,7 @@ def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int 
     small for their pages or across a slab boundary; past the last slab; in a
     slab file that was missing or cut short (`lost`: the bytes such files held,
     None for none); or sharing bytes with another piece (every session
-    involved)."""
+    involved) other than the same allocation of shared pages."""
     slab_bytes, granule = disk.slab_bytes, disk.allocator.granule
     bad: dict[SessionKey, Problem] = {}
     extents: list[tuple[int, int, SessionKey]] = []
@@ -73,8 +79,24 @@ def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int 
                 extents.append((p.offset, p.offset + p.alloc_bytes, rec.key))
                 continue
             bad.setdefault(rec.key, problem)
+    by_offset: dict[int, list[tuple[Recovered, Piece]]] = {}
+    for rec in found:
+        if rec.key not in bad:
+            for p in rec.pieces:
+                by_offset.setdefault(p.offset, []).append((rec, p))
+    again: set[tuple[int, SessionKey]] = set()  # a later holder of an allocation shared with the first
+    for holders in by_offset.values():
+        (first, p0), others = holders[0], holders[1:]
+        for rec, p in others:
+            n = min(p.n_pages, p0.n_pages)
+            pages = slice(p.first_page, p.first_page + n)
+            if (rec.key.tenant, rec.row.spec.fingerprint, p.alloc_bytes, p.first_page) != \
+                    (first.key.tenant, first.row.spec.fingerprint, p0.alloc_bytes, p0.first_page) or not np.array_equal(rec.checksums[pages], first.checksums[pages]):
+                continue  # not one shared allocation: the sweep below finds the overlap
+            again.add((p.offset, rec.key))
     reach, holder = -1, None
-    for start, end, key in sorted((e for e in extents if e[2] not in bad), key=lambda e: e[:2]):
+    for start, end, key in sorted((e for e in extents if e[2] not in bad and (e[0], e[2]) not in again),
+                                  key=lambda e: e[:2]):
         if start < reach and holder is not None:
             for k, other in ((key, holder), (holder, key)):
                 bad.setdefault(k, Problem(k, "overlap", f"its pieces share bytes at {start} with those of "

@@ -6,11 +6,17 @@ prefixes. The last page may hold fewer tokens than block_tokens; its hash
 covers just those. An all-zero hash means "not known" (stored without token
 ids): no request matches it, nor anything after it (pages appended after an
 unknown page are unknown too).
+
+A cache salt (vLLM's `cache_salt`: one per user of a shared server) seeds
+the chain: the same tokens under another salt hash differently, so pages are
+matched and shared only among requests with the same salt. No salt seeds
+the chain with the all-zero hash, as before salts existed.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -19,6 +25,23 @@ from tierd.errors import InvalidArgument
 HASH_BYTES = 16
 UNKNOWN = bytes(HASH_BYTES)
 MAX_TOKEN_ID = (1 << 63) - 1
+MAX_SALT = 256  # characters
+
+
+def check_salt(salt: object) -> str:
+    """A cache salt: a string of at most MAX_SALT characters ("" for none)."""
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or len(salt) > MAX_SALT:
+        raise InvalidArgument(f"a cache salt is a string of at most {MAX_SALT} characters", field="cache_salt")
+    return salt
+
+
+def seed(salt: str = "") -> bytes:
+    """What page 0's hash chains from: the all-zero hash, or one of the salt's own."""
+    if not salt:
+        return UNKNOWN
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=HASH_BYTES, person=b"tierd-salt").digest()
 
 
 def empty(n_pages: int = 0) -> np.ndarray:
@@ -48,15 +71,21 @@ def _step(prev: bytes, ids: np.ndarray) -> bytes:
     return h.digest()
 
 
-def chain(token_ids: np.ndarray, block_tokens: int) -> np.ndarray:
+def chain(token_ids: np.ndarray, block_tokens: int, salt: str = "") -> np.ndarray:
     """The hash of every page that token_ids (a snapshot's tokens from 0) fill."""
     n = -(-len(token_ids) // block_tokens)
     out = empty(n)
-    prev = UNKNOWN
-    for i in range(n):
-        prev = _step(prev, token_ids[i * block_tokens : (i + 1) * block_tokens])
-        out[i] = np.frombuffer(prev, dtype=np.uint8)
+    for i, h in enumerate(chained(token_ids, block_tokens, salt)):
+        out[i] = h
     return out
+
+
+def chained(token_ids: np.ndarray, block_tokens: int, salt: str = "") -> Iterator[np.ndarray]:
+    """chain()'s hashes one page at a time: a caller that stops early hashes no further."""
+    prev = seed(salt)
+    for lo in range(0, len(token_ids), block_tokens):
+        prev = _step(prev, token_ids[lo : lo + block_tokens])
+        yield np.frombuffer(prev, dtype=np.uint8)
 
 
 def known(hashes: np.ndarray) -> bool:
@@ -64,10 +93,17 @@ def known(hashes: np.ndarray) -> bool:
     return bool(hashes.any(axis=1).all())
 
 
-def matched_pages(stored: np.ndarray, num_tokens: int, block_tokens: int, token_ids: np.ndarray) -> int:
+def known_pages(hashes: np.ndarray) -> int:
+    """How many leading pages have a token hash."""
+    unknown = np.flatnonzero(~hashes.any(axis=1))
+    return int(unknown[0]) if unknown.size else len(hashes)
+
+
+def matched_pages(stored: np.ndarray, num_tokens: int, block_tokens: int, token_ids: np.ndarray,
+                  salt: str = "") -> int:
     """How many leading pages of a snapshot (hashes `stored`, `num_tokens`
-    tokens) the request's token ids reproduce exactly."""
-    prev = UNKNOWN
+    tokens) the request's token ids (under its salt) reproduce exactly."""
+    prev = seed(salt)
     for i in range(len(stored)):
         lo = i * block_tokens
         hi = min(lo + block_tokens, num_tokens)

@@ -32,10 +32,11 @@ __all__ = ["DEFAULT_WINDOW", "CopyEngine", "EngineMemory", "PageWriter"]
 
 
 class CopyEngine(EngineCopies):
-    def page_writer(self, dst: list[Span], geom: Geometry) -> PageWriter:
+    def page_writer(self, dst: list[Span], geom: Geometry, skip: tuple[int, int] = (0, 0)) -> PageWriter:
         """A cursor that writes a stream of byte chunks, of any sizes, into the
-        pages of dst (host spans) in page order."""
-        return PageWriter(self, dst, geom)
+        pages of dst (host spans) in page order; the stream's pages
+        [skip[0], skip[1]), ahead of dst's, are read past and not kept."""
+        return PageWriter(self, dst, geom, skip)
 
     def read_stream(self, src: list[Span], geom: Geometry, checksums: np.ndarray, chunk_bytes: int,
                     io_class: int = IOClass.DEMAND) -> Iterator[tuple[bytes | memoryview, int]]:
@@ -140,8 +141,11 @@ class PageWriter:
     them by whoever claims the memory the next bytes go to; `received`
     counts them. Bytes past what the pages hold are refused, unwritten."""
 
-    def __init__(self, copier: CopyEngine, dst: list[Span], geom: Geometry) -> None:
+    def __init__(self, copier: CopyEngine, dst: list[Span], geom: Geometry, skip: tuple[int, int] = (0, 0)) -> None:
         self._slots = []  # a view of each page's bytes
+        if skip[1] > skip[0]:
+            scratch = np.empty(geom.stride, dtype=np.uint8)  # pages read past all land here
+            self._slots += [scratch[: geom.size_of(page)] for page in range(*skip)]
         for span in sorted(dst, key=lambda s: s.first_page):
             buf = copier.view(span.tier, span.offset, span.n_pages * geom.stride)
             for i in range(span.n_pages):

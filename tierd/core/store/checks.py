@@ -92,13 +92,14 @@ def check_blocks(block_ids: Iterable[int], num_blocks: int) -> np.ndarray:
     return ids
 
 
-def token_hashes(spec: KVSpec, token_ids: Iterable[int] | None, num_tokens: int) -> np.ndarray | None:
-    """The page hashes of a store's token ids (tokens [0, num_tokens)), if given."""
+def token_hashes(spec: KVSpec, token_ids: Iterable[int] | None, num_tokens: int, salt: str = "") -> np.ndarray | None:
+    """The page hashes of a store's token ids (tokens [0, num_tokens)) under its cache salt, if given."""
+    salt = tokens.check_salt(salt)
     if token_ids is None:
         return None
     if spec.is_opaque:
         raise InvalidArgument("opaque snapshots have no tokens: give no token ids", field="token_ids")
-    return tokens.chain(tokens.check_ids(token_ids, num_tokens), spec.block_tokens)
+    return tokens.chain(tokens.check_ids(token_ids, num_tokens), spec.block_tokens, salt)
 
 
 def check_readable(key: SessionKey, session: Session | None, verb: str) -> None:

@@ -11,6 +11,7 @@ from tierd.core.store.leases import _SaveLease
 from tierd.core.store.upkeep import CHECKS_PER_LOCK, Upkeep
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.tiers import tier_rank
+from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionInfo, TierStats
 
@@ -45,12 +46,19 @@ class Inspection(Upkeep):
         # sessions): tiers_held() reads each placement by name, never iterating a
         # dict that a move may change meanwhile.
         counts = {t: 0 for t in self.tiers}
+        saved = {t: self.placement.shared_bytes.get(t, 0) for t in self.tiers}
+        if tenant is not None:
+            saved = {t: 0 for t in self.tiers}
+        holders = self.placement.holders
         for s in sessions:
             if tenant is None or s.key.tenant == tenant:
                 for t in s.snap.tiers_held():
                     counts[t] += 1
+                    if tenant is not None:  # each holder's part of what its shared allocations save
+                        saved[t] += sum(p.alloc_bytes - p.alloc_bytes // n for p in s.snap.pieces(t)
+                                        if (n := holders(t, p)) > 1)
         return [TierStats(name, t.budget, t.used if tenant is None else t.used_by(tenant),
-                          t.capacity if tenant is None else 0, counts[name], t.backend)
+                          t.capacity if tenant is None else 0, counts[name], t.backend, saved[name])
                 for name, t in sorted(self.tiers.items(), key=lambda kv: tier_rank(kv[0]))]
 
     def scan(self) -> list[str]:
@@ -64,11 +72,15 @@ class Inspection(Upkeep):
         durable = self.placement.durable
         disk = self.tiers[durable]
         extents = []
+        seen: set[int] = set()
+        indexed_pieces = 0
         for key in self.keys():
             with self._held(key) as session:
                 snap = session.snap
                 pieces = snap.pieces(durable)
-                extents += [(p.offset, p.alloc_bytes, key) for p in pieces]
+                extents += [(p.offset, p.alloc_bytes, key) for p in pieces if p.offset not in seen]
+                seen.update(p.offset for p in pieces)  # an allocation of shared prefix pages: once
+                indexed_pieces += len(pieces)
                 spans = snap.spans(durable)
                 try:
                     for _ in self.copier.windows(spans, snap.geometry, snap.checksums, IOClass.WRITEBACK):
@@ -82,26 +94,40 @@ class Inspection(Upkeep):
         if extents and extents[-1][0] + extents[-1][1] > disk.capacity:
             problems.append("a piece lies past the end of the slab files")
         indexed = self.index.count()[1]
-        if indexed != len(extents):
-            problems.append(f"the index holds {indexed} pieces, the sessions {len(extents)}")
+        if indexed != indexed_pieces:
+            problems.append(f"the index holds {indexed} pieces, the sessions {indexed_pieces}")
         return problems + self.check_accounting()
 
     def check_accounting(self) -> list[str]:
         """The accounting invariant: in every tier, the bytes its allocator
-        holds, in all and per tenant, are the bytes held by the sessions'
-        pieces and the open save leases, rounded as the allocator rounds.
+        holds, in all and per tenant, are the bytes of the allocations held
+        by the sessions' pieces and the open save leases (an allocation that
+        several hold, shared prefix pages, once), rounded as the allocator
+        rounds; and each allocation has as many holders as its count says.
         Returns the differences; exact only while no call or move is in flight."""
         held: dict[str, dict[str, int]] = {name: {} for name in self.tiers}
+        refs: dict[tuple[str, int], int] = {}
         with self._lock:
             holders = [(s.key.tenant, s.snap.placement) for s in self._sessions.values()]
-            holders += [(lease.key.tenant, {lease.write.tier: lease.write.pieces}) for lease in self._leases.values()
-                        if isinstance(lease, _SaveLease)]
+            for lease in self._leases.values():
+                if isinstance(lease, _SaveLease):
+                    holders += [(lease.key.tenant, {lease.write.tier: lease.write.pieces}),
+                                (lease.key.tenant, lease.write.lent)]
             holders += [(s.key.tenant, {tier: [p]}) for s in self._sessions.values() for tier, p in s.deferred]
             for tenant, placement in holders:
                 for tier, pieces in placement.items():
-                    rounded = sum(self.tiers[tier].allocator.round(p.alloc_bytes) for p in pieces)
-                    held[tier][tenant] = held[tier].get(tenant, 0) + rounded
-        problems = []
+                    for p in pieces:
+                        key = (tier, p.offset)
+                        refs[key] = refs.get(key, 0) + 1
+                        if refs[key] == 1:
+                            held[tier][tenant] = held[tier].get(tenant, 0) + self.tiers[tier].allocator.round(
+                                p.alloc_bytes)
+            counted = {key: self.placement.holders(key[0], Piece(key[1], 0, 0, 0)) for key in refs}
+            stray = [key for key in self.placement.shared_allocations() if key not in refs]
+        problems = [f"the {tier} tier's allocation at {offset} has {n} holders, its count says {counted[tier, offset]}"
+                    for (tier, offset), n in sorted(refs.items()) if counted[tier, offset] != n]
+        problems += [f"the {tier} tier's allocation at {offset} is counted as shared, and nothing holds it"
+                     for tier, offset in stray]
         for name, tier in self.tiers.items():
             if tier.used - tier.unusable != sum(held[name].values()):  # (unusable: retired after a fault)
                 problems.append(f"the {name} tier's allocator holds {tier.used - tier.unusable} bytes, its sessions "

@@ -15,7 +15,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from tierd.core import tokens
+from tierd.core.model import Session
 from tierd.core.store.checks import (
     DEFAULT_LEASE_SECONDS,
     check_blocks_range,
@@ -144,30 +147,32 @@ class Leases(Reads):
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
-                   ttl: float = DEFAULT_LEASE_SECONDS) -> Lease:
+                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "") -> Lease:
         """A segment of shared memory for pages [start_token // block_tokens,
         pages for num_tokens): the engine writes each page's bytes there, then
         calls commit_save (or abort_save). The pages' room in the host tier is
-        taken now; nothing is visible before the commit."""
+        taken now; nothing is visible before the commit. Leading pages the
+        tenant holds already (same tokens under the same cache salt) are
+        taken from there: the lease starts past them (its first_page)."""
         check_priority(priority)
         ttl = check_ttl(ttl)
         first_page = check_blocks_range(spec, start_token, num_tokens)
-        tok = token_hashes(spec, token_ids, num_tokens)
+        tok = token_hashes(spec, token_ids, num_tokens, salt)
         n_pages = spec.pages_for_tokens(num_tokens)
-        count = n_pages - first_page
-        nbytes = count * spec.page_bytes
-        segment = self._open_lease(key.tenant, nbytes)
+        w = self._begin_write(key, spec, HOST, first_page, num_tokens, n_pages * spec.page_bytes,
+                              Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
+        count = n_pages - w.write_from
+        nbytes = max(count * spec.page_bytes, 1)  # (every page held already: a segment the engine never reads)
         try:
-            w = self._begin_write(key, spec, HOST, first_page, num_tokens, n_pages * spec.page_bytes,
-                                  Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
+            segment = self._open_lease(key.tenant, nbytes)
         except BaseException:
-            self._close_lease(key.tenant, segment, nbytes)
+            self.abort_write(w)
             raise
         lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, w)
         with self._lock:
             self._leases[lease.lease_id] = lease
-        return Lease(lease.lease_id, [Slot(segment.name, 0, first_page, count)], spec.page_bytes, spec.page_bytes,
-                     first_page, count, num_tokens, ttl)
+        slots = [Slot(segment.name, 0, w.write_from, count)] if count else []
+        return Lease(lease.lease_id, slots, spec.page_bytes, spec.page_bytes, w.write_from, count, num_tokens, ttl)
 
     def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
         """Copy the leased pages into the host tier, taking their checksums, and publish them."""
@@ -175,7 +180,7 @@ class Leases(Reads):
         w = lease.write
         try:
             try:
-                sums = self.copier.from_segment(lease.segment, w.spans, w.geom, w.first_page)
+                sums = self.copier.from_segment(lease.segment, w.spans, w.geom, w.write_from)
             except OSError as exc:
                 raise InvalidArgument(f"the lease's pages could not be read: {exc.strerror or exc}",
                                       lease_id=lease_id) from None
@@ -196,49 +201,66 @@ class Leases(Reads):
         self._end_lease(self._take_lease(tenant, lease_id, _SaveLease))
 
     def begin_restore(self, key: SessionKey, spec: KVSpec | None = None, num_pages: int = 0,
-                      ttl: float = DEFAULT_LEASE_SECONDS, token_ids: Iterable[int] | None = None) -> Lease:
+                      ttl: float = DEFAULT_LEASE_SECONDS, token_ids: Iterable[int] | None = None,
+                      salt: str = "") -> Lease:
         """Copy the snapshot's first num_pages pages (0: all), checked against
         their checksums, into a segment of shared memory of the lease's own
         (waiting for a move of the session in flight first), and hand it out;
-        end_restore gives it back. With token_ids (the request's prompt), pages
-        that hold other tokens are refused: the snapshot changed since the lookup."""
+        end_restore gives it back. With token_ids (the request's prompt, under
+        its cache salt), pages that hold other tokens are refused: the
+        snapshot changed since the lookup. With spec and token_ids, a session
+        that does not exist or holds fewer of those pages than other sessions
+        of the tenant starts from theirs (lookup() said so)."""
         ttl = check_ttl(ttl)
         request = tokens.check_ids(token_ids) if token_ids is not None else None
+        salt = tokens.check_salt(salt)
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise InvalidArgument(f"num_pages must be a non-negative integer, got {shown(num_pages)}",
                                   field="num_pages")
-        with self._held(key) as session:
-            check_readable(key, session, "restored")
-            if spec is not None:
-                check_identity(session, spec)
-            snap = session.snap
-            n = num_pages or snap.n_pages
-            if not 0 < n <= snap.n_pages:
-                raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; ask for 1 to {snap.n_pages}, "
-                                      f"not {num_pages}", field="num_pages", have=snap.n_pages)
-            bt = snap.spec.block_tokens
-            if request is not None and tokens.matched_pages(snap.token_hashes[:n], snap.num_tokens, bt, request) < n:
-                raise FailedPrecondition(f"the first {n} pages of session {shown(key.session_id)} hold other tokens "
-                                         "than the request's: look it up again", field="token_ids")
-            started = time.perf_counter()
-            spans = [sp for sp in snap.best_spans() if sp.first_page < n]
-            source = max((sp.tier for sp in spans), key=tier_rank)
-            nbytes = n * snap.spec.page_bytes
-            segment = self._open_lease(key.tenant, nbytes)
-            try:
-                self._read_out(session, lambda: self.copier.to_segment(spans, snap.geometry, snap.checksums, n,
-                                                                       segment))
-            except BaseException:
-                self._close_lease(key.tenant, segment, nbytes)
-                raise
-            with self._lock:
-                session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
-            lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, source,
-                                  started)
-            with self._lock:
-                self._leases[lease.lease_id] = lease
-            return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
-                         0, n, min(snap.num_tokens, n * bt), ttl)
+        lock, session = self._acquire(key)
+        try:
+            if request is not None and spec is not None and not spec.is_opaque:
+                session = self._start_shared(key, lock, session, spec, request, salt, num_pages) or session
+            return self._lease_out(key, session, spec, num_pages, ttl, request, salt)
+        finally:
+            lock.release()
+
+    def _lease_out(self, key: SessionKey, session: Session | None, spec: KVSpec | None, num_pages: int, ttl: float,
+                   request: np.ndarray | None, salt: str) -> Lease:
+        """begin_restore, the key's lock held."""
+        check_readable(key, session, "restored")
+        assert session is not None
+        if spec is not None:
+            check_identity(session, spec)
+        snap = session.snap
+        n = num_pages or snap.n_pages
+        if not 0 < n <= snap.n_pages:
+            raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; ask for 1 to {snap.n_pages}, "
+                                  f"not {num_pages}", field="num_pages", have=snap.n_pages)
+        bt = snap.spec.block_tokens
+        if request is not None and \
+                tokens.matched_pages(snap.token_hashes[:n], snap.num_tokens, bt, request, salt) < n:
+            raise FailedPrecondition(f"the first {n} pages of session {shown(key.session_id)} hold other tokens "
+                                     "than the request's: look it up again", field="token_ids")
+        started = time.perf_counter()
+        spans = [sp for sp in snap.best_spans() if sp.first_page < n]
+        source = max((sp.tier for sp in spans), key=tier_rank)
+        nbytes = n * snap.spec.page_bytes
+        segment = self._open_lease(key.tenant, nbytes)
+        try:
+            self._read_out(session, lambda: self.copier.to_segment(spans, snap.geometry, snap.checksums, n,
+                                                                   segment))
+        except BaseException:
+            self._close_lease(key.tenant, segment, nbytes)
+            raise
+        with self._lock:
+            session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+        lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, source,
+                              started)
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+        return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
+                     0, n, min(snap.num_tokens, n * bt), ttl)
 
     def end_restore(self, tenant: str, lease_id: str) -> None:
         """The engine has read its pages: the segment goes. A lease that

@@ -71,6 +71,7 @@ class Lifecycle(Leases):
             del self._sessions[session.key]
             self._per_tenant[session.key.tenant] -= 1
             session.dropped = True
+            self._unshare(session)
         held = session.snap.tiers_held()
         self.placement.forget(session)
         for t in held:

@@ -16,7 +16,7 @@ from tierd.core import tokens
 from tierd.core.model import Session
 from tierd.core.store.checks import check_blocks, check_identity, check_readable
 from tierd.core.store.writes import Writes
-from tierd.errors import DataLoss, InvalidArgument, shown
+from tierd.errors import DataLoss, InvalidArgument, NotFound, shown
 from tierd.layout import KVSpec
 from tierd.tiers import HOST, tier_rank
 from tierd.transfer.copier import EngineMemory
@@ -99,23 +99,78 @@ class Reads(Writes):
         self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else HOST, geom.nbytes,
                              time.perf_counter() - t0)
 
-    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None) -> LookupResult:
-        """How many leading tokens of a request (its token ids) the snapshot
-        supplies: whole pages whose chained token hashes match. With spec, a
-        snapshot of another identity is refused."""
+    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
+               salt: str = "") -> LookupResult:
+        """How many leading tokens of a request (its token ids, under its
+        cache salt) the snapshot supplies: whole pages whose chained token
+        hashes match. With spec, a snapshot of another identity is refused,
+        and where the session holds fewer of them (or does not exist) the
+        pages other sessions of the tenant hold answer: a restore with the
+        same token ids starts the session from them."""
         request = tokens.check_ids(token_ids)
-        session = self._get(key)
+        salt = tokens.check_salt(salt)
         with self._lock:
+            session = self._sessions.get(key)
+        pages, stored, source = 0, 0, None
+        if session is not None:
+            with self._lock:
+                snap = session.snap
+                if spec is not None:
+                    check_identity(session, spec)
+                hashes, stored, damaged = snap.token_hashes, snap.num_tokens, session.damaged
+                bt = snap.spec.block_tokens
+            pages = 0 if damaged or snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
+            with self._lock:
+                spans = [sp for sp in snap.best_spans() if sp.first_page < pages] if pages else []
+            source = max((sp.tier for sp in spans), key=tier_rank) if spans else None
+        if spec is not None and not spec.is_opaque:
+            with self._lock:
+                donor, hashes = self._match(key.tenant, spec, request, salt, key)
+                upto = len(hashes)
+                shared = donor is not None and upto > pages
+                if shared:
+                    pages, stored = upto, min(upto * spec.block_tokens, len(request))
+                    spans = [sp for sp in donor.snap.best_spans() if sp.first_page < pages]
+                    source = max((sp.tier for sp in spans), key=tier_rank)
+            if shared:
+                self.events.shared("lookup", 0, 0)
+        if session is None and not pages:
+            raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
+        bt = spec.block_tokens if spec is not None else session.snap.spec.block_tokens  # type: ignore[union-attr]
+        return LookupResult(min(pages * bt, stored), pages, stored, source)
+
+    def _start_shared(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
+                      request: np.ndarray, salt: str, need: int) -> Session | None:
+        """With the key's lock held: where the session does not hold the
+        first `need` pages of the request (0: as many as it can), but other
+        sessions of the tenant do, the session starts again from theirs
+        (created if new: its pages past the request's tokens held other
+        tokens, which the next store replaces anyway). Returns it, or None."""
+        bt = spec.block_tokens
+        own = 0
+        if session is not None and not session.damaged and session.snap.spec.fingerprint == spec.fingerprint:
             snap = session.snap
-            if spec is not None:
-                check_identity(session, spec)
-            hashes, stored, damaged = snap.token_hashes, snap.num_tokens, session.damaged
-            bt = snap.spec.block_tokens
-        pages = 0 if damaged or snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request)
+            own = tokens.matched_pages(snap.token_hashes, snap.num_tokens, snap.spec.block_tokens, request, salt)
         with self._lock:
-            spans = [sp for sp in snap.best_spans() if sp.first_page < pages] if pages else []
-        return LookupResult(min(pages * bt, stored), pages, stored,
-                            max((sp.tier for sp in spans), key=tier_rank) if spans else None)
+            donor, hashes = self._match(key.tenant, spec, request, salt, key)
+            upto = len(hashes)
+            if donor is not None and session is None and upto < need:
+                raise InvalidArgument(f"session {shown(key.session_id)} does not exist, and other sessions hold "
+                                      f"{upto} pages of the request's tokens: ask for 1 to {upto}, not {need}",
+                                      field="num_pages", have=upto)
+            if donor is None or own >= (need or upto) or upto < need:
+                return None
+            lent, upto = self._lend(donor, 0, upto)
+            sums = donor.snap.checksums[:upto].copy()
+        try:
+            self._check_append(key, session, spec, 0)
+            session = self._publish(key, lock, session, spec, 0, [], HOST, sums, min(upto * bt, len(request)),
+                                    upto * spec.page_bytes, None, hashes[:upto], lent)
+        except BaseException:
+            self._let_go(lent)
+            raise
+        self.events.shared("restore", upto, upto * spec.page_bytes)
+        return session
 
 
 class SnapshotReader(Iterator[bytes | memoryview]):

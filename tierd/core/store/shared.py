@@ -359,7 +359,8 @@ class Shared(Inspection):
         geom = Geometry(m.page_bytes, n, m.nbytes - (n - 1) * m.page_bytes)
         hashes = m.token_hashes if len(m.token_hashes) else None
         t0 = time.perf_counter()
-        w = self._begin_write(key, spec, HOST, 0, m.num_tokens, m.nbytes, geom, hashes, None)
+        # Every page of the manifest is read into pages of its own (the fetch writes them all as they come).
+        w = self._begin_write(key, spec, HOST, 0, m.num_tokens, m.nbytes, geom, hashes, None, share=False)
         try:
             writer = self.copier.page_writer(w.spans, geom)
             want = into.ids.size if into is not None else 0
@@ -428,6 +429,13 @@ class Shared(Inspection):
         m = self._stale(key)
         return self._remote_info(key, m) if m is not None else super().stat(key)
 
+    def prompt_limit(self, key: SessionKey) -> int:
+        limit = super().prompt_limit(key)
+        try:
+            return max(limit, self.stat(key).num_tokens)  # the remote tier's copy too
+        except NotFound:
+            return limit
+
     def _remote_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
         spec = self._spec_of(key, m)
         return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=REMOTE, tier_bytes={REMOTE: m.nbytes},
@@ -435,17 +443,19 @@ class Shared(Inspection):
                            durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
                            model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True)
 
-    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None) -> LookupResult:
+    def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
+               salt: str = "") -> LookupResult:
         m = self._stale(key)
         if m is None:
-            return super().lookup(key, token_ids, spec)
+            return super().lookup(key, token_ids, spec, salt)
         info = self._remote_info(key, m)
         if spec is not None:
             check_identity(Session(key, Snapshot(info.spec), 0.0, 0.0), spec)
         bt = info.spec.block_tokens
         hashes = m.token_hashes if len(m.token_hashes) else tokens.empty(m.n_pages)
         request = tokens.check_ids(token_ids)
-        pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request)
+        pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request,
+                                                                   tokens.check_salt(salt))
         return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, REMOTE if pages else None)
 
     def list(self, tenant: str | None = None, after: str = "", limit: int = 100) -> tuple[list[SessionInfo], str]:
@@ -515,10 +525,11 @@ class Shared(Inspection):
         return super().save(key, engine, spec, block_ids, num_tokens, start_token, *args, **kw)
 
     def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int, priority: int | None = None,
-                  start_token: int = 0, token_ids: Iterable[int] | None = None):  # type: ignore[override]
+                  start_token: int = 0, token_ids: Iterable[int] | None = None,
+                  salt: str = ""):  # type: ignore[override]
         if start_token:
             self._bring(key)
-        return super().begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids)
+        return super().begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt)
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    *args: Any, **kw: Any):  # type: ignore[override]

@@ -44,7 +44,10 @@ class Store(Shared):
         durable = self.placement.durable
         kept, problems = recovery.recover(self.index, self.tiers[durable], self.events)
         now = self.clock.now()
+        held: set[int] = set()
         for rec in kept:
+            self.placement.hold(durable, [p for p in rec.pieces if p.offset in held])  # shared prefix pages
+            held.update(p.offset for p in rec.pieces)
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {durable: rec.pieces},
                             token_hashes=rec.token_hashes)
             session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
@@ -52,6 +55,7 @@ class Store(Shared):
             self._sessions[rec.key] = session
             self._key_locks[rec.key] = session.op
             self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1
+            self._share(session, None)
             self._schedule(session)
         return problems
 

@@ -11,10 +11,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 from tierd.clock import Clock, SystemClock
 from tierd.core.events import NullEvents, StoreEvents
 from tierd.core.index import DiskIndex
-from tierd.core.model import Session
+from tierd.core.model import Session, Snapshot
 from tierd.core.placement import Placement
 from tierd.errors import NotFound, shown
 from tierd.policy import PolicyConfig, SessionView, idle_due
@@ -95,6 +97,37 @@ class SessionTable:
         durable = self.placement.durable
         return s.durable and not any(self.tiers[durable].retired(p.offset) for p in s.snap.pieces(durable))
 
+    def _shares(self, snap: Snapshot) -> dict[str, int]:
+        """What policy counts of a snapshot's bytes in each tier that holds
+        any: an allocation it shares with other snapshots (prefix pages) split
+        evenly among its holders, so that evicting them all frees what the
+        sums say. (Stat's tier_bytes counts such an allocation in full: the
+        bytes the session reads from; Stats says what sharing saves.)"""
+        holders = self.placement.holders
+        return {t: sum(p.alloc_bytes // holders(t, p) for p in pieces) for t, pieces in snap.placement.items()
+                if pieces}
+
+    def _shared_bytes(self, s: Session) -> int:
+        """The snapshot's bytes in pages of which other sessions hold the same
+        copy: in an allocation with other holders, and held by another session
+        by their token hash."""
+        snap = s.snap
+        mask = np.zeros(snap.n_pages, dtype=bool)
+        for t, pieces in snap.placement.items():
+            for p in pieces:
+                if self.placement.holders(t, p) > 1:
+                    mask[p.first_page : p.first_page + p.n_pages] = True
+        for i in np.flatnonzero(mask):
+            mask[i] = self._held_by_others(s, int(i))
+        if not mask.any():
+            return 0
+        geom = snap.geometry
+        return int(mask.sum()) * geom.page_bytes - (geom.page_bytes - geom.last_bytes if mask[-1] else 0)
+
+    def _held_by_others(self, s: Session, page: int) -> bool:
+        """Whether another session holds this page of the session's (by token hash; sharing.py)."""
+        return False
+
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
         return SessionInfo(
@@ -103,11 +136,10 @@ class SessionTable:
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self._durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,
-            remote_durable=s.remote_durable)
+            remote_durable=s.remote_durable, shared_bytes=self._shared_bytes(s))
 
-    @staticmethod
-    def _view(s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
-        return SessionView(s.key, s.snap.tier_bytes(), s.last_access, s.released_at, s.priority, s.pins > 0,
+    def _view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
+        return SessionView(s.key, self._shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,
                            s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited)
 
     def _schedule(self, session: Session, at: float | None = None) -> None:

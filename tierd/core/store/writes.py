@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from tierd.core.store.checks import (
     check_start,
     token_hashes,
 )
-from tierd.core.store.table import SessionTable
+from tierd.core.store.sharing import Sharing
 from tierd.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -62,6 +62,15 @@ class PendingWrite:
     started: float
     writer: PageWriter | None = None  # Put: where the stream's bytes go, in page order
     streaming: int = 0  # Put: bytes counted against the tenant's Puts in progress (begin_put)
+    # Pages [first_page, write_from) another session of the tenant holds already (sharing.py): pieces of its
+    # allocations, held for this write, by tier, and their checksums. The caller writes from write_from on.
+    lent: dict[str, list[Piece]] = field(default_factory=dict)
+    lent_sums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    write_from: int = -1
+
+    def __post_init__(self) -> None:
+        if self.write_from < 0:
+            self.write_from = self.first_page
 
     @property
     def spans(self) -> list[Span]:
@@ -77,7 +86,7 @@ class PendingWrite:
         self.writer.write(data)
 
 
-class Writes(SessionTable):
+class Writes(Sharing):
     def _landing(self, engine: EngineMemory | None) -> str:
         """Where a save's pages land by default: VRAM for GPU engines where
         there is a device tier, else the host arena."""
@@ -112,12 +121,26 @@ class Writes(SessionTable):
 
     def _publish(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                  first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
-                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None) -> Session:
+                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None,
+                 lent: dict[str, list[Piece]] | None = None) -> Session:
         """Complete a store: replace pages from first_page on with the new ones
-        (hashes: the token hashes of every page, if known). The index forgets
-        the replaced pages first: if it cannot, this raises before anything
-        changed, and the caller still owns `pieces`."""
-        freed = self.placement.truncate(session, first_page) if session is not None else []
+        in `tier` and the pieces `lent` by other sessions, by tier (hashes:
+        the token hashes of every page, if known). The index forgets the
+        replaced pages first: if it cannot, this raises before anything
+        changed, and the caller still owns `pieces` and `lent`."""
+        durable = self.placement.durable
+        add = [(p, sums[p.first_page - first_page : p.first_page - first_page + p.n_pages],
+                hashes[p.first_page : p.first_page + p.n_pages])
+               for p in (lent or {}).get(durable, [])] if hashes is not None else []  # (every disk piece is indexed)
+        before = None
+        if session is not None:
+            with self._lock:
+                before = self._entry(session.snap)  # what the prefix table holds of it, before truncate cuts it
+            freed = self.placement.truncate(session, first_page, add)
+        else:
+            freed = []
+            if add and self.index is not None:
+                self.index.add_pieces(key, add, None)
         now = self.clock.now()
         with self._changed:
             if session is None:
@@ -133,30 +156,62 @@ class Writes(SessionTable):
             snap.token_hashes = np.concatenate([kept, new])
             snap.checksums = np.concatenate([snap.checksums[:first_page], sums])
             snap.add_pieces(tier, pieces)
+            for t, lent_pieces in (lent or {}).items():
+                snap.add_pieces(t, lent_pieces)
             snap.num_tokens, snap.nbytes = num_tokens, nbytes
             snap.version += 1
             session.last_access, session.released_at, session.awaited = now, None, False
             if priority is not None:
                 session.priority = priority
+            self._share(session, before)
         self.placement.retire(session, freed)
         self._notify()
         return session
 
     def _begin_write(self, key: SessionKey, spec: KVSpec, tier: str, first_page: int, num_tokens: int,
                      nbytes: int, geom: Geometry, hashes: np.ndarray | None,
-                     priority: int | None) -> PendingWrite:
+                     priority: int | None, share: bool = True) -> PendingWrite:
         """Check that the store may go ahead (quota, an append onto the same
-        identity and tokens) and allocate its pages; the session's lock is held
-        only for that."""
+        identity and tokens) and allocate its pages, less those the tenant
+        holds already (with share); the session's lock is held only for that."""
         lock, session = self._acquire(key)
         try:
             self._check_append(key, session, spec, first_page * spec.block_tokens if first_page else 0, hashes)
-            pieces = self.placement.alloc(tier, [(first_page, geom.n_pages - first_page)], geom.stride, key,
-                                          IOClass.DEMAND)
+            lent, write_from, lent_sums = self._lent_for(key, spec, hashes if share else None, first_page,
+                                                         geom.n_pages)
+            try:
+                pieces = self.placement.alloc(tier, [(write_from, geom.n_pages - write_from)], geom.stride, key,
+                                              IOClass.DEMAND) if write_from < geom.n_pages else []
+            except BaseException:
+                self._let_go(lent)
+                raise
         finally:
             lock.release()
         return PendingWrite(key, spec, tier, first_page, num_tokens, nbytes, geom, pieces, hashes, priority,
-                            time.perf_counter())
+                            time.perf_counter(), lent=lent, lent_sums=lent_sums, write_from=write_from)
+
+    def _lent_for(self, key: SessionKey, spec: KVSpec, hashes: np.ndarray | None, first_page: int, n_pages: int
+                  ) -> tuple[dict[str, list[Piece]], int, np.ndarray]:
+        """Pages [first_page, ...) of a store that another session of the
+        tenant holds already: their pieces, held for the store, the page the
+        store writes from, and their checksums. (Not the storing session's
+        own: a store from token 0 replaces its bytes, whatever they held.)"""
+        none = ({}, first_page, np.empty(0, dtype=np.uint64))
+        if hashes is None:
+            return none
+        with self._lock:
+            donor, upto = self._donor(key.tenant, spec, hashes, first_page, n_pages, key)
+            if donor is None:
+                return none
+            lent, write_from = self._lend(donor, first_page, upto)
+            sums = donor.snap.checksums[first_page:write_from].copy()
+        if write_from > first_page:
+            self.events.shared("save", write_from - first_page, (write_from - first_page) * spec.page_bytes)
+        return lent, write_from, sums
+
+    def _let_go(self, lent: dict[str, list[Piece]]) -> None:
+        for tier, pieces in lent.items():
+            self.placement.free(tier, pieces)
 
     def _commit_write(self, w: PendingWrite, sums: np.ndarray, keep: bool = False) -> SessionInfo:
         """Publish written pages (sums: their checksums), checked again under
@@ -168,8 +223,9 @@ class Writes(SessionTable):
             try:
                 self._check_append(w.key, session, w.spec, w.first_page * w.spec.block_tokens if w.first_page else 0,
                                    w.hashes)
-                session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier, sums,
-                                        w.num_tokens, w.nbytes, w.priority, w.hashes)
+                session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier,
+                                        np.concatenate([w.lent_sums, sums]), w.num_tokens, w.nbytes, w.priority,
+                                        w.hashes, w.lent)
             except (ResourceExhausted, Unavailable):
                 if not keep:
                     self.abort_write(w)
@@ -177,8 +233,8 @@ class Writes(SessionTable):
             except BaseException:
                 self.abort_write(w)
                 raise
-            w.pieces = []  # the session's now
-            self.events.saved(w.tier, w.new_bytes, time.perf_counter() - w.started)
+            w.pieces, w.lent = [], {}  # the session's now
+            self.events.saved(w.tier, w.nbytes - w.write_from * w.spec.page_bytes, time.perf_counter() - w.started)
             return self._info(session)
         finally:
             lock.release()
@@ -186,7 +242,9 @@ class Writes(SessionTable):
     def abort_write(self, w: PendingWrite) -> None:
         """Give back the pages of a write that will not be committed."""
         pieces, w.pieces = w.pieces, []
+        lent, w.lent = w.lent, {}
         self.placement.free(w.tier, pieces)
+        self._let_go(lent)
         self._end_stream(w)
 
     def _start_stream(self, key: SessionKey, nbytes: int) -> None:
@@ -219,13 +277,15 @@ class Writes(SessionTable):
 
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
              num_tokens: int, start_token: int = 0, tier: str | None = None,
-             priority: int | None = None, token_ids: Iterable[int] | None = None) -> SessionInfo:
+             priority: int | None = None, token_ids: Iterable[int] | None = None, salt: str = "") -> SessionInfo:
         """Gather engine blocks holding tokens [start_token, num_tokens) into the
         session's snapshot, replacing what it held from start_token on. The new
         pages land in `tier` (default: device for GPU engines, else host);
         `priority` sets the session's eviction weight; `token_ids` (the ids of
         tokens [0, num_tokens)) lets lookup() match later prompts against the
-        pages, and refuses an append onto pages that hold other tokens."""
+        pages (under the cache `salt`), refuses an append onto pages that hold
+        other tokens, and takes pages the tenant holds already from them
+        instead of copying them again (sharing.py)."""
         check_priority(priority)
         if tier is not None and (tier not in self.tiers or self.tiers[tier].medium != MEMORY):
             targets = ", ".join(repr(t) for t in tier_order(self.tiers) if self.tiers[t].medium == MEMORY)
@@ -233,7 +293,7 @@ class Writes(SessionTable):
                                   field="tier")
         first_page = check_blocks_range(spec, start_token, num_tokens)
         ids = check_blocks(block_ids, engine.layout.num_blocks)
-        tok = token_hashes(spec, token_ids, num_tokens)
+        tok = token_hashes(spec, token_ids, num_tokens, salt)
         n_pages = spec.pages_for_tokens(num_tokens)
         if ids.size != n_pages - first_page:
             raise InvalidArgument(
@@ -243,7 +303,7 @@ class Writes(SessionTable):
         w = self._begin_write(key, spec, tier or self._landing(engine), first_page, num_tokens,
                               n_pages * spec.page_bytes, geom, tok, priority)
         try:
-            sums = self.copier.gather(engine, ids, w.spans, geom, first_page)
+            sums = self.copier.gather(engine, ids[w.write_from - first_page :], w.spans, geom, w.write_from)
         except BaseException:
             self.abort_write(w)
             raise
@@ -251,11 +311,13 @@ class Writes(SessionTable):
 
     def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
                   priority: int | None = None, start_token: int = 0,
-                  token_ids: Iterable[int] | None = None) -> PendingWrite:
+                  token_ids: Iterable[int] | None = None, salt: str = "") -> PendingWrite:
         """Room for a snapshot sent as bytes: the pages from start_token on (KV
-        specs; 0 replaces the whole snapshot), with their token ids if given.
-        Write the stream into the result (write()), then commit_put, or
-        abort_write. No lock is held meanwhile: the stream may take its time."""
+        specs; 0 replaces the whole snapshot), with their token ids (under the
+        cache salt) if given. Write the stream into the result (write()), then
+        commit_put, or abort_write. No lock is held meanwhile: the stream may
+        take its time. Pages the tenant holds already are taken from there:
+        their bytes in the stream are read past, not stored."""
         check_priority(priority)
         first_page = check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
@@ -276,7 +338,7 @@ class Writes(SessionTable):
                     f"tokens [{start_token}, {num_tokens}) in blocks of {spec.block_tokens} take {want} bytes "
                     f"for this spec, not {nbytes}", field="size", want=want, got=nbytes)
             last = spec.page_bytes
-        tok = token_hashes(spec, token_ids, num_tokens)
+        tok = token_hashes(spec, token_ids, num_tokens, salt)
         tier_budget = self.tiers[HOST].budget
         if nbytes > tier_budget:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
@@ -291,7 +353,7 @@ class Writes(SessionTable):
             self._stream_ended(key.tenant, streaming)
             raise
         w.streaming = streaming
-        w.writer = self.copier.page_writer(w.spans, geom)
+        w.writer = self.copier.page_writer(w.spans, geom, skip=(w.first_page, w.write_from))
         return w
 
     def commit_put(self, w: PendingWrite) -> SessionInfo:
@@ -314,9 +376,9 @@ class Writes(SessionTable):
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
             chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
-            start_token: int = 0, token_ids: Iterable[int] | None = None) -> SessionInfo:
+            start_token: int = 0, token_ids: Iterable[int] | None = None, salt: str = "") -> SessionInfo:
         """begin_put, every chunk written, commit_put: the whole Put in one call."""
-        w = self.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids)
+        w = self.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt)
         try:
             for chunk in chunks:
                 w.write(chunk)

@@ -1,0 +1,217 @@
+"""Prefix sharing: pages of the same tokens (same chained hash, under the
+same cache salt) and the same identity are stored once per tenant.
+
+A session that stores, fetches or restores pages another session of its
+tenant already holds takes pieces of that session's allocations instead of
+room of its own: each a piece cut to the pages it shares, its allocation
+held once more (Placement.hold) and freed when its last holder lets go. The
+lender's checksums come with its pages: a restore checks every page against
+the bytes it really holds. Only whole pieces that start inside the range
+taken are lent, so a piece always starts where its allocation starts.
+
+The prefix table (core/prefixes.py) follows every change of a session's
+token hashes: _share is called under the store lock wherever they change
+(a store's publish, a drop, recovery). A damaged page damages every session
+holding its allocation, and damaged sessions lend nothing: the next store of
+those tokens keeps a good copy of its own. Runs on whichever thread stores,
+restores or moves the session; all of it under the store lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tierd.core import tokens
+from tierd.core.model import Session, Snapshot
+from tierd.core.prefixes import PrefixTable
+from tierd.core.store.table import SessionTable
+from tierd.errors import DataLoss
+from tierd.layout import KVSpec
+from tierd.tiers.allocator import Piece
+from tierd.types import SessionKey
+
+LENDERS_TRIED = 8  # holders of a page looked at for a copy in a given tier
+
+
+class Sharing(SessionTable):
+    def __init__(self, tiers: dict, copier, index, clock, policy, events) -> None:
+        super().__init__(tiers, copier, index, clock, policy, events)
+        self._prefixes = PrefixTable()
+        self.placement.borrow = self._borrow
+        self.placement.shared = self._shared_ranges
+        self.placement.also_damaged = self._damage_holders
+
+    # -- the table -------------------------------------------------------------------
+
+    @staticmethod
+    def _entry(snap: Snapshot) -> tuple[str, np.ndarray, int]:
+        """What the prefix table records of a snapshot: fingerprint, hashes, tokens of its known pages."""
+        known = tokens.known_pages(snap.token_hashes)
+        return snap.spec.fingerprint, snap.token_hashes, min(snap.num_tokens, known * snap.spec.block_tokens)
+
+    def _share(self, session: Session, before: tuple[str, np.ndarray, int] | None) -> None:
+        """The session's content changed (before: the _entry of what it was,
+        None if new): the table follows. Store lock held."""
+        if before is not None:
+            self._prefixes.remove(session.key, *before)
+        if not session.dropped and not session.snap.spec.is_opaque:
+            self._prefixes.add(session.key, *self._entry(session.snap))
+
+    def _shared_ranges(self, session: Session, ranges: list[tuple[int, int]]) -> bool:
+        """Whether another session holds a page in these ranges (by token hash:
+        the first page of a range is enough, the chain covers the rest)."""
+        with self._lock:
+            return any(self._held_by_others(session, first) for first, _ in ranges)
+
+    def _held_by_others(self, s: Session, page: int) -> bool:
+        snap = s.snap
+        if page >= tokens.known_pages(snap.token_hashes):
+            return False
+        return any(k != s.key for k in self._prefixes.holders(s.key.tenant, snap.spec.fingerprint,
+                                                              snap.token_hashes[page]))
+
+    def _unshare(self, session: Session) -> None:
+        if not session.snap.spec.is_opaque:
+            self._prefixes.remove(session.key, *self._entry(session.snap))
+
+    def prompt_limit(self, key: SessionKey) -> int:
+        """How many of a request's token ids can match anything the tenant
+        holds (the caller decodes no more of a prompt): the most tokens one
+        of its sessions holds."""
+        with self._lock:
+            session = self._sessions.get(key)
+            own = session.snap.num_tokens if session is not None else 0
+            return max(own, self._prefixes.deepest(key.tenant))
+
+    def _match(self, tenant: str, spec: KVSpec, request: np.ndarray, salt: str, exclude: SessionKey | None
+               ) -> tuple[Session | None, np.ndarray]:
+        """The session of the tenant that holds the most leading pages of a
+        request's tokens (under its salt), and those pages' hashes: hashed
+        one page at a time, only as far as they match. Store lock held."""
+        donor, found = None, []
+        if not spec.is_opaque:
+            for h in tokens.chained(request, spec.block_tokens, salt):
+                lenders = self._lender(tenant, spec.fingerprint, h, exclude)
+                if not lenders:
+                    break
+                donor = lenders[0]
+                found.append(h)
+        return donor, np.array(found, dtype=np.uint8).reshape(len(found), tokens.HASH_BYTES)
+
+    def _lender(self, tenant: str, fingerprint: str, page_hash: np.ndarray, exclude: SessionKey | None,
+                tried: int = 1) -> list[Session]:
+        """Up to `tried` sessions of the tenant that can lend the page with this hash."""
+        out = []
+        for key in self._prefixes.holders(tenant, fingerprint, page_hash):
+            s = self._sessions.get(key)
+            if key != exclude and s is not None and not s.damaged and not s.dropped:
+                out.append(s)
+                if len(out) == tried:
+                    break
+        return out
+
+    def _donor(self, tenant: str, spec: KVSpec, hashes: np.ndarray, lo: int, hi: int,
+               exclude: SessionKey | None) -> tuple[Session | None, int]:
+        """The session of the tenant that holds the most of pages [lo, hi) of
+        these hashes from lo on, and the page it holds them up to. Store lock held."""
+        if spec.is_opaque or hi <= lo:
+            return None, lo
+        donor, upto = None, lo
+        for i in range(lo, min(hi, tokens.known_pages(hashes))):
+            found = self._lender(tenant, spec.fingerprint, hashes[i], exclude)
+            if not found:
+                break
+            donor, upto = found[0], i + 1
+        return donor, upto
+
+    def _lend(self, donor: Session, lo: int, upto: int) -> tuple[dict[str, list[Piece]], int]:
+        """Pieces of the donor's pages [lo, upto), in every tier that holds
+        them, each starting at or past lo and cut at the end: held for the
+        borrower. Returns them and the page up to which they hold every page
+        from lo. Store lock held."""
+        snap = donor.snap
+        covered = np.zeros(max(upto - lo, 0), dtype=bool)
+        for pieces in snap.placement.values():
+            for p in pieces:
+                if lo <= p.first_page < upto:
+                    covered[p.first_page - lo : min(p.first_page + p.n_pages, upto) - lo] = True
+        gaps = np.flatnonzero(~covered)
+        end = lo + (int(gaps[0]) if gaps.size else len(covered))
+        lent: dict[str, list[Piece]] = {}
+        for tier, pieces in snap.placement.items():
+            cut = [Piece(p.offset, p.alloc_bytes, p.first_page, min(p.n_pages, end - p.first_page))
+                   for p in pieces if lo <= p.first_page < end]
+            if cut:
+                self.placement.hold(tier, cut)
+                lent[tier] = cut
+        return lent, end
+
+    def _borrow(self, session: Session, tier: str, ranges: list[tuple[int, int]]
+                ) -> tuple[list[Piece], list[tuple[int, int]]]:
+        """Placement's hook before a copy into `tier`: pieces there of pages
+        in `ranges` that another session holds with the same hashes and
+        checksums, held for this one, and the ranges still to copy."""
+        snap = session.snap
+        if snap.spec.is_opaque or not ranges:
+            return [], ranges
+        known = tokens.known_pages(snap.token_hashes)
+        borrowed: list[Piece] = []
+        left: list[tuple[int, int]] = []
+        with self._lock:
+            for first, count in ranges:
+                at, stop = first, first + count
+                while at < stop:
+                    got = 0
+                    if at < known:
+                        best: list[Piece] = []
+                        for lender in self._lender(session.key.tenant, snap.spec.fingerprint, snap.token_hashes[at],
+                                                   session.key, LENDERS_TRIED):
+                            pieces = self._same_pages(session, lender, tier, at, min(stop, known))
+                            if sum(p.n_pages for p in pieces) > sum(p.n_pages for p in best):
+                                best = pieces
+                        got = sum(p.n_pages for p in best)
+                        if got:
+                            self.placement.hold(tier, best)
+                            borrowed += best
+                    if not got:
+                        left.append((at, stop - at))
+                        break
+                    at += got
+        return borrowed, left
+
+    @staticmethod
+    def _same_pages(session: Session, lender: Session, tier: str, lo: int, hi: int) -> list[Piece]:
+        """The lender's pieces in `tier` that hold pages lo, lo + 1, ... (up
+        to hi) with this session's hashes and checksums, cut where they stop."""
+        mine, theirs = session.snap, lender.snap
+        hi = min(hi, theirs.n_pages)
+        same = np.all(mine.token_hashes[lo:hi] == theirs.token_hashes[lo:hi], axis=1) & \
+            (mine.checksums[lo:hi] == theirs.checksums[lo:hi])
+        stops = np.flatnonzero(~same)
+        hi = lo + (int(stops[0]) if stops.size else hi - lo)
+        out, at = [], lo
+        for p in theirs.pieces(tier):
+            if p.first_page == at and at < hi:
+                n = min(p.n_pages, hi - at)
+                out.append(Piece(p.offset, p.alloc_bytes, p.first_page, n))
+                at += n
+        return out
+
+    def _damage_holders(self, session: Session, exc: DataLoss) -> None:
+        """A page of the session failed its checksum: every session holding
+        the same allocation of that page is damaged too (they would serve the
+        same bytes), and none of them lends it again."""
+        tier, page = exc.details.get("tier"), exc.details.get("page")
+        if not isinstance(page, int) or tier not in self.tiers:
+            return
+        snap = session.snap
+        with self._lock:
+            piece = next((p for p in snap.pieces(tier) if p.first_page <= page < p.first_page + p.n_pages), None)
+            if piece is None or self.placement.holders(tier, piece) < 2 or page >= tokens.known_pages(snap.token_hashes):
+                return
+            for key in list(self._prefixes.holders(session.key.tenant, snap.spec.fingerprint,
+                                                   snap.token_hashes[page])):
+                other = self._sessions.get(key)
+                if other is not None and other is not session and any(
+                        p.offset == piece.offset for p in other.snap.pieces(tier)):
+                    other.damaged = True
