@@ -116,10 +116,10 @@ def _bar(used: int, budget: int, width: int = 30) -> str:
 def render_top(stats: dict[str, Any], previous: dict[str, Any] | None, interval: float) -> str:
     lines = [f"tierd {stats['version']}   sessions {stats['sessions']}   copy ops {stats['copy_ops']}   "
              + "  ".join(f"{k}={v}" for k, v in sorted(stats["backends"].items())), ""]
-    lines.append(f"{'TIER':<7} {'USED':>10} {'BUDGET':>10} {'':<39} {'SESSIONS':>8}  BACKEND")
-    for t in stats["tiers"]:
+    lines.append(f"{'TIER':<7} {'USED':>10} {'BUDGET':>10} {'':<39} {'SESSIONS':>8} {'SHARED':>10}  BACKEND")
+    for t in stats["tiers"]:  # SHARED: what pages sessions share would take more, stored once per session
         lines.append(f"{t.name:<7} {format_size(t.used):>10} {format_size(t.budget):>10} {_bar(t.used, t.budget):<39} "
-                     f"{t.sessions:>8}  {t.backend}")
+                     f"{t.sessions:>8} {format_size(t.saved):>10}  {t.backend}")
     lines += ["", f"{'ROUTE':<16} {'NOW':>12} {'AVERAGE':>12} {'TOTAL':>10}"]
     for route in sorted(stats["moved_bytes"]):
         total = stats["moved_bytes"][route]

@@ -54,7 +54,7 @@ from tierd.errors import (
     TierdError,
     WouldBlock,
 )
-from tierd.layout import EngineLayout, Segment
+from tierd.layout import EngineLayout, KVSpec, Segment
 from tierd.metrics import Metrics
 from tierd.types import SessionInfo, SessionKey
 from tierd.tiers import HOST, MEMORY, kind_of
@@ -196,7 +196,7 @@ class TierdServicer:
             with self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 info = self.store.save(key, engine.memory, engine.spec, ids, req.num_tokens, req.start_token,
                                        req.tier or None, req.priority if req.HasField("priority") else None,
-                                       _token_ids(req.id_field("token_ids"), want=req.num_tokens))
+                                       _token_ids(req.id_field("token_ids"), want=req.num_tokens), req.cache_salt)
         return info_to_pb(info)
 
     @unary(blocking=True)
@@ -216,7 +216,7 @@ class TierdServicer:
         lease = self.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
                                       req.start_token, _token_ids(req.id_field("token_ids"), want=req.num_tokens),
                                       req.priority if req.HasField("priority") else None,
-                                      req.ttl_seconds or DEFAULT_LEASE_SECONDS)
+                                      req.ttl_seconds or DEFAULT_LEASE_SECONDS, req.cache_salt)
         return lease_to_pb(lease)
 
     @unary(blocking=True)
@@ -232,9 +232,10 @@ class TierdServicer:
     def BeginRestore(self, req: Any, caller: Caller) -> pb.Lease:
         key = make_key(caller.tenant, req.session_id)
         raw = req.id_field("token_ids")
-        prompt = _token_ids(raw, limit=self.store.stat(key).num_tokens) if raw else None
-        lease = self.store.begin_restore(key, optional_spec_from_pb(req), req.num_pages,
-                                         req.ttl_seconds or DEFAULT_LEASE_SECONDS, prompt)
+        spec = optional_spec_from_pb(req)
+        prompt = _token_ids(raw, limit=self._prompt_limit(key, spec)) if raw else None
+        lease = self.store.begin_restore(key, spec, req.num_pages, req.ttl_seconds or DEFAULT_LEASE_SECONDS, prompt,
+                                         req.cache_salt)
         return lease_to_pb(lease)
 
     @unary(blocking=True)
@@ -244,10 +245,17 @@ class TierdServicer:
 
     @unary(blocking=True)
     def Lookup(self, req: Any, caller: Caller) -> pb.LookupResponse:
-        # Only as many of the prompt's ids as the snapshot holds tokens can match: the rest stay undecoded.
         key = make_key(caller.tenant, req.session_id)
-        prompt = packed.decode(req.id_field("token_ids"), limit=self.store.stat(key).num_tokens)
-        return lookup_to_pb(self.store.lookup(key, prompt, optional_spec_from_pb(req)))
+        spec = optional_spec_from_pb(req)
+        prompt = packed.decode(req.id_field("token_ids"), limit=self._prompt_limit(key, spec))
+        return lookup_to_pb(self.store.lookup(key, prompt, spec, req.cache_salt))
+
+    def _prompt_limit(self, key: SessionKey, spec: KVSpec | None) -> int:
+        """How many of a prompt's ids can match (the rest stay undecoded):
+        without a spec only the snapshot's own pages answer (NOT_FOUND if
+        there is none); with one, the tenant's shared pages may answer too,
+        as far as the most tokens one of its sessions holds."""
+        return self.store.prompt_limit(key) if spec is not None else self.store.stat(key).num_tokens
 
     # -- bytes ---------------------------------------------------------------------
 
@@ -275,7 +283,7 @@ class TierdServicer:
                     write = await self.blocking(
                         caller.tenant, self.store.begin_put, key, spec, head.num_tokens, head.size,
                         head.priority if head.HasField("priority") else None, head.start_token,
-                        _token_ids(head.id_field("token_ids"), want=head.num_tokens, deferred=True),
+                        _token_ids(head.id_field("token_ids"), want=head.num_tokens, deferred=True), head.cache_salt,
                         undo=self.store.abort_write)
                     # the client sends its chunks now
                     await self._within(context.send_initial_metadata((PUT_ACCEPTED,)), "the Put stream took nothing")
@@ -439,7 +447,7 @@ class TierdServicer:
         # bytes are every tenant's doing: admins only.
         tenant = None if caller.admin else caller.tenant
         tiers = [pb.TierStats(name=t.name, budget=t.budget, used=t.used, capacity=t.capacity, sessions=t.sessions,
-                              backend=t.backend) for t in self.store.stats(tenant)]
+                              backend=t.backend, saved=t.saved) for t in self.store.stats(tenant)]
         reply = pb.StatsResponse(tiers=tiers, version=__version__, backends=self.backends,
                                  sessions=self.store.count(tenant))
         if tenant is None:

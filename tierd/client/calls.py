@@ -41,7 +41,8 @@ from tierd.wire.convert import (
 
 
 def put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
-                  priority: int | None, start_token: int, token_ids: Any) -> Iterator[pb.PutRequest | bytes]:
+                  priority: int | None, start_token: int, token_ids: Any,
+                  cache_salt: str = "") -> Iterator[pb.PutRequest | bytes]:
     """The header message, then the chunks in wire format (see tierd.wire.chunks).
     The arguments are checked and the header built before the stream starts:
     gRPC reports an error raised while it iterates the requests only as
@@ -51,7 +52,7 @@ def put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chun
         raise InvalidArgument(f"chunk_bytes must be a positive integer, got {shown(chunk)}", field="chunk_bytes")
     header = pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                                size=len(view), priority=priority, start_token=start_token,
-                                               token_ids=_ids(token_ids)))
+                                               token_ids=_ids(token_ids), cache_salt=cache_salt))
     return itertools.chain([header], (chunk_message(view[i : i + chunk]) for i in range(0, len(view), chunk)))
 
 
@@ -84,7 +85,7 @@ def _restore(r: pb.RestoreResponse) -> RestoreResult:
 
 def _stats(r: pb.StatsResponse) -> dict[str, Any]:
     return {
-        "tiers": [TierStats(t.name, t.budget, t.used, t.capacity, t.sessions, t.backend) for t in r.tiers],
+        "tiers": [TierStats(t.name, t.budget, t.used, t.capacity, t.sessions, t.backend, t.saved) for t in r.tiers],
         "bandwidth": dict(r.bandwidth), "moved_bytes": dict(r.moved_bytes), "copy_ops": r.copy_ops,
         "version": r.version, "backends": dict(r.backends), "sessions": r.sessions,
     }
@@ -120,22 +121,28 @@ class Calls:
         req = pb.WaitReadyRequest(session_id=session_id, tier=tier, timeout_seconds=timeout)
         return self._call("WaitReady", req, lambda r: (r.ready, r.tier or None), timeout=timeout + 10)
 
-    def lookup(self, session_id: str, token_ids: Any, spec: KVSpec | None = None) -> LookupResult:
-        """How many leading tokens of a prompt (its token ids) the session's
-        snapshot supplies; with spec, another identity is FAILED_PRECONDITION."""
+    def lookup(self, session_id: str, token_ids: Any, spec: KVSpec | None = None,
+               cache_salt: str = "") -> LookupResult:
+        """How many leading tokens of a prompt (its token ids, under its cache
+        salt) the session's snapshot supplies; with spec, another identity is
+        FAILED_PRECONDITION, and where the session holds fewer (or does not
+        exist), pages other sessions of the tenant hold answer (begin_restore
+        with the same token ids starts the session from them)."""
         req = pb.LookupRequest(session_id=session_id, token_ids=_ids(token_ids),
-                               spec=optional_spec_to_pb(spec))
+                               spec=optional_spec_to_pb(spec), cache_salt=cache_salt)
         return self._call("Lookup", req, lookup_from_pb)
 
     def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
-                   token_ids: Any = None, priority: int | None = None, ttl: float = 0.0) -> Lease:
+                   token_ids: Any = None, priority: int | None = None, ttl: float = 0.0,
+                   cache_salt: str = "") -> Lease:
         """Slots in the host arena for the pages of tokens [start_token,
         num_tokens): write them (Arena.runs), then commit_save or abort_save.
         token_ids, the ids of tokens [0, num_tokens), make the pages findable
-        by lookup()."""
+        by lookup(); leading pages the tenant holds already (same tokens and
+        cache salt) are not leased: the lease starts at its first_page."""
         req = pb.BeginSaveRequest(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                   start_token=start_token, token_ids=_ids(token_ids), priority=priority,
-                                  ttl_seconds=ttl)
+                                  ttl_seconds=ttl, cache_salt=cache_salt)
         return self._call("BeginSave", req, lease_from_pb)
 
     def commit_save(self, lease: Lease | str) -> SessionInfo:
@@ -146,12 +153,15 @@ class Calls:
         return self._call("AbortSave", _lease(lease), lambda r: None)
 
     def begin_restore(self, session_id: str, spec: KVSpec | None = None, num_pages: int = 0,
-                      ttl: float = 0.0, token_ids: Any = None) -> Lease:
+                      ttl: float = 0.0, token_ids: Any = None, cache_salt: str = "") -> Lease:
         """The first num_pages pages (0: all), brought to the host arena and
         held there: read them (Arena.runs), then end_restore. With token_ids
-        (the prompt), pages holding other tokens are FAILED_PRECONDITION."""
+        (the prompt), pages holding other tokens are FAILED_PRECONDITION; with
+        spec too, a session that does not exist starts from pages other
+        sessions of the tenant hold, as lookup() answered."""
         req = pb.BeginRestoreRequest(session_id=session_id, spec=optional_spec_to_pb(spec),
-                                     num_pages=num_pages, ttl_seconds=ttl, token_ids=_ids(token_ids))
+                                     num_pages=num_pages, ttl_seconds=ttl, token_ids=_ids(token_ids),
+                                     cache_salt=cache_salt)
         return self._call("BeginRestore", req, lease_from_pb)
 
     def end_restore(self, lease: Lease | str) -> None:
@@ -235,13 +245,15 @@ class EngineCalls:
         self.spec = spec
 
     def save(self, session_id: str, block_ids: Any, num_tokens: int, start_token: int = 0,
-             tier: str = "", priority: int | None = None, token_ids: Any = None) -> SessionInfo:
+             tier: str = "", priority: int | None = None, token_ids: Any = None,
+             cache_salt: str = "") -> SessionInfo:
         """Gather the blocks holding tokens [start_token, num_tokens) into the session.
         `priority` weighs eviction: each step counts as a minute of recency;
-        `token_ids` (of tokens [0, num_tokens)) lets lookup() match later prompts."""
+        `token_ids` (of tokens [0, num_tokens)) lets lookup() match later prompts
+        (under `cache_salt`), and pages the tenant holds already are not stored again."""
         req = pb.SaveRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids],
                              num_tokens=num_tokens, start_token=start_token, tier=tier, priority=priority,
-                             token_ids=_ids(token_ids))
+                             token_ids=_ids(token_ids), cache_salt=cache_salt)
         return self.client._call("Save", req, info_from_pb)
 
     def restore(self, session_id: str, block_ids: Any) -> RestoreResult:

@@ -78,10 +78,13 @@ class Client(Calls):
                 return out
 
     def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-            priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
+            priority: int | None = None, start_token: int = 0, token_ids: Any = None,
+            cache_salt: str = "") -> SessionInfo:
         """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
-        with start_token (KV specs), the bytes are the pages from there on, appended."""
-        messages = put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids)
+        with start_token (KV specs), the bytes are the pages from there on, appended. With token_ids
+        (under cache_salt), pages the tenant holds already are not stored again."""
+        messages = put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids,
+                                cache_salt)
         started = threading.Event()
         call: list = []
 
@@ -164,8 +167,10 @@ class AsyncClient(Calls):
                 return out
 
     async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
-                  priority: int | None = None, start_token: int = 0, token_ids: Any = None) -> SessionInfo:
-        messages = put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids)
+                  priority: int | None = None, start_token: int = 0, token_ids: Any = None,
+                  cache_salt: str = "") -> SessionInfo:
+        messages = put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids,
+                                cache_salt)
         call = self._put(timeout=self.timeout, metadata=self._metadata)
         try:
             try:

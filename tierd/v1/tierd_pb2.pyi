@@ -96,7 +96,7 @@ class EngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("engine_id", "session_id", "block_ids", "num_tokens", "start_token", "tier", "priority", "token_ids")
+    __slots__ = ("engine_id", "session_id", "block_ids", "num_tokens", "start_token", "tier", "priority", "token_ids", "cache_salt")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class SaveRequest(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     session_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -113,7 +114,8 @@ class SaveRequest(_message.Message):
     tier: str
     priority: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("engine_id", "session_id", "block_ids")
@@ -138,7 +140,7 @@ class RestoreResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token", "token_ids")
+    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token", "token_ids", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class PutHeader(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
@@ -153,7 +156,8 @@ class PutHeader(_message.Message):
     priority: int
     start_token: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data", "xxh3")
@@ -194,7 +198,7 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable")
+    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable", "shared_bytes")
     class TierBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +222,7 @@ class SessionInfo(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REMOTE_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tier: str
     tier_bytes: _containers.ScalarMap[str, int]
@@ -234,7 +239,8 @@ class SessionInfo(_message.Message):
     fingerprint: str
     tenant: str
     remote_durable: bool
-    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ...) -> None: ...
+    shared_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ..., shared_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_id", "tier", "priority", "deadline_seconds")
@@ -295,20 +301,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "budget", "used", "capacity", "sessions", "backend")
+    __slots__ = ("name", "budget", "used", "capacity", "sessions", "backend", "saved")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FIELD_NUMBER: _ClassVar[int]
     name: str
     budget: int
     used: int
     capacity: int
     sessions: int
     backend: str
-    def __init__(self, name: _Optional[str] = ..., budget: _Optional[int] = ..., used: _Optional[int] = ..., capacity: _Optional[int] = ..., sessions: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    saved: int
+    def __init__(self, name: _Optional[str] = ..., budget: _Optional[int] = ..., used: _Optional[int] = ..., capacity: _Optional[int] = ..., sessions: _Optional[int] = ..., backend: _Optional[str] = ..., saved: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "bandwidth", "moved_bytes", "copy_ops", "version", "backends", "sessions")
@@ -396,14 +404,16 @@ class AdviseResponse(_message.Message):
     def __init__(self, restore: bool = ..., restore_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., source_tier: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "spec")
+    __slots__ = ("session_id", "token_ids", "spec", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     spec: KVSpec
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_tokens", "num_pages", "stored_tokens", "tier")
@@ -418,7 +428,7 @@ class LookupResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds")
+    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +436,7 @@ class BeginSaveRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
@@ -433,21 +444,24 @@ class BeginSaveRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
     ttl_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "num_pages", "ttl_seconds", "token_ids")
+    __slots__ = ("session_id", "spec", "num_pages", "ttl_seconds", "token_ids", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_pages: int
     ttl_seconds: float
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_pages: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_pages: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("shm_name", "offset", "first_page", "num_pages")

@@ -1,0 +1,182 @@
+"""Prefix sharing against a real daemon process: 50 sessions with one prompt
+store it once, every one reads back byte-exact, drops leave the others
+whole, a damaged shared page fails every holder and heals on the next save,
+a kill -9 in the middle of sharing saves leaves exact holder counts (all
+dropped: nothing left), and another tenant never finds the prompt."""
+
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.api.test_cli import tierd
+from tests.helpers import metric, tokens_file, wait_for, wire_accounting
+from tierd.client import DataLoss, InvalidArgument, KVSpec, NotFound
+from tierd.sizes import format_size
+from tierd.testing import ROOT, Daemon
+from tierd.transfer.runs import page_stride
+
+SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+PAGE = SPEC.page_bytes
+PREFIX_PAGES = 8
+PREFIX = list(range(7000, 7000 + PREFIX_PAGES * SPEC.block_tokens))
+PREFIX_BYTES = np.random.default_rng(0).integers(0, 256, PREFIX_PAGES * PAGE, dtype=np.uint8).tobytes()
+
+
+def session(i: int) -> tuple[list[int], bytes]:
+    """Session i's tokens and bytes: the shared prompt, then a page of its own."""
+    own = np.random.default_rng(1000 + i).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+    return PREFIX + [i + 1] * SPEC.block_tokens, PREFIX_BYTES + own
+
+
+def put(c, i: int, sid: str | None = None) -> None:
+    toks, data = session(i)
+    c.put(sid or f"s{i}", data, SPEC, len(toks), token_ids=toks)
+
+
+def used(c) -> dict[str, int]:
+    return {t.name: t.used for t in c.stats()["tiers"]}
+
+
+def test_fifty_sessions_store_their_prompt_once(daemon):
+    stride = page_stride(PAGE)
+    with daemon.client() as c:
+        for i in range(50):
+            put(c, i)
+        # one allocation of 9 pages, then one page each (4 KiB granules: the stride is a multiple)
+        assert used(c)["host"] == (9 + 49) * stride
+        assert {t.name: t.saved for t in c.stats()["tiers"]}["host"] == 49 * 9 * stride
+        for i in range(50):
+            assert c.get(f"s{i}") == session(i)[1]
+            info = c.stat(f"s{i}")
+            assert (info.shared_bytes, info.own_bytes) == (PREFIX_PAGES * PAGE, PAGE)
+        assert metric(daemon, "tierd_prefix_hits_total", 'call="save"') == 49
+        assert metric(daemon, "tierd_prefix_pages_total", 'call="save"') == 49 * PREFIX_PAGES
+        assert wire_accounting(c) == []
+        # a new conversation with the same prompt is told about the shared pages
+        found = c.lookup("new", PREFIX + [999] * 40, SPEC)
+        assert (found.num_tokens, found.num_pages) == (len(PREFIX), PREFIX_PAGES)
+        # drops leave the others whole; the last one alone still holds the first allocation
+        for i in range(49):
+            c.drop(f"s{i}")
+        assert c.get("s49") == session(49)[1]
+        assert used(c)["host"] == (9 + 1) * stride and wire_accounting(c) == []
+        c.drop("s49")
+        assert used(c)["host"] == 0
+
+
+def test_another_tenant_never_finds_the_prompt(tmp_path):
+    tokens = tokens_file(tmp_path, {"alice": "tok-a", "bob": "tok-b"})
+    d = Daemon(tmp_path, "--auth-tokens", tokens).start()
+    try:
+        with d.client(token="tok-a") as a, d.client(token="tok-b") as b:
+            for i in range(3):
+                put(a, i)
+            before = used(a)["host"]
+            with pytest.raises(NotFound):
+                b.lookup("s0", PREFIX, SPEC)
+            put(b, 0)
+            assert b.stat("s0").shared_bytes == 0
+            assert b.get("s0") == session(0)[1]
+            assert used(b)["host"] == 9 * page_stride(PAGE)  # all its own
+            assert used(a)["host"] == before
+    finally:
+        d.close()
+
+
+def test_a_damaged_shared_page_fails_every_holder_and_heals_on_the_next_save(daemon):
+    with daemon.client() as c:
+        for i in range(4):
+            put(c, i)
+            c.release(f"s{i}")
+        for i in range(4):
+            wait_for(lambda i=i: set(c.stat(f"s{i}").tier_bytes) == {"disk"}, 30, f"s{i} on disk alone")
+    db = sqlite3.connect(f"file:{daemon.data_dir}/index.db?mode=ro", uri=True)
+    offsets = {row[0] for row in db.execute("SELECT offset FROM pieces WHERE first_page = 0")}
+    db.close()
+    assert len(offsets) == 1  # four sessions, one allocation of the shared pages
+    slab, at = divmod(offsets.pop() + 2 * page_stride(PAGE) + 10, 64 << 20)
+    with open(f"{daemon.data_dir}/slabs/slab-{slab:06d}.bin", "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x55]))
+    with daemon.client() as c:
+        with pytest.raises(DataLoss):
+            c.get("s1")
+        for i in range(4):
+            with pytest.raises(DataLoss):
+                c.get(f"s{i}")
+        put(c, 2)  # stored again from token 0: a good copy of its own
+        assert c.get("s2") == session(2)[1] and c.stat("s2").shared_bytes == 0
+        put(c, 3)  # and the next one shares it
+        assert c.get("s3") == session(3)[1] and c.stat("s3").shared_bytes == PREFIX_PAGES * PAGE
+
+
+SAVER = """
+import sys
+import numpy as np
+from tests.api.test_sharing_e2e import put
+from tierd.client import Client
+c = Client(sys.argv[1])
+for i in range(10_000):
+    put(c, i % 200, f"k{i}")
+    c.release(f"k{i}")
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_in_the_middle_of_sharing_saves_leaves_exact_counts(tmp_path):
+    rnd = random.Random(7)
+    d = Daemon(tmp_path, "--writeback-idle", "0.05", "--host-idle", "0.2", "--tick-seconds", "0.05").start()
+    try:
+        for cycle in range(3):
+            saver = subprocess.Popen([sys.executable, "-c", SAVER, d.socket], cwd=ROOT, stdout=subprocess.PIPE,
+                                     text=True)
+            wait_for(lambda: int(saver.stdout.readline() or -1) >= 20, 60, "20 saves")
+            with d.client() as c:
+                wait_for(lambda c=c: c.stat("k10").durable, 30, "the first saves written back")
+            time.sleep(rnd.uniform(0.0, 0.3))
+            d.kill()  # SIGKILL: in the middle of saves, write-backs and demotions sharing pages
+            saver.send_signal(signal.SIGKILL)
+            saver.communicate()
+            d.start()
+            with d.client() as c:
+                listed = [s.session_id for s in c.list()]
+                assert listed, d.log()[-3000:]  # (what recovery said, if it kept nothing)
+                for sid in listed:  # whatever survived reads back whole
+                    assert c.get(sid) == session(int(sid[1:]) % 200)[1]
+                assert wire_accounting(c) == []
+        with d.client() as c:
+            for sid in [s.session_id for s in c.list()]:
+                c.drop(sid)
+            assert used(c) == {t: 0 for t in used(c)}  # no holder counted twice, none forgotten
+    finally:
+        d.close()
+
+
+def test_the_operator_sees_the_saving_and_bad_salts_change_nothing(daemon):
+    with daemon.client() as c:
+        for i in range(3):
+            put(c, i)
+        saved = {t.name: t.saved for t in c.stats()["tiers"]}["host"]
+        assert saved == 2 * 9 * page_stride(PAGE)
+        with pytest.raises(InvalidArgument, match="cache salt"):
+            c.lookup("s9", PREFIX, SPEC, cache_salt="x" * 257)
+        toks, data = session(9)
+        with pytest.raises(InvalidArgument, match="cache salt"):
+            c.put("s9", data, SPEC, len(toks), token_ids=toks, cache_salt="x" * 257)
+        with pytest.raises(NotFound):
+            c.stat("s9")
+        assert {t.name: t.saved for t in c.stats()["tiers"]}["host"] == saved
+    top = tierd("top", "--once", "--address", daemon.socket)
+    host = next(line for line in top.stdout.splitlines() if line.startswith("host "))
+    assert "SHARED" in top.stdout and format_size(saved) in host
+    stat = json.loads(tierd("stat", "s1", "--json", "--address", daemon.socket).stdout)
+    assert stat["shared_bytes"] == PREFIX_PAGES * PAGE
