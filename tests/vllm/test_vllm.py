@@ -4,8 +4,10 @@ Each conversation runs first on a server without the connector; its greedy
 outputs are the reference. With the connector: turn 1 is saved, the daemon
 demotes it to disk, Prefetch brings it back, and turn 2 is served from it (vLLM
 reports the prompt tokens it did not compute) with outputs equal to the
-reference; the same across a kill -9 of the daemon; and a session the daemon
-cannot serve (a damaged page, or no daemon at all) is recomputed, still equal.
+reference; the same across a kill -9 of the daemon; a new conversation that
+opens with another one's system prompt loads its pages on its first turn; and
+a session the daemon cannot serve (a damaged page, or no daemon at all) is
+recomputed, still equal.
 
 Runs in its own environment (`make test-vllm`): vLLM pins its own torch and
 transformers.
@@ -23,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm.server import OUT, VllmServer, conversation, expected_served, served, wait_for
+from tests.vllm.server import BLOCK, OUT, VllmServer, conversation, expected_served, served, text, wait_for
 from tierd.testing import ROOT, Daemon
 
 
@@ -39,6 +41,10 @@ def reference(model, tmp_path_factory):
             r1 = server.complete(p1, OUT)
             p2 = p1 + r1["token_ids"] + more
             out[seed] = (p1, r1["token_ids"], p2, server.complete(p2, OUT)["token_ids"])
+        system = tok(text(300, 50))["input_ids"]  # one system prompt, two conversations that open with it
+        for name, seed in (("sys-a", 51), ("sys-b", 52)):
+            prompt = system + tok(" " + text(40, seed))["input_ids"]
+            out[name] = (system, prompt, server.complete(prompt, OUT)["token_ids"])
         return out
     finally:
         server.close()
@@ -118,6 +124,24 @@ def test_a_session_tierd_cannot_serve_is_recomputed(world, reference):
     r2 = server.complete(p2, OUT, session="chat-3")
     assert served(r2) == 0 and r2["token_ids"] == out2
     daemon.start()
+
+
+def test_a_new_conversation_starts_from_another_ones_system_prompt(world, reference):
+    daemon, server = world
+    system, prompt_a, out_a = reference["sys-a"]
+    _, prompt_b, out_b = reference["sys-b"]
+    r = server.complete(prompt_a, OUT, session="sys-a")
+    assert r["token_ids"] == out_a and served(r) == 0
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("sys-a").num_tokens == len(prompt_a) + OUT - 1)
+    # another conversation, a session id tierd has never seen: its first turn loads the system prompt's pages
+    r = server.complete(prompt_b, OUT, session="sys-b")
+    assert served(r) == len(system) // BLOCK * BLOCK > 0
+    assert r["token_ids"] == out_b
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("sys-b").num_tokens == len(prompt_b) + OUT - 1)
+        # and holds them once: its snapshot shares the system prompt's pages with the first conversation's
+        assert c.stat("sys-b").shared_bytes == len(system) // BLOCK * c.stat("sys-b").spec.page_bytes
 
 
 def test_requests_without_a_session_pass_through(world, reference):

@@ -13,9 +13,13 @@ body field or `vllm_xargs`) are served from the session's snapshot as far as
 its pages hold the same tokens as the prompt (a `Lookup`), and append their
 new blocks to it when they finish, then `Release` it so idle demotion starts.
 Requests without one pass through untouched. A request's `cache_salt`
-is folded into its session (adapters/sessions.py): every user of the server
-is one tierd tenant, and the salt keeps users who send the same session id
-apart. Session ids must be unguessable all the same.
+is folded into its session (adapters/sessions.py) and passed with its token
+ids: every user of the server is one tierd tenant, and the salt keeps users
+who send the same session id apart, and keeps tierd sharing pages only among
+requests with the same salt, as vLLM's own prefix cache does. A new
+conversation whose prompt starts with pages other sessions hold (a system
+prompt) loads them on its first turn. Session ids must be unguessable all
+the same.
 
 Pages move through leases, each a shared-memory segment of its own: the worker copies
 blocks in and out itself (vLLM on a CPU keeps its KV cache in private
@@ -74,6 +78,7 @@ log = logging.getLogger("vllm.tierd")  # under vLLM's logger, so its handlers pr
 class LoadJob:
     req_id: str
     session: str
+    salt: str             # the request's cache salt ("": none)
     token_ids: list[int]  # the prompt, up to the last page loaded
     num_pages: int        # pages [0, num_pages) of the snapshot are the prompt's ...
     first_page: int       # ... and pages from first_page on are copied (the rest vLLM has already)
@@ -84,6 +89,7 @@ class LoadJob:
 class SaveJob:
     req_id: str
     session: str
+    salt: str
     token_ids: list[int]  # tokens [0, num_tokens), all with KV computed
     start_token: int      # pages before this are the snapshot's own (loaded from it): not written again
     block_ids: list[int]  # the request's blocks, one per page from page 0
@@ -102,6 +108,10 @@ def session_of(request: Request) -> str | None:
     if not sid and request.kv_transfer_params:
         sid = request.kv_transfer_params.get("session_id")
     return session_key(sid, getattr(request, "cache_salt", None)) if sid else None
+
+
+def salt_of(request: Request) -> str:
+    return getattr(request, "cache_salt", None) or ""
 
 
 def spec_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVSpec:
@@ -169,7 +179,7 @@ class TierdConnector(KVConnectorBase_V1):
             supplied = 0
             if prompt:
                 try:
-                    supplied = self._client.lookup(session, prompt, self._spec).num_tokens
+                    supplied = self._client.lookup(session, prompt, self._spec, salt_of(request)).num_tokens
                 except NotFound:
                     pass
                 except TierdError as exc:
@@ -198,8 +208,8 @@ class TierdConnector(KVConnectorBase_V1):
                 continue
             supplied, local = self._matched[req_id]
             n, first = supplied // bs, -(-local // bs)
-            meta.loads.append(LoadJob(req_id, session_of(request) or "", list(request.prompt_token_ids)[:supplied],
-                                      n, first, list(block_ids[0][first:n])))
+            meta.loads.append(LoadJob(req_id, session_of(request) or "", salt_of(request),
+                                      list(request.prompt_token_ids)[:supplied], n, first, list(block_ids[0][first:n])))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -212,7 +222,8 @@ class TierdConnector(KVConnectorBase_V1):
         if session is None or self._spec is None or num_tokens <= 0:
             return False, None
         bs = self._spec.block_tokens
-        self._to_save.append(SaveJob(request.request_id, session, list(request.all_token_ids)[:num_tokens],
+        self._to_save.append(SaveJob(request.request_id, session, salt_of(request),
+                                     list(request.all_token_ids)[:num_tokens],
                                      min(same, num_tokens) // bs * bs, list(block_ids[: -(-num_tokens // bs)])))
         return True, None  # vLLM keeps the blocks until the worker reports the save done
 
@@ -299,11 +310,13 @@ class TierdConnector(KVConnectorBase_V1):
         try:
             try:
                 lease = self._client.begin_save(job.session, self._spec, len(job.token_ids), job.start_token,
-                                                job.token_ids, ttl=self._lease_seconds)
-            except FailedPrecondition:
-                # the snapshot changed since this turn loaded it: store the turn whole
+                                                job.token_ids, ttl=self._lease_seconds, cache_salt=job.salt)
+            except (FailedPrecondition, NotFound):
+                # the snapshot changed since this turn loaded it, or this turn's prefix came from other
+                # sessions' pages that vLLM had already (nothing was loaded into this one): store the turn
+                # whole (pages tierd holds already are not copied again)
                 lease = self._client.begin_save(job.session, self._spec, len(job.token_ids), 0, job.token_ids,
-                                                ttl=self._lease_seconds)
+                                                ttl=self._lease_seconds, cache_salt=job.salt)
             for first, rows in self._arena.runs(lease):
                 self._blocks.gather(job.block_ids[first : first + len(rows)], rows)
             self._client.commit_save(lease)
@@ -341,7 +354,8 @@ class _Load:
         try:
             for job in self.jobs:
                 try:
-                    lease = client.begin_restore(job.session, c._spec, job.num_pages, c._lease_seconds, job.token_ids)
+                    lease = client.begin_restore(job.session, c._spec, job.num_pages, c._lease_seconds, job.token_ids,
+                                                 job.salt)
                     parts = []
                     for first, rows in c._arena.runs(lease):
                         lo, hi = max(first, job.first_page), min(first + len(rows), job.num_pages)
