@@ -73,19 +73,21 @@ def _step(prev: bytes, ids: np.ndarray) -> bytes:
 
 def chain(token_ids: np.ndarray, block_tokens: int, salt: str = "") -> np.ndarray:
     """The hash of every page that token_ids (a snapshot's tokens from 0) fill."""
-    n = -(-len(token_ids) // block_tokens)
-    out = empty(n)
-    for i, h in enumerate(chained(token_ids, block_tokens, salt)):
-        out[i] = h
-    return out
+    digests = b"".join(_digests(token_ids, block_tokens, salt))
+    return np.frombuffer(digests, dtype=np.uint8).reshape(-1, HASH_BYTES).copy() if digests else empty()
 
 
 def chained(token_ids: np.ndarray, block_tokens: int, salt: str = "") -> Iterator[np.ndarray]:
     """chain()'s hashes one page at a time: a caller that stops early hashes no further."""
+    for digest in _digests(token_ids, block_tokens, salt):
+        yield np.frombuffer(digest, dtype=np.uint8)
+
+
+def _digests(token_ids: np.ndarray, block_tokens: int, salt: str) -> Iterator[bytes]:
     prev = seed(salt)
     for lo in range(0, len(token_ids), block_tokens):
         prev = _step(prev, token_ids[lo : lo + block_tokens])
-        yield np.frombuffer(prev, dtype=np.uint8)
+        yield prev
 
 
 def known(hashes: np.ndarray) -> bool:

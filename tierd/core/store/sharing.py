@@ -65,10 +65,20 @@ class Sharing(SessionTable):
 
     def _held_by_others(self, s: Session, page: int) -> bool:
         snap = s.snap
-        if page >= tokens.known_pages(snap.token_hashes):
-            return False
-        return any(k != s.key for k in self._prefixes.holders(s.key.tenant, snap.spec.fingerprint,
-                                                              snap.token_hashes[page]))
+        return page < tokens.known_pages(snap.token_hashes) and any(
+            k != s.key for k in self._prefixes.holders(s.key.tenant, snap.spec.fingerprint, snap.token_hashes[page]))
+
+    def _shared_depth(self, s: Session) -> int:
+        """How many leading pages of the session other sessions hold too (by
+        token hash: a holder of page i holds the pages before it)."""
+        lo, hi = 0, tokens.known_pages(s.snap.token_hashes)
+        while lo < hi:  # the first page no other session holds
+            mid = (lo + hi) // 2
+            if self._held_by_others(s, mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _unshare(self, session: Session) -> None:
         if not session.snap.spec.is_opaque:
@@ -87,14 +97,17 @@ class Sharing(SessionTable):
                ) -> tuple[Session | None, np.ndarray]:
         """The session of the tenant that holds the most leading pages of a
         request's tokens (under its salt), and those pages' hashes: hashed
-        one page at a time, only as far as they match. Store lock held."""
+        one page at a time, only as far as they match (the table is asked
+        where the holder found so far stops matching). Store lock held."""
         donor, found = None, []
         if not spec.is_opaque:
-            for h in tokens.chained(request, spec.block_tokens, salt):
-                lenders = self._lender(tenant, spec.fingerprint, h, exclude)
-                if not lenders:
-                    break
-                donor = lenders[0]
+            for i, h in enumerate(tokens.chained(request, spec.block_tokens, salt)):
+                held = donor.snap.token_hashes if donor is not None else None
+                if held is None or i >= len(held) or held[i].tobytes() != h.tobytes():
+                    lenders = self._lender(tenant, spec.fingerprint, h, exclude)
+                    if not lenders:
+                        break
+                    donor = lenders[0]
                 found.append(h)
         return donor, np.array(found, dtype=np.uint8).reshape(len(found), tokens.HASH_BYTES)
 
@@ -113,16 +126,22 @@ class Sharing(SessionTable):
     def _donor(self, tenant: str, spec: KVSpec, hashes: np.ndarray, lo: int, hi: int,
                exclude: SessionKey | None) -> tuple[Session | None, int]:
         """The session of the tenant that holds the most of pages [lo, hi) of
-        these hashes from lo on, and the page it holds them up to. Store lock held."""
+        these hashes from lo on, and the page it holds them up to. Store lock held.
+        A holder of page i holds every page before it: its own hashes say how
+        far it goes, and the table is asked again only where it stops."""
         if spec.is_opaque or hi <= lo:
             return None, lo
-        donor, upto = None, lo
-        for i in range(lo, min(hi, tokens.known_pages(hashes))):
-            found = self._lender(tenant, spec.fingerprint, hashes[i], exclude)
+        hi = min(hi, tokens.known_pages(hashes))
+        donor, at = None, lo
+        while at < hi:
+            found = self._lender(tenant, spec.fingerprint, hashes[at], exclude)
             if not found:
                 break
-            donor, upto = found[0], i + 1
-        return donor, upto
+            donor = found[0]
+            theirs = donor.snap.token_hashes[at:hi]
+            differ = np.flatnonzero(~np.all(theirs == hashes[at : at + len(theirs)], axis=1))
+            at += int(differ[0]) if differ.size else len(theirs)
+        return donor, at
 
     def _lend(self, donor: Session, lo: int, upto: int) -> tuple[dict[str, list[Piece]], int]:
         """Pieces of the donor's pages [lo, upto), in every tier that holds

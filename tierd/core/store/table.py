@@ -117,16 +117,15 @@ class SessionTable:
             for p in pieces:
                 if self.placement.holders(t, p) > 1:
                     mask[p.first_page : p.first_page + p.n_pages] = True
-        for i in np.flatnonzero(mask):
-            mask[i] = self._held_by_others(s, int(i))
+        mask[self._shared_depth(s) :] = False
         if not mask.any():
             return 0
         geom = snap.geometry
         return int(mask.sum()) * geom.page_bytes - (geom.page_bytes - geom.last_bytes if mask[-1] else 0)
 
-    def _held_by_others(self, s: Session, page: int) -> bool:
-        """Whether another session holds this page of the session's (by token hash; sharing.py)."""
-        return False
+    def _shared_depth(self, s: Session) -> int:
+        """How many leading pages of the session others hold too (sharing.py)."""
+        return 0
 
     def _info(self, s: Session) -> SessionInfo:
         snap = s.snap
