@@ -2,7 +2,8 @@
 store it once, every one reads back byte-exact, drops leave the others
 whole, a damaged shared page fails every holder and heals on the next save,
 a kill -9 in the middle of sharing saves leaves exact holder counts (all
-dropped: nothing left), and another tenant never finds the prompt."""
+dropped: nothing left), another tenant never finds the prompt, and an
+engine's Restore starts a new conversation from the shared pages."""
 
 import json
 import random
@@ -17,7 +18,7 @@ import pytest
 
 from tests.api.test_cli import tierd
 from tests.helpers import metric, tokens_file, wait_for, wire_accounting
-from tierd.client import DataLoss, InvalidArgument, KVSpec, NotFound
+from tierd.client import DataLoss, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
 from tierd.sizes import format_size
 from tierd.testing import ROOT, Daemon
 from tierd.transfer.runs import page_stride
@@ -180,3 +181,28 @@ def test_the_operator_sees_the_saving_and_bad_salts_change_nothing(daemon):
     assert "SHARED" in top.stdout and format_size(saved) in host
     stat = json.loads(tierd("stat", "s1", "--json", "--address", daemon.socket).stdout)
     assert stat["shared_bytes"] == PREFIX_PAGES * PAGE
+
+
+def test_engines_save_once_and_restore_a_new_conversation_from_the_shared_pages(daemon):
+    with daemon.client() as c, SharedKVCache(SPEC, 32) as kv:
+        for r in kv.regions:
+            r[:] = np.random.default_rng(3).integers(0, 256, r.size, dtype=np.uint8)
+        engine = c.register_engine(SPEC, kv)
+        blocks = list(range(9))
+        saved = [kv.block(seg, b).tobytes() for b in blocks for seg in range(len(kv.layout.segments))]
+        toks = PREFIX + [1] * SPEC.block_tokens
+        engine.save("e0", blocks, len(toks), token_ids=toks)
+        before = used(c)["host"]
+        info = engine.save("e1", list(range(8)) + [20], len(toks), token_ids=PREFIX + [2] * SPEC.block_tokens)
+        assert info.shared_bytes == PREFIX_PAGES * PAGE and used(c)["host"] == before + page_stride(PAGE)
+        for r in kv.regions:
+            r[:] = 0
+        # a conversation tierd never saw, restored through engine memory from the prompt's pages
+        r = engine.restore("new", list(range(10, 18)), token_ids=PREFIX + [9] * 5)
+        assert (r.num_pages, r.num_tokens) == (PREFIX_PAGES, len(PREFIX))
+        got = [kv.block(seg, b).tobytes() for b in range(10, 18) for seg in range(len(kv.layout.segments))]
+        assert got == saved[: len(got)]
+        assert c.stat("new").shared_bytes == PREFIX_PAGES * PAGE
+        with pytest.raises(FailedPrecondition):  # its pages hold other tokens than this prompt's
+            engine.restore("e0", list(range(10, 19)), token_ids=PREFIX + [3] * SPEC.block_tokens)
+        engine.close()

@@ -204,8 +204,10 @@ class TierdServicer:
         key = make_key(caller.tenant, req.session_id)
         with self.engines.use(caller.tenant, req.engine_id) as engine:
             ids = _block_ids(req.id_field("block_ids"), engine.memory.layout.num_blocks)
+            raw = req.id_field("token_ids")  # no more of the prompt than the pages restored hold can matter
+            prompt = _token_ids(raw, limit=int(ids.size) * engine.spec.block_tokens) if raw else None
             with self.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
-                r = self.store.restore(key, engine.memory, engine.spec, ids)
+                r = self.store.restore(key, engine.memory, engine.spec, ids, prompt, req.cache_salt)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
                                   seconds=r.seconds)
 

@@ -118,14 +118,18 @@ class SaveRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("engine_id", "session_id", "block_ids")
+    __slots__ = ("engine_id", "session_id", "block_ids", "token_ids", "cache_salt")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     session_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("num_tokens", "num_pages", "source_tier", "seconds")

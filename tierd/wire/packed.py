@@ -25,7 +25,7 @@ from tierd.errors import InvalidArgument
 # The repeated integer fields that may be long, by message.
 FIELDS = {
     "SaveRequest": ("block_ids", "token_ids"),
-    "RestoreRequest": ("block_ids",),
+    "RestoreRequest": ("block_ids", "token_ids"),
     "PutHeader": ("token_ids",),
     "LookupRequest": ("token_ids",),
     "BeginSaveRequest": ("token_ids",),

@@ -16,7 +16,7 @@ from tierd.core import tokens
 from tierd.core.model import Session
 from tierd.core.store.checks import check_blocks, check_identity, check_readable
 from tierd.core.store.writes import Writes
-from tierd.errors import DataLoss, InvalidArgument, NotFound, shown
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, shown
 from tierd.layout import KVSpec
 from tierd.tiers import HOST, tier_rank
 from tierd.transfer.copier import EngineMemory
@@ -38,24 +38,40 @@ class Reads(Writes):
         except OSError as exc:
             raise self.placement.io_failed("read", exc, session.key) from None
 
-    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec,
-                block_ids: Iterable[int]) -> RestoreResult:
+    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
+                token_ids: Iterable[int] | None = None, salt: str = "") -> RestoreResult:
         """Scatter the snapshot's first len(block_ids) pages into those blocks.
-        Waits for a move of the session in flight rather than starting another."""
+        Waits for a move of the session in flight rather than starting another.
+        With token_ids (the request's prompt, under its cache salt), pages that
+        hold other tokens are refused, and a session that does not exist (or
+        holds fewer of those pages than other sessions of the tenant) starts
+        from theirs, as begin_restore does."""
         ids = check_blocks(block_ids, engine.layout.num_blocks)
-        with self._held(key) as session:
+        request = tokens.check_ids(token_ids) if token_ids is not None else None
+        salt = tokens.check_salt(salt)
+        lock, session = self._acquire(key)
+        try:
+            if request is not None:
+                session = self._start_shared(key, lock, session, spec, request, salt, int(ids.size)) or session
             check_readable(key, session, "restored")
+            assert session is not None
             check_identity(session, spec)
             snap = session.snap
             if not 0 < ids.size <= snap.n_pages:
                 raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; give 1 to {snap.n_pages} block ids, "
                                       f"not {ids.size}", field="block_ids", have=snap.n_pages, got=int(ids.size))
+            if request is not None and tokens.matched_pages(snap.token_hashes[: ids.size], snap.num_tokens,
+                                                            snap.spec.block_tokens, request, salt) < ids.size:
+                raise FailedPrecondition(f"the first {ids.size} pages of session {shown(key.session_id)} hold other "
+                                         "tokens than the request's: look it up again", field="token_ids")
             spans = snap.best_spans()
             source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
             t0 = time.perf_counter()
             self._read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
             return self._restored(session, snap.spec, snap.num_tokens, int(ids.size), source,
                                   time.perf_counter() - t0)
+        finally:
+            lock.release()
 
     def _restored(self, session: Session, spec: KVSpec, num_tokens: int, n_pages: int, source: str,
                   seconds: float) -> RestoreResult:

@@ -494,7 +494,8 @@ class Shared(Inspection):
             return merged, f"{tenant}\x00{merged[-1].session_id if merged else min(ends)}"
         return merged, ""
 
-    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int]) -> RestoreResult:
+    def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
+                *args: Any, **kw: Any) -> RestoreResult:
         m = self._stale(key)
         if m is not None:
             ids = check_blocks(block_ids, engine.layout.num_blocks)
@@ -508,7 +509,7 @@ class Shared(Inspection):
             if into is not None and into.session is not None:
                 return self._restored(into.session, fetched, m.num_tokens, int(ids.size), REMOTE,
                                       time.perf_counter() - t0)
-        return super().restore(key, engine, spec, block_ids)
+        return super().restore(key, engine, spec, block_ids, *args, **kw)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20):  # type: ignore[override]
         self._bring(key)
