@@ -83,6 +83,25 @@ def test_turn_two_resumes_from_disk_after_prefetch(world, reference):
         wait_for(lambda: c.stat("chat-1").num_tokens == len(p2) + OUT - 1)
 
 
+def test_a_new_conversation_starts_from_another_ones_system_prompt(world, reference):
+    # (before the tests that restart the daemon: the scheduler's client may wait out a reconnect after those)
+    daemon, server = world
+    system, prompt_a, out_a = reference["sys-a"]
+    _, prompt_b, out_b = reference["sys-b"]
+    r = server.complete(prompt_a, OUT, session="sys-a")
+    assert r["token_ids"] == out_a and served(r) == 0
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("sys-a").num_tokens == len(prompt_a) + OUT - 1)
+    # another conversation, a session id tierd has never seen: its first turn loads the system prompt's pages
+    r = server.complete(prompt_b, OUT, session="sys-b")
+    assert served(r) == len(system) // BLOCK * BLOCK > 0
+    assert r["token_ids"] == out_b
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("sys-b").num_tokens == len(prompt_b) + OUT - 1)
+        # and holds them once: its snapshot shares the system prompt's pages with the first conversation's
+        assert c.stat("sys-b").shared_bytes == len(system) // BLOCK * c.stat("sys-b").spec.page_bytes
+
+
 def test_turn_two_resumes_after_the_daemon_was_killed(world, reference):
     daemon, server = world
     p1, out1, p2, out2 = reference[2]
@@ -124,24 +143,6 @@ def test_a_session_tierd_cannot_serve_is_recomputed(world, reference):
     r2 = server.complete(p2, OUT, session="chat-3")
     assert served(r2) == 0 and r2["token_ids"] == out2
     daemon.start()
-
-
-def test_a_new_conversation_starts_from_another_ones_system_prompt(world, reference):
-    daemon, server = world
-    system, prompt_a, out_a = reference["sys-a"]
-    _, prompt_b, out_b = reference["sys-b"]
-    r = server.complete(prompt_a, OUT, session="sys-a")
-    assert r["token_ids"] == out_a and served(r) == 0
-    with daemon.client() as c:
-        wait_for(lambda: c.stat("sys-a").num_tokens == len(prompt_a) + OUT - 1)
-    # another conversation, a session id tierd has never seen: its first turn loads the system prompt's pages
-    r = server.complete(prompt_b, OUT, session="sys-b")
-    assert served(r) == len(system) // BLOCK * BLOCK > 0
-    assert r["token_ids"] == out_b
-    with daemon.client() as c:
-        wait_for(lambda: c.stat("sys-b").num_tokens == len(prompt_b) + OUT - 1)
-        # and holds them once: its snapshot shares the system prompt's pages with the first conversation's
-        assert c.stat("sys-b").shared_bytes == len(system) // BLOCK * c.stat("sys-b").spec.page_bytes
 
 
 def test_requests_without_a_session_pass_through(world, reference):
@@ -210,5 +211,6 @@ def test_with_vllm_prefix_caching_on(cached_world, reference):
         wait_for(lambda: c.stat("cached-2").num_tokens == len(p1) + OUT - 1)
     reset_vllm_cache(server)
     r2 = server.complete(p2, OUT, session="cached-2")
-    assert r2["token_ids"] == out2 and served(r2) == expected_served(p1, out1, p2)
+    # (at least: chat-2, the same conversation, holds turn 2 too where it ran first, and its pages supply more)
+    assert r2["token_ids"] == out2 and served(r2) >= expected_served(p1, out1, p2)
     wait_for(lambda: "tierd connector: loaded" in server.log())
