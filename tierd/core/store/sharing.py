@@ -1,9 +1,10 @@
 """Prefix sharing: pages of the same tokens (same chained hash, under the
 same cache salt) and the same identity are stored once per tenant.
 
-A session that stores, fetches or restores pages another session of its
-tenant already holds takes pieces of that session's allocations instead of
-room of its own: each a piece cut to the pages it shares, its allocation
+A session that stores or restores pages another session of its tenant
+already holds, or copies them into a tier where another holds them, takes
+pieces of that session's allocations instead of room of its own (a fetch
+from the remote tier writes every page of its own): each a piece cut to the pages it shares, its allocation
 held once more (Placement.hold) and freed when its last holder lets go. The
 lender's checksums come with its pages: a restore checks every page against
 the bytes it really holds. Only whole pieces that start inside the range
