@@ -20,6 +20,8 @@ restores or moves the session; all of it under the store lock.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from tierd.core import tokens
@@ -31,6 +33,7 @@ from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
 from tierd.types import SessionKey
 
+log = logging.getLogger("tierd.core.store")
 LENDERS_TRIED = 8  # holders of a page looked at for a copy in a given tier
 
 
@@ -229,9 +232,14 @@ class Sharing(SessionTable):
             piece = next((p for p in snap.pieces(tier) if p.first_page <= page < p.first_page + p.n_pages), None)
             if piece is None or self.placement.holders(tier, piece) < 2 or page >= tokens.known_pages(snap.token_hashes):
                 return
+            hit = []
             for key in list(self._prefixes.holders(session.key.tenant, snap.spec.fingerprint,
                                                    snap.token_hashes[page])):
                 other = self._sessions.get(key)
-                if other is not None and other is not session and any(
+                if other is not None and other is not session and not other.damaged and any(
                         p.offset == piece.offset for p in other.snap.pieces(tier)):
                     other.damaged = True
+                    hit.append(key.session_id)
+        if hit:
+            log.error("%d other sessions of %s hold that copy of page %d and are damaged too: %s", len(hit),
+                      session.key.tenant, page, ", ".join(hit[:8]) + (", ..." if len(hit) > 8 else ""))
