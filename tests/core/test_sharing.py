@@ -106,7 +106,7 @@ def test_demotion_stores_shared_pages_once_on_disk_and_a_restart_counts_holders_
     assert store.tiers["disk"].used == 0 and store.check_accounting() == []
 
 
-def test_a_damaged_shared_page_fails_every_holder_and_the_next_save_heals(world, tmp_path):
+def test_a_damaged_shared_page_fails_every_holder_and_the_next_save_heals(world, tmp_path, caplog):
     h, store = world
     eng = HostEngine(seed=4)
     save_all(store, eng, n=5)
@@ -121,6 +121,7 @@ def test_a_damaged_shared_page_fails_every_holder_and_the_next_save_heals(world,
         f.write(bytes([old[0] ^ 0xFF]))
     with pytest.raises(DataLoss):
         restored(store, key(2))
+    assert "4 other sessions of t hold that copy of page 3 and are damaged too" in caplog.text
     for i in range(5):  # every session holding that allocation is damaged, none serves it
         assert store.stat(key(i)).state == "damaged"
         with pytest.raises(DataLoss):
