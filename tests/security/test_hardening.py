@@ -136,6 +136,15 @@ def test_bytes_in_flight_are_capped_per_tenant():
     assert inflight.held("alice") == 0 and inflight.held("bob") == 0
 
 
+def test_a_call_of_no_bytes_may_end_after_the_others():
+    inflight = InflightBytes(cap=8 * MiB)
+    empty = inflight.hold("alice", 0)  # a refused 0-byte Put, say: its entry went with the other call's
+    with inflight.hold("alice", MiB):
+        empty.__enter__()
+    empty.__exit__(None, None, None)  # (a KeyError: INTERNAL, before)
+    assert inflight.held("alice") == 0
+
+
 def test_a_stream_in_flight_holds_its_bytes(tmp_path):
     d = Daemon(tmp_path, "--tenant-inflight-bytes", "1MiB", "--writeback-idle", "off").start()
     try:

@@ -34,11 +34,11 @@ class InflightBytes:
             yield
         finally:
             with self._lock:
-                left = self._held[tenant] - nbytes
+                left = self._held.get(tenant, 0) - nbytes  # (a call of 0 bytes may end after the entry went)
                 if left:
                     self._held[tenant] = left
                 else:
-                    del self._held[tenant]
+                    self._held.pop(tenant, None)
 
     def held(self, tenant: str) -> int:
         with self._lock:
