@@ -3,13 +3,17 @@ identity, salt and tenant are stored once, on every tier and every save path;
 a new session starts from them; dropping, damage and restarts keep every
 session's bytes and every allocation's holders exact."""
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 from tierd.client.shm import Arena
-from tierd.errors import DataLoss, InvalidArgument, NotFound
+from tierd.errors import DataLoss, IdentityMismatch, InvalidArgument, NotFound
+from tierd.layout import KVSpec
 from tierd.transfer.runs import page_stride
 
 PREFIX = list(range(5000, 5000 + 8 * SPEC.block_tokens))  # 8 pages of shared prompt
@@ -290,3 +294,122 @@ def test_a_session_stored_again_lends_only_what_it_holds_now(world):
     store.save(x, eng.memory, SPEC, [40, 41, 42, 43], len(other), token_ids=other)
     assert restored(store, x, 4) == eng.pages([40, 41, 42, 43])
     assert store.check_accounting() == []
+
+
+def test_a_store_that_took_pages_found_damaged_meanwhile_is_refused(world):
+    h, store = world
+    eng = HostEngine(seed=11)
+    store.save(key(0), eng.memory, SPEC, list(range(9)), 9 * SPEC.block_tokens, token_ids=own_tokens(0))
+    lease = store.begin_save(key(1), SPEC, 9 * SPEC.block_tokens, token_ids=own_tokens(1))
+    assert lease.first_page == 8  # its first 8 pages are key(0)'s
+    (piece,) = store.pieces(key(0), "host")
+    store.tiers["host"].view(piece.offset + 5 * STRIDE + 10, 1)[0] ^= 0xFF  # behind the daemon's back
+    with pytest.raises(DataLoss):
+        restored(store, key(0))
+    with pytest.raises(DataLoss, match="failed its checksum meanwhile"):
+        store.commit_save("t", lease.lease_id)
+    with pytest.raises(NotFound):
+        store.stat(key(1))
+    # the next store of those tokens keeps a good copy of its own
+    store.save(key(2), eng.memory, SPEC, list(range(9)), 9 * SPEC.block_tokens, token_ids=own_tokens(2))
+    assert store.stat(key(2)).shared_bytes == 0 and restored(store, key(2)) == eng.pages(range(9))
+    store.drop(key(0))
+    assert store.check_accounting() == []
+
+
+def test_stores_racing_a_session_stored_again_with_other_tokens(world):
+    """One thread stores x again and again, with prompt T and with V; others
+    store new sessions of T and start new sessions from T (x is the only
+    other holder of T at first): each reads some session's bytes of T, none
+    is refused for an empty session, nothing hangs."""
+    h, store = world
+    eng = HostEngine(seed=12, num_blocks=64)
+    t_toks = list(range(4 * SPEC.block_tokens))
+    v_toks = list(range(70_000, 70_000 + 4 * SPEC.block_tokens))
+    stored_t = [eng.pages([0, 1, 2, 3])] + [eng.pages([20 + n, 21 + n, 22 + n, 23 + n]) for n in (0, 10)]
+    stop, errors = threading.Event(), []
+
+    def resaver():
+        i = 0
+        while not stop.is_set():
+            toks, blocks = (t_toks, [0, 1, 2, 3]) if i % 2 else (v_toks, [8, 9, 10, 11])
+            store.save(make_key("t", "x"), eng.memory, SPEC, blocks, len(toks), token_ids=toks)
+            i += 1
+
+    def user(n):
+        for i in range(400):
+            k = make_key("t", f"u{n}-{i}")
+            try:
+                if i % 2:
+                    store.save(k, eng.memory, SPEC, [20 + n, 21 + n, 22 + n, 23 + n], len(t_toks), token_ids=t_toks)
+                else:
+                    try:
+                        lease = store.begin_restore(k, SPEC, 4, token_ids=t_toks)
+                    except NotFound:
+                        continue  # x held V then, and no one else T
+                    store.end_restore("t", lease.lease_id)
+                out = HostEngine(seed=13)
+                store.restore(k, out.memory, SPEC, [0, 1, 2, 3])
+                if out.pages([0, 1, 2, 3]) not in stored_t:  # some session's bytes of T
+                    errors.append(f"{k.session_id}: other bytes")
+                store.drop(k)
+            except Exception as exc:  # noqa: BLE001 - every failure is one to report
+                errors.append(f"{k.session_id}: {exc!r}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the window between truncation and the table opens wide
+    try:
+        threads = [threading.Thread(target=resaver)] + [threading.Thread(target=user, args=(n,)) for n in (0, 10)]
+        for t in threads:
+            t.start()
+        for t in threads[1:]:
+            t.join(60)
+        stop.set()
+        threads[0].join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert errors == []
+    assert store.check_accounting() == []
+
+
+def test_a_session_being_stored_again_lends_nothing_midway(world):
+    """Between the cut of a session's old pages and its new ones, other calls
+    may run (the store lock is let go): they must not find its old prompt."""
+    h, store = world
+    eng = HostEngine(seed=14)
+    t_toks, v_toks = list(range(64)), list(range(80_000, 80_064))
+    x, new = make_key("t", "x"), make_key("t", "new")
+    store.save(x, eng.memory, SPEC, [0, 1, 2, 3], 64, token_ids=t_toks)
+    seen = []
+    truncate = store.placement.truncate
+
+    def midway(session, n_pages, add=None):
+        freed = truncate(session, n_pages, add)
+        with pytest.raises(NotFound):  # (a 4-page answer, and then a session of 0 pages, before)
+            store.lookup(new, t_toks, SPEC)
+        with pytest.raises(NotFound):
+            store.begin_restore(new, SPEC, 4, token_ids=t_toks)
+        seen.append(n_pages)
+        return freed
+
+    store.placement.truncate = midway
+    store.save(x, eng.memory, SPEC, [8, 9, 10, 11], 64, token_ids=v_toks)
+    store.placement.truncate = truncate
+    assert seen == [0]
+    assert store.lookup(new, v_toks, SPEC).num_pages == 4 and restored(store, x, 4) == eng.pages([8, 9, 10, 11])
+    assert store.check_accounting() == []
+
+
+def test_a_session_of_another_identity_is_refused_not_replaced(world):
+    h, store = world
+    eng = HostEngine(seed=15)
+    other_spec = KVSpec("test/other-model", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16",
+                        block_tokens=16)
+    other = HostEngine(spec=other_spec, seed=16)
+    store.save(key(0), eng.memory, SPEC, list(range(9)), 9 * SPEC.block_tokens, token_ids=own_tokens(0))
+    x = make_key("t", "x")
+    store.save(x, other.memory, other_spec, [0, 1], 32, token_ids=PREFIX[:32])
+    with pytest.raises(IdentityMismatch):  # though key(0) holds the request's pages under SPEC
+        store.begin_restore(x, SPEC, 8, token_ids=PREFIX)
+    assert store.stat(x).spec == other_spec and store.stat(x).num_pages == 2

@@ -63,6 +63,7 @@ class Placement:
         self.also_damaged: Callable[[Session, DataLoss], None] = lambda session, exc: None  # its pages' other holders
         self._holders: dict[tuple[str, int], int] = {}  # (tier, offset) -> holders, of allocations with several
         self.shared_bytes: dict[str, int] = {}  # tier -> bytes its allocations would take again, one per holder more
+        self._damaged: set[tuple[str, int]] = set()  # (tier, offset) of shared allocations whose bytes failed a check
 
     # -- allocation ------------------------------------------------------------
 
@@ -122,6 +123,13 @@ class Placement:
         """How many pieces hold the allocation this piece is in (called with the store lock held)."""
         return self._holders.get((tier, piece.offset), 1)
 
+    def damage(self, tier: str, piece: Piece) -> None:
+        """The allocation holds a page that failed its checksum: it is lent no more (store lock held)."""
+        self._damaged.add((tier, piece.offset))
+
+    def is_damaged(self, tier: str, piece: Piece) -> bool:
+        return (tier, piece.offset) in self._damaged
+
     def shared_allocations(self) -> list[tuple[str, int]]:
         """(tier, offset) of every allocation counted as held more than once (store lock held)."""
         return list(self._holders)
@@ -138,6 +146,8 @@ class Placement:
                     del self._holders[key]
                 if n > 1:
                     self.shared_bytes[tier] -= p.alloc_bytes
+                else:
+                    self._damaged.discard(key)
             if n == 1:
                 self.tiers[tier].free(p)
 

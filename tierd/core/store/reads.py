@@ -163,8 +163,10 @@ class Reads(Writes):
         (created if new: its pages past the request's tokens held other
         tokens, which the next store replaces anyway). Returns it, or None."""
         bt = spec.block_tokens
+        if session is not None and session.snap.spec.fingerprint != spec.fingerprint:
+            return None  # a snapshot of another identity is refused, not replaced (check_identity says so)
         own = 0
-        if session is not None and not session.damaged and session.snap.spec.fingerprint == spec.fingerprint:
+        if session is not None and not session.damaged:
             snap = session.snap
             own = tokens.matched_pages(snap.token_hashes, snap.num_tokens, snap.spec.block_tokens, request, salt)
         with self._lock:
@@ -178,6 +180,9 @@ class Reads(Writes):
                 return None
             lent, upto = self._lend(donor, 0, upto)
             sums = donor.snap.checksums[:upto].copy()
+        if upto <= own or upto < need:  # (pages found damaged are not lent)
+            self._let_go(lent)
+            return None
         try:
             self._check_append(key, session, spec, 0)
             session = self._publish(key, lock, session, spec, 0, [], HOST, sums, min(upto * bt, len(request)),

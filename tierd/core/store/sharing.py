@@ -68,6 +68,7 @@ class Sharing(SessionTable):
             return any(self._held_by_others(session, first) for first, _ in ranges)
 
     def _held_by_others(self, s: Session, page: int) -> bool:
+        """Whether another session holds this page of the session's, by token hash. Store lock held."""
         snap = s.snap
         return page < tokens.known_pages(snap.token_hashes) and any(
             k != s.key for k in self._prefixes.holders(s.key.tenant, snap.spec.fingerprint, snap.token_hashes[page]))
@@ -75,14 +76,15 @@ class Sharing(SessionTable):
     def _shared_depth(self, s: Session) -> int:
         """How many leading pages of the session other sessions hold too (by
         token hash: a holder of page i holds the pages before it)."""
-        lo, hi = 0, tokens.known_pages(s.snap.token_hashes)
-        while lo < hi:  # the first page no other session holds
-            mid = (lo + hi) // 2
-            if self._held_by_others(s, mid):
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        with self._lock:  # (Stat's callers may not hold it: the table changes under it)
+            lo, hi = 0, tokens.known_pages(s.snap.token_hashes)
+            while lo < hi:  # the first page no other session holds
+                mid = (lo + hi) // 2
+                if self._held_by_others(s, mid):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return lo
 
     def _unshare(self, session: Session) -> None:
         if not session.snap.spec.is_opaque:
@@ -144,7 +146,10 @@ class Sharing(SessionTable):
             donor = found[0]
             theirs = donor.snap.token_hashes[at:hi]
             differ = np.flatnonzero(~np.all(theirs == hashes[at : at + len(theirs)], axis=1))
-            at += int(differ[0]) if differ.size else len(theirs)
+            step = int(differ[0]) if differ.size else len(theirs)
+            if not step:  # (the table and its holders agree under the store lock: never, but never a loop)
+                break
+            at += step
         return donor, at
 
     def _lend(self, donor: Session, lo: int, upto: int) -> tuple[dict[str, list[Piece]], int]:
@@ -154,14 +159,15 @@ class Sharing(SessionTable):
         from lo. Store lock held."""
         snap = donor.snap
         covered = np.zeros(max(upto - lo, 0), dtype=bool)
-        for pieces in snap.placement.values():
+        good = {t: [p for p in pieces if not self.placement.is_damaged(t, p)] for t, pieces in snap.placement.items()}
+        for pieces in good.values():
             for p in pieces:
                 if lo <= p.first_page < upto:
                     covered[p.first_page - lo : min(p.first_page + p.n_pages, upto) - lo] = True
         gaps = np.flatnonzero(~covered)
         end = lo + (int(gaps[0]) if gaps.size else len(covered))
         lent: dict[str, list[Piece]] = {}
-        for tier, pieces in snap.placement.items():
+        for tier, pieces in good.items():
             cut = [Piece(p.offset, p.alloc_bytes, p.first_page, min(p.n_pages, end - p.first_page))
                    for p in pieces if lo <= p.first_page < end]
             if cut:
@@ -202,10 +208,10 @@ class Sharing(SessionTable):
                     at += got
         return borrowed, left
 
-    @staticmethod
-    def _same_pages(session: Session, lender: Session, tier: str, lo: int, hi: int) -> list[Piece]:
+    def _same_pages(self, session: Session, lender: Session, tier: str, lo: int, hi: int) -> list[Piece]:
         """The lender's pieces in `tier` that hold pages lo, lo + 1, ... (up
-        to hi) with this session's hashes and checksums, cut where they stop."""
+        to hi) with this session's hashes and checksums, cut where they stop
+        (or an allocation found damaged starts)."""
         mine, theirs = session.snap, lender.snap
         hi = min(hi, theirs.n_pages)
         same = np.all(mine.token_hashes[lo:hi] == theirs.token_hashes[lo:hi], axis=1) & \
@@ -214,7 +220,7 @@ class Sharing(SessionTable):
         hi = lo + (int(stops[0]) if stops.size else hi - lo)
         out, at = [], lo
         for p in theirs.pieces(tier):
-            if p.first_page == at and at < hi:
+            if p.first_page == at and at < hi and not self.placement.is_damaged(tier, p):
                 n = min(p.n_pages, hi - at)
                 out.append(Piece(p.offset, p.alloc_bytes, p.first_page, n))
                 at += n
@@ -232,6 +238,7 @@ class Sharing(SessionTable):
             piece = next((p for p in snap.pieces(tier) if p.first_page <= page < p.first_page + p.n_pages), None)
             if piece is None or self.placement.holders(tier, piece) < 2 or page >= tokens.known_pages(snap.token_hashes):
                 return
+            self.placement.damage(tier, piece)  # lent no more, also by a store that took it before this
             hit = []
             for key in list(self._prefixes.holders(session.key.tenant, snap.spec.fingerprint,
                                                    snap.token_hashes[page])):

@@ -27,6 +27,7 @@ from tierd.core.store.checks import (
 )
 from tierd.core.store.sharing import Sharing
 from tierd.errors import (
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -132,11 +133,17 @@ class Writes(Sharing):
         add = [(p, sums[p.first_page - first_page : p.first_page - first_page + p.n_pages],
                 hashes[p.first_page : p.first_page + p.n_pages])
                for p in (lent or {}).get(durable, [])] if hashes is not None else []  # (every disk piece is indexed)
-        before = None
         if session is not None:
+            # Out of the prefix table while its hashes change (truncate cuts them): it lends nothing meanwhile.
             with self._lock:
-                before = self._entry(session.snap)  # what the prefix table holds of it, before truncate cuts it
-            freed = self.placement.truncate(session, first_page, add)
+                before = self._entry(session.snap)
+                self._prefixes.remove(session.key, *before)
+            try:
+                freed = self.placement.truncate(session, first_page, add)
+            except BaseException:
+                with self._lock:
+                    self._share(session, None)  # unchanged: back in
+                raise
         else:
             freed = []
             if add and self.index is not None:
@@ -163,7 +170,7 @@ class Writes(Sharing):
             session.last_access, session.released_at, session.awaited = now, None, False
             if priority is not None:
                 session.priority = priority
-            self._share(session, before)
+            self._share(session, None)
         self.placement.retire(session, freed)
         self._notify()
         return session
@@ -209,6 +216,15 @@ class Writes(Sharing):
             self.events.shared("save", write_from - first_page, (write_from - first_page) * spec.page_bytes)
         return lent, write_from, sums
 
+    def _check_lent(self, w: PendingWrite) -> None:
+        """A store whose lent pages were found damaged since it began is refused (DATA_LOSS): it would hold them."""
+        with self._lock:
+            bad = [p for tier, pieces in w.lent.items() for p in pieces if self.placement.is_damaged(tier, p)]
+        if bad:
+            raise DataLoss(f"page {bad[0].first_page} that session {shown(w.key.session_id)} took from another "
+                           "session failed its checksum meanwhile: store it again", session_id=w.key.session_id,
+                           page=bad[0].first_page)
+
     def _let_go(self, lent: dict[str, list[Piece]]) -> None:
         for tier, pieces in lent.items():
             self.placement.free(tier, pieces)
@@ -223,6 +239,7 @@ class Writes(Sharing):
             try:
                 self._check_append(w.key, session, w.spec, w.first_page * w.spec.block_tokens if w.first_page else 0,
                                    w.hashes)
+                self._check_lent(w)
                 session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier,
                                         np.concatenate([w.lent_sums, sums]), w.num_tokens, w.nbytes, w.priority,
                                         w.hashes, w.lent)
