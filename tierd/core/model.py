@@ -17,7 +17,7 @@ import numpy as np
 
 from tierd.core import tokens
 from tierd.layout import KVSpec
-from tierd.tiers import tier_order
+from tierd.tiers import tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionKey
@@ -119,6 +119,11 @@ class Snapshot:
             if covered >= self.n_pages:
                 return tier
         raise ValueError("some pages are in no tier")
+
+    def source_of(self, n_pages: int) -> str | None:
+        """The slowest tier a read of the first n_pages pages takes a page from (None: no pages)."""
+        spans = [s for s in self.best_spans() if s.first_page < n_pages] if n_pages else []
+        return max((s.tier for s in spans), key=tier_rank) if spans else None
 
     def truncate(self, n_pages: int) -> list[tuple[str, Piece]]:
         """Forget pages from n_pages on; returns the pieces to free.

@@ -46,9 +46,7 @@ class Inspection(Upkeep):
         # sessions): tiers_held() reads each placement by name, never iterating a
         # dict that a move may change meanwhile.
         counts = {t: 0 for t in self.tiers}
-        saved = {t: self.placement.shared_bytes.get(t, 0) for t in self.tiers}
-        if tenant is not None:
-            saved = {t: 0 for t in self.tiers}
+        saved = {t: 0 if tenant is not None else self.placement.shared_bytes.get(t, 0) for t in self.tiers}
         holders = self.placement.holders
         for s in sessions:
             if tenant is None or s.key.tenant == tenant:

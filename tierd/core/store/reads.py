@@ -137,8 +137,7 @@ class Reads(Writes):
                 bt = snap.spec.block_tokens
             pages = 0 if damaged or snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
             with self._lock:
-                spans = [sp for sp in snap.best_spans() if sp.first_page < pages] if pages else []
-            source = max((sp.tier for sp in spans), key=tier_rank) if spans else None
+                source = snap.source_of(pages)
         if spec is not None and not spec.is_opaque:
             with self._lock:
                 donor, hashes = self._match(key.tenant, spec, request, salt, key)
@@ -146,8 +145,7 @@ class Reads(Writes):
                 shared = donor is not None and upto > pages
                 if shared:
                     pages, stored = upto, min(upto * spec.block_tokens, len(request))
-                    spans = [sp for sp in donor.snap.best_spans() if sp.first_page < pages]
-                    source = max((sp.tier for sp in spans), key=tier_rank)
+                    source = donor.snap.source_of(pages)
             if shared:
                 self.events.shared("lookup", 0, 0)
         if session is None and not pages:

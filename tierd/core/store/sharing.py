@@ -21,6 +21,7 @@ restores or moves the session; all of it under the store lock.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -103,19 +104,29 @@ class Sharing(SessionTable):
                ) -> tuple[Session | None, np.ndarray]:
         """The session of the tenant that holds the most leading pages of a
         request's tokens (under its salt), and those pages' hashes: hashed
-        one page at a time, only as far as they match (the table is asked
-        where the holder found so far stops matching). Store lock held."""
-        donor, found = None, []
-        if not spec.is_opaque:
-            for i, h in enumerate(tokens.chained(request, spec.block_tokens, salt)):
-                held = donor.snap.token_hashes if donor is not None else None
-                if held is None or i >= len(held) or held[i].tobytes() != h.tobytes():
-                    lenders = self._lender(tenant, spec.fingerprint, h, exclude)
-                    if not lenders:
-                        break
-                    donor = lenders[0]
-                found.append(h)
+        one page at a time, only as far as they match. Store lock held."""
+        if spec.is_opaque:
+            return None, tokens.empty()
+        donor, found = self._walk(tenant, spec.fingerprint, tokens.chained(request, spec.block_tokens, salt), 0,
+                                  exclude)
         return donor, np.array(found, dtype=np.uint8).reshape(len(found), tokens.HASH_BYTES)
+
+    def _walk(self, tenant: str, fingerprint: str, pages: Iterable[np.ndarray], lo: int,
+              exclude: SessionKey | None) -> tuple[Session | None, list[np.ndarray]]:
+        """The session of the tenant that holds the most of these pages' hashes
+        (pages lo, lo + 1, ...), and those of them it holds. A holder of page i
+        holds every page before it: the table is asked only where the holder
+        found so far stops matching."""
+        donor, found = None, []
+        for i, h in enumerate(pages, lo):
+            held = donor.snap.token_hashes if donor is not None else None
+            if held is None or i >= len(held) or held[i].tobytes() != h.tobytes():
+                lenders = self._lender(tenant, fingerprint, h, exclude)
+                if not lenders:
+                    break
+                donor = lenders[0]
+            found.append(h)
+        return donor, found
 
     def _lender(self, tenant: str, fingerprint: str, page_hash: np.ndarray, exclude: SessionKey | None,
                 tried: int = 1) -> list[Session]:
@@ -132,25 +143,12 @@ class Sharing(SessionTable):
     def _donor(self, tenant: str, spec: KVSpec, hashes: np.ndarray, lo: int, hi: int,
                exclude: SessionKey | None) -> tuple[Session | None, int]:
         """The session of the tenant that holds the most of pages [lo, hi) of
-        these hashes from lo on, and the page it holds them up to. Store lock held.
-        A holder of page i holds every page before it: its own hashes say how
-        far it goes, and the table is asked again only where it stops."""
-        if spec.is_opaque or hi <= lo:
+        these hashes from lo on, and the page it holds them up to. Store lock held."""
+        if spec.is_opaque:
             return None, lo
-        hi = min(hi, tokens.known_pages(hashes))
-        donor, at = None, lo
-        while at < hi:
-            found = self._lender(tenant, spec.fingerprint, hashes[at], exclude)
-            if not found:
-                break
-            donor = found[0]
-            theirs = donor.snap.token_hashes[at:hi]
-            differ = np.flatnonzero(~np.all(theirs == hashes[at : at + len(theirs)], axis=1))
-            step = int(differ[0]) if differ.size else len(theirs)
-            if not step:  # (the table and its holders agree under the store lock: never, but never a loop)
-                break
-            at += step
-        return donor, at
+        donor, found = self._walk(tenant, spec.fingerprint, hashes[lo : min(hi, tokens.known_pages(hashes))], lo,
+                                  exclude)
+        return donor, lo + len(found)
 
     def _lend(self, donor: Session, lo: int, upto: int) -> tuple[dict[str, list[Piece]], int]:
         """Pieces of the donor's pages [lo, upto), in every tier that holds

@@ -67,11 +67,7 @@ class PendingWrite:
     # allocations, held for this write, by tier, and their checksums. The caller writes from write_from on.
     lent: dict[str, list[Piece]] = field(default_factory=dict)
     lent_sums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
-    write_from: int = -1
-
-    def __post_init__(self) -> None:
-        if self.write_from < 0:
-            self.write_from = self.first_page
+    write_from: int = 0
 
     @property
     def spans(self) -> list[Span]:
