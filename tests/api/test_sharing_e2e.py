@@ -11,7 +11,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -143,7 +142,8 @@ def test_kill_9_in_the_middle_of_sharing_saves_leaves_exact_counts(tmp_path):
             wait_for(lambda: int(saver.stdout.readline() or -1) >= 20, 60, "20 saves")
             with d.client() as c:
                 wait_for(lambda c=c: c.stat("k10").durable, 30, "the first saves written back")
-            time.sleep(rnd.uniform(0.0, 0.3))
+            more = rnd.randint(0, 15)  # a moment of the saver's own progress, not of the clock
+            wait_for(lambda: (n := int(saver.stdout.readline() or -1)) < 0 or n >= 20 + more, 60, f"{more} more saves")
             d.kill()  # SIGKILL: in the middle of saves, write-backs and demotions sharing pages
             saver.send_signal(signal.SIGKILL)
             saver.communicate()
