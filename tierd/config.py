@@ -132,11 +132,27 @@ def parse_remote_url(url: str) -> tuple[str, str, list[tuple[str, int]]]:
     return scheme, user, nodes
 
 
+# URL schemes a remote backend serves: these, and those registered later (tierd/remote/registry.py).
+REMOTE_SCHEMES = {"redis", "rediss", "file"}
+
+
 def _remote_url(text: Any) -> str:
+    """A remote tier's URL: Redis's checked whole here, a shared directory's
+    path absolute; another registered scheme's URL is the backend's to check
+    when it is opened."""
     value = str(text).strip()
     if value.lower() in ("", "off", "none"):
         return ""
-    parse_remote_url(value)
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in REMOTE_SCHEMES:
+        raise InvalidArgument("expected redis://HOST:PORT[,HOST:PORT...], rediss://... or file:///PATH, "
+                              f"got {value.split('@')[-1]!r}", field="remote")
+    if scheme in ("redis", "rediss"):
+        parse_remote_url(value)
+    elif scheme == "file" and not rest.startswith("/"):
+        raise InvalidArgument(f"expected file:///ABSOLUTE/PATH for a shared directory, got {value!r}", field="remote")
+    elif not rest:
+        raise InvalidArgument(f"the remote tier's URL {value!r} names no store", field="remote")
     return value
 
 
@@ -203,7 +219,8 @@ class Config:
     grace_seconds: float = _opt(_seconds, "time in-flight calls get to finish at shutdown", 10.0)
     flush_on_stop: bool = _opt(parse_bool, "write sessions not yet on disk at SIGTERM", True)
     remote: str = _opt(_remote_url, "remote tier: redis://[USER@]HOST:PORT[,HOST:PORT...] or rediss://... "
-                                    "(a Redis Cluster or one server; off: none)", "")
+                                    "(a Redis Cluster or one server), or file:///PATH (a directory every node "
+                                    "mounts); off: none", "")
     remote_write: str = _opt(_choice("through", "back", "off"), "what goes to the remote tier: through (every "
                              "store, in the background), back (sessions idle on disk --remote-idle seconds), "
                              "off (read only)", "through")

@@ -139,22 +139,22 @@ class RemoteUnavailable(RuntimeError):
 
 
 def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
-    """The remote tier (tiers/remote.py) where --remote is given, and what it is, for the log."""
+    """The remote tier where --remote is given (the backend its URL's scheme
+    names: tierd/remote/registry.py), and what it is, for the log."""
     if not cfg.remote:
         return None, "absent"
     from tierd.errors import TierdError
-    from tierd.tiers.remote import RemoteStore, connect
+    from tierd.remote import registry
 
+    options = registry.Options(cfg.remote_prefix, cfg.remote_ttl, cfg.remote_timeout, remote_password(cfg),
+                               cfg.remote_tls_ca or None)
     try:
-        client = connect(cfg.remote, remote_password(cfg), cfg.remote_tls_ca or None, cfg.remote_timeout)
+        store = registry.open_backend(cfg.remote, options)
     except TierdError as exc:
         raise RemoteUnavailable(f"cannot use the remote tier: {exc}") from None
-    kind = "cluster" if type(client).__name__ == "RedisCluster" else "server"
-    hosts = cfg.remote.partition("://")[2].rpartition("@")[2]
-    store = RemoteStore(client, prefix=cfg.remote_prefix, ttl=cfg.remote_ttl)
     sweep = min(60.0, cfg.remote_ttl / 10) if cfg.remote_ttl else 60.0  # well within a tombstone's life
     return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep),
-            f"redis {kind} at {hosts}; write {cfg.remote_write}")
+            f"{store.describe()}; write {cfg.remote_write}")
 
 
 # glibc's malloc gives freed memory at the top of a heap back to the kernel once more than

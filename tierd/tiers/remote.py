@@ -283,6 +283,9 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
 class RemoteStore:
     """Versions of sessions in the remote store (see the module docstring)."""
 
+    chunk_bytes = CHUNK_BYTES
+    publish_window = PIPELINE * CHUNK_BYTES
+
     def __init__(self, client: Any, prefix: str = "tierd", ttl: float | None = None) -> None:
         self.client = client
         self.prefix = prefix
@@ -296,10 +299,17 @@ class RemoteStore:
         # reads the chunks of a fetch while its caller checks and places those that have arrived.
         self._sender = ThreadPoolExecutor(4, thread_name_prefix="tierd-remote")
         self.fallbacks = 0  # fetches finished through redis-py (see _fetch)
+        self.hosts = ""  # where the store is, for the log
 
     def close(self) -> None:
         self._sender.shutdown(wait=True)
         self.client.close()
+
+    def describe(self) -> str:
+        from redis.cluster import RedisCluster
+
+        kind = "cluster" if isinstance(self.client, RedisCluster) else "server"
+        return f"redis {kind} at {self.hosts}" if self.hosts else f"redis {kind}"
 
     def _key(self, key: SessionKey, *parts: str) -> str:
         return ":".join((self.prefix, "{" + tag_of(key) + "}", *parts))
@@ -792,3 +802,11 @@ class _Replies:
 
 
 __all__ = ["CHUNK_BYTES", "Manifest", "Refused", "RemoteStore", "connect", "owner_of", "tag_of"]
+
+
+def open_backend(url: str, options: Any) -> RemoteStore:
+    """The backend for redis[s]://[USER@]HOST:PORT[,HOST:PORT...] (registry.py)."""
+    store = RemoteStore(connect(url, options.password, options.tls_ca, options.timeout), prefix=options.prefix,
+                        ttl=options.ttl)
+    store.hosts = url.partition("://")[2].rpartition("@")[2]
+    return store

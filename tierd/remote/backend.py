@@ -1,0 +1,91 @@
+"""What the core needs of a remote store, whatever holds the bytes: the
+`RemoteBackend` protocol. Backends live in packages of their own beside this
+module, registered by URL scheme (registry.py); they import nothing of the
+daemon, and the core knows only this protocol.
+
+One history per session. A version is published whole or not at all: its
+bytes first, then the manifest switched by compare-and-set on the version it
+replaces, so racing writers never splice and a reader never sees a mix. A
+drop leaves a tombstone one version past the one it ends; the next history
+numbers on from it. A version whose bytes are not all there is NotFound
+(recompute, never a part); bytes that do not match their manifest are
+DataLoss. The caller checks every page it reads against the manifest's
+checksums: a backend need not.
+
+Runs on the thread that calls it (RPC threads, movers, the publisher); every
+method is thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from tierd.errors import Unavailable
+from tierd.types import SessionKey
+
+
+class Refused(Unavailable):
+    """The remote store answered, with an error (out of memory, say): the call
+    failed, the store is not down."""
+
+
+class RemoteBackend(Protocol):
+    """Sessions' versions in a store every node reaches."""
+
+    chunk_bytes: int  # read_into claims memory this many bytes at a time (the last claim may be shorter)
+    publish_window: int  # bytes of pieces publish may hold at once (views of a piece valid only while held)
+
+    def head(self, key: SessionKey) -> tuple[Any, int]:
+        """(current Manifest or None, version number at the session's key;
+        0: none). None with a number: a tombstone (dropped). DataLoss for a
+        manifest that does not parse or is another session's."""
+
+    def version_of(self, key: SessionKey) -> int:
+        """The version number the manifest's switch compares, whatever the
+        rest of the manifest holds (0: none): what a store replacing an
+        unusable manifest expects."""
+
+    def manifests(self, keys: list[SessionKey]) -> list[Any]:
+        """The current manifest of each session (None: none, dropped, or one
+        that does not parse)."""
+
+    def tombstones(self, keys: list[SessionKey]) -> list[int]:
+        """For each session, the version of its tombstone (0: not dropped)."""
+
+    def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
+                page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
+                data: Iterable[tuple[bytes | memoryview, bool]]) -> Any:
+        """A new version replacing `expect` (0: none); data is the logical
+        bytes in pieces, each with whether it stays valid until this returns.
+        FailedPrecondition (with the version found) where another writer got
+        there first: nothing is left behind."""
+
+    def read_into(self, key: SessionKey, manifest: Any, claim: Callable[[int], list[Any]]) -> Iterator[int]:
+        """Read the version into the memory claim(n) gives for each next n
+        bytes; yields how many bytes are in place as more arrive. NotFound
+        where any of it is gone; nothing is written once this returns."""
+
+    def drop(self, key: SessionKey) -> bool:
+        """Tombstone the current version and reclaim its bytes; whether there
+        was one."""
+
+    def usage(self, tenant: str, session_id: str) -> tuple[int, int]:
+        """Bytes of the tenant's sessions the store holds, and of this one."""
+
+    def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
+        """The tenant's session ids, in order, after `after`."""
+
+    def unlist(self, tenant: str, session_ids: list[str]) -> None:
+        """Forget these ids in the tenant's list (their versions are gone)."""
+
+    def ping(self) -> None:
+        """Unavailable unless the store answers."""
+
+    def describe(self) -> str:
+        """What the store is and where, for the log (no password)."""
+
+    def close(self) -> None:
+        ...
