@@ -62,7 +62,7 @@ class Files:
         self.a, self.b = FileBackend(str(root)), FileBackend(str(root))
 
     def _data(self, key):
-        where = self.a._dir(key)
+        where = self.a.dir_of(key)
         return next(os.path.join(where, n) for n in os.listdir(where) if n.startswith("w"))
 
     def flip(self, key, at):
@@ -79,8 +79,8 @@ class Files:
         return DataLoss
 
     def garble(self, key, raw):
-        os.makedirs(self.a._dir(key), exist_ok=True)
-        with open(os.path.join(self.a._dir(key), "m"), "wb") as f:
+        os.makedirs(self.a.dir_of(key), exist_ok=True)
+        with open(os.path.join(self.a.dir_of(key), "m"), "wb") as f:
             f.write(raw)
 
     def close(self):
@@ -252,7 +252,7 @@ def test_publishers_racing_from_several_processes_keep_one_whole_history(tmp_pat
     assert FIRST_VERSIONS <= first < 2 * FIRST_VERSIONS
     pages = read(backend, m, SessionKey("alice", "race"))
     assert len({p for p in pages}) == 1 and pages[0][0] in (1, 2, 3)  # one writer's pages, none spliced
-    where = backend._dir(SessionKey("alice", "race"))
+    where = backend.dir_of(SessionKey("alice", "race"))
     assert [n for n in os.listdir(where) if n.startswith("w")] == [f"w{m.write}"]  # losers left nothing
 
 
@@ -261,7 +261,7 @@ def test_a_huge_file_at_a_manifest_s_place_is_refused_by_its_size_unread(tmp_pat
 
     backend = FileBackend(str(tmp_path))
     publish(backend, *snapshot(1, seed=15))
-    path = os.path.join(backend._dir(KEY), "m")
+    path = os.path.join(backend.dir_of(KEY), "m")
     os.truncate(path, MAX_MANIFEST_BYTES + 1)  # sparse: reading it would cost its size
     with pytest.raises(DataLoss, match="does not parse"):
         backend.head(KEY)
@@ -271,12 +271,12 @@ def test_a_version_older_than_the_ttl_is_gone_as_an_expired_key_is(tmp_path):
     backend = FileBackend(str(tmp_path), ttl=60)
     m = publish(backend, *snapshot(1, seed=16))
     assert backend.head(KEY)[0].version == m.version
-    for name in os.listdir(backend._dir(KEY)):  # the manifest and its bytes, written 61 s ago
-        os.utime(os.path.join(backend._dir(KEY), name), (time.time() - 61, time.time() - 61))
+    for name in os.listdir(backend.dir_of(KEY)):  # the manifest and its bytes, written 61 s ago
+        os.utime(os.path.join(backend.dir_of(KEY), name), (time.time() - 61, time.time() - 61))
     assert backend.head(KEY) == (None, 0)
     again = publish(backend, *snapshot(1, seed=17))  # a new history, as after a Redis key expired
     assert backend.head(KEY)[0].version == again.version
-    assert [n for n in os.listdir(backend._dir(KEY)) if n.startswith("w")] == [f"w{again.write}"]
+    assert [n for n in os.listdir(backend.dir_of(KEY)) if n.startswith("w")] == [f"w{again.write}"]
 
 
 def test_the_registry_opens_a_backend_by_scheme_and_names_the_schemes_it_knows(tmp_path):

@@ -1,0 +1,205 @@
+"""FileBackend: versions of sessions in a shared directory (the package's
+docstring says how). Runs on the thread that calls it (RPC threads, movers,
+the publisher); thread-safe."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from tierd.errors import DataLoss, FailedPrecondition, NotFound
+from tierd.remote.files import fsio
+from tierd.remote.files.listing import TenantLists
+from tierd.tiers.remote import (FIRST_VERSIONS, MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, _dropped_at, _owned,
+                                _version, owner_of, tag_of)
+from tierd.types import SessionKey
+
+ORPHAN_SECONDS = 3600.0  # a version's bytes no manifest names, this old, are a dead publish's
+# Record locks are the process's, whichever file descriptor took them: threads (and backends) of one
+# process take one of these first.
+_LOCKS = [threading.Lock() for _ in range(64)]
+
+
+class FileBackend:
+    chunk_bytes = 4 << 20
+    publish_window = 16 << 20
+
+    def __init__(self, root: str, prefix: str = "tierd", ttl: float | None = None) -> None:
+        self.root = os.path.join(root, prefix)
+        self.ttl = ttl or 0.0
+        fsio.call("opening the directory", os.makedirs, os.path.join(self.root, "s"), exist_ok=True)
+        fsio.call("opening the directory", os.makedirs, os.path.join(self.root, "t"), exist_ok=True)
+        self.lists = TenantLists(os.path.join(self.root, "t"))
+        self.usage, self.listed, self.unlist = self.lists.usage, self.lists.listed, self.lists.unlist
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"directory {self.root}"
+
+    def dir_of(self, key: SessionKey) -> str:
+        tag = tag_of(key)
+        return os.path.join(self.root, "s", tag[:2], tag)
+
+    @contextmanager
+    def _locked(self, where: str) -> Iterator[None]:
+        import fcntl
+
+        with _LOCKS[hash(where) % len(_LOCKS)]:
+            fd = fsio.call("a lock", os.open, os.path.join(where, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                           0o600)
+            try:
+                fsio.call("a lock", fcntl.lockf, fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # the record lock goes with it
+
+    def _current(self, where: str, head_only: bool = False) -> bytes | None:
+        """What the manifest's file holds (None: none, or older than the TTL),
+        or with head_only its first 32 bytes (enough for a tombstone); DataLoss
+        for one larger than a manifest can be, found by its size before
+        anything is read."""
+        try:
+            fd = os.open(os.path.join(where, "m"), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            fsio.call("a manifest read", _raise, exc)
+        try:
+            st = os.fstat(fd)
+            if self.ttl and time.time() - st.st_mtime > self.ttl:
+                return None
+            if not head_only and st.st_size > MAX_MANIFEST_BYTES:
+                raise DataLoss(f"a remote manifest does not parse ({st.st_size} bytes)", tier="remote")
+            return fsio.call("a manifest read", os.pread, fd, 32 if head_only else st.st_size, 0)
+        finally:
+            os.close(fd)
+
+    def head(self, key: SessionKey) -> tuple[Manifest | None, int]:
+        raw = self._current(self.dir_of(key))
+        if raw is None:
+            return None, 0
+        if _dropped_at(raw):
+            return None, _dropped_at(raw)
+        m = _owned(key, Manifest.decode(raw))
+        return m, m.version
+
+    def version_of(self, key: SessionKey) -> int:
+        return _version(self._current(self.dir_of(key), head_only=True))
+
+    def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
+        out: list[Manifest | None] = []
+        for key in keys:
+            try:
+                out.append(self.head(key)[0])
+            except DataLoss:
+                out.append(None)
+        return out
+
+    def tombstones(self, keys: list[SessionKey]) -> list[int]:
+        return [_dropped_at(self._current(self.dir_of(key), head_only=True)) for key in keys]
+
+    def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
+                page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
+                data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
+        where = self.dir_of(key)
+        write = secrets.token_hex(8)
+        path = os.path.join(where, f"w{write}")
+        try:
+            fsio.call("a page write", os.makedirs, where, exist_ok=True)
+            nbytes = fsio.call("a page write", fsio.write_file, path, data)
+            # A history's first version is numbered at random, as in every backend (see backend.py).
+            number = expect + 1 if 0 < expect < MAX_VERSION else FIRST_VERSIONS + secrets.randbelow(FIRST_VERSIONS)
+            manifest = Manifest(number, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
+                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(),
+                                owner_of(key))
+            with self._locked(where):
+                old = self._current(where)
+                have = _version(old)
+                if have != expect:
+                    raise FailedPrecondition(f"another node published version {have} of this session first",
+                                             version=have)
+                fsio.call("the manifest switch", fsio.replace, where, "m", manifest.encode())
+        except BaseException:
+            fsio.unlink(path)
+            raise
+        self.lists.add(key, nbytes)
+        self._reclaim(where, old, keep=write)
+        return manifest
+
+    def _reclaim(self, where: str, old: bytes | None, keep: str = "") -> None:
+        """Delete the bytes of the version `old` was, and those of publishes
+        that died before their switch (or that expired)."""
+        if old and not _dropped_at(old):
+            try:
+                fsio.unlink(os.path.join(where, f"w{Manifest.decode(old).write}"))
+            except DataLoss:
+                pass
+        try:
+            names = os.listdir(where)
+        except OSError:
+            return
+        now = time.time()
+        age = min(ORPHAN_SECONDS, self.ttl) if self.ttl else ORPHAN_SECONDS
+        for name in names:
+            path = os.path.join(where, name)
+            try:
+                if name.startswith("w") and name != f"w{keep}" and now - os.stat(path).st_mtime > age:
+                    fsio.unlink(path)
+            except OSError:
+                pass
+
+    def read_into(self, key: SessionKey, manifest: Manifest, claim: Callable[[int], list[Any]]) -> Iterator[int]:
+        step = self.chunk_bytes
+        sinks = [claim(min(step, manifest.nbytes - at)) for at in range(0, manifest.nbytes, step)]
+        try:
+            fd = os.open(os.path.join(self.dir_of(key), f"w{manifest.write}"), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound("the remote copy of this session is gone (dropped or replaced)") from None
+        except OSError as exc:
+            fsio.call("a page read", _raise, exc)
+        try:
+            size = fsio.call("a page read", os.fstat, fd).st_size
+            if size != manifest.nbytes:
+                raise DataLoss(f"the remote copy holds {size} bytes, not the {manifest.nbytes} its manifest says "
+                               "(torn or damaged)", tier="remote")
+            at = 0
+            for bufs in sinks:
+                at += fsio.call("a page read", fsio.read_full, fd, [memoryview(b).cast("B") for b in bufs], at)
+                yield at
+        finally:
+            os.close(fd)
+
+    def drop(self, key: SessionKey) -> bool:
+        where = self.dir_of(key)
+        old = None
+        if self._current(where, head_only=True) is not None:
+            with self._locked(where):
+                old = self._current(where)
+                if old is not None and not _dropped_at(old):
+                    n = _version(old) + 1
+                    fsio.call("a drop", fsio.replace, where, "m", f"{n if n <= MAX_VERSION else 1} dropped".encode())
+                else:
+                    old = None
+        self.unlist(key.tenant, [key.session_id])
+        if old is None:
+            return False
+        self._reclaim(where, old)
+        return True
+
+    def ping(self) -> None:
+        fsio.call("a ping", os.stat, self.root)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            fsio.call("a ping", _raise, PermissionError(f"{self.root} cannot be written"))
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
