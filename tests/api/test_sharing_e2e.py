@@ -2,8 +2,9 @@
 store it once, every one reads back byte-exact, drops leave the others
 whole, a damaged shared page fails every holder and heals on the next save,
 a kill -9 in the middle of sharing saves leaves exact holder counts (all
-dropped: nothing left), another tenant never finds the prompt, and an
-engine's Restore starts a new conversation from the shared pages."""
+dropped: nothing left), another tenant never finds the prompt, an
+engine's Restore starts a new conversation from the shared pages, and no
+read replaces a session holding other tokens with them."""
 
 import json
 import random
@@ -205,4 +206,50 @@ def test_engines_save_once_and_restore_a_new_conversation_from_the_shared_pages(
         assert c.stat("new").shared_bytes == PREFIX_PAGES * PAGE
         with pytest.raises(FailedPrecondition):  # its pages hold other tokens than this prompt's
             engine.restore("e0", list(range(10, 19)), token_ids=PREFIX + [3] * SPEC.block_tokens)
+        engine.close()
+
+
+def test_a_read_never_replaces_a_session_with_the_shared_pages_of_another_prompt(daemon):
+    """Restore and BeginRestore with another prompt's token ids, of a session
+    that exists and holds other tokens (from page 0, or past a few of the
+    prompt's pages), on the host or on disk: FAILED_PRECONDITION, and its
+    bytes, tiers and Stat stay as they were, though another session holds
+    the whole prompt. A session whose pages are a prefix of the prompt is
+    extended from the shared pages."""
+    with daemon.client() as c, SharedKVCache(SPEC, 64) as kv:
+        for r in kv.regions:
+            r[:] = np.random.default_rng(5).integers(0, 256, r.size, dtype=np.uint8)
+        engine = c.register_engine(SPEC, kv)
+        prompt = PREFIX + [1] * SPEC.block_tokens  # 9 pages, all held by "donor"
+        engine.save("donor", range(9), len(prompt), token_ids=prompt)
+        other = list(range(90_000, 90_000 + 9 * SPEC.block_tokens))
+        half = PREFIX[: 4 * SPEC.block_tokens] + list(range(80_000, 80_000 + 2 * SPEC.block_tokens))
+        engine.save("host", range(10, 19), len(other), token_ids=other)  # sessions not released stay in place
+        engine.save("disk", range(20, 29), len(other), token_ids=[t + 1 for t in other])
+        engine.save("half", range(30, 36), len(half), token_ids=half)  # the prompt's first 4 pages, then others
+        c.release("disk")
+        wait_for(lambda: set(c.stat("disk").tier_bytes) == {"disk"}, 30, "disk on disk alone")
+        victims = {}
+        for sid in ("host", "disk", "half"):
+            data = c.get(sid)  # (a read: its last access)
+            victims[sid] = c.stat(sid), data
+        assert set(victims["disk"][0].tier_bytes) == {"disk"} and set(victims["host"][0].tier_bytes) == {"host"}
+        for sid, (info, data) in victims.items():
+            for num_pages in (9, 0, 6):
+                with pytest.raises(FailedPrecondition, match="other tokens"):
+                    c.begin_restore(sid, SPEC, num_pages, token_ids=prompt)
+            with pytest.raises(FailedPrecondition, match="other tokens"):
+                engine.restore(sid, range(40, 49), token_ids=prompt)
+            assert c.stat(sid) == info, sid
+            assert c.get(sid) == data, sid
+            # what Lookup answers is what a restore grants: the session's own pages of the prompt
+            assert c.lookup(sid, prompt, SPEC).num_pages == (4 if sid == "half" else 0)
+        lease = c.begin_restore("half", SPEC, 4, token_ids=prompt)  # its own pages of the prompt, still
+        c.end_restore(lease)
+        # a session whose pages are a prefix of the prompt is extended from the shared pages
+        engine.save("short", range(50, 54), 4 * SPEC.block_tokens, token_ids=prompt[: 4 * SPEC.block_tokens])
+        assert c.lookup("short", prompt, SPEC).num_pages == 9
+        r = engine.restore("short", range(40, 49), token_ids=prompt)
+        assert r.num_pages == 9 and c.get("short") == c.get("donor")
+        assert wire_accounting(c) == []
         engine.close()

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 from tierd.client.shm import Arena
-from tierd.errors import DataLoss, IdentityMismatch, InvalidArgument, NotFound
+from tierd.errors import DataLoss, FailedPrecondition, IdentityMismatch, InvalidArgument, NotFound
 from tierd.layout import KVSpec
 from tierd.transfer.runs import page_stride
 
@@ -169,7 +169,8 @@ def test_no_sharing_across_tenants_or_salts(world):
     with pytest.raises(NotFound):
         store.lookup(make_key("t", "salted-new"), PREFIX, SPEC, salt="user-8")
     # a salted session does not match its own prompt without the salt
-    assert store.lookup(make_key("t", "salted0"), PREFIX, SPEC).num_pages == 8  # (the unsalted sessions' pages)
+    # (nor do the unsalted sessions' pages answer: its own pages, of other tokens, are never replaced)
+    assert store.lookup(make_key("t", "salted0"), PREFIX, SPEC).num_pages == 0
     assert store.lookup(make_key("t", "salted0"), PREFIX).num_pages == 0
     with pytest.raises(InvalidArgument):
         store.lookup(make_key("t", "x"), PREFIX, SPEC, salt="s" * 257)
@@ -201,13 +202,13 @@ def test_a_new_session_starts_from_the_shared_pages(world):
     toks = prompt[:9 * SPEC.block_tokens]
     store.save(new, eng.memory, SPEC, [40], len(toks), start_token=len(PREFIX), token_ids=toks)
     assert restored(store, new) == eng.pages(list(range(8)) + [40])
-    # a session that exists but holds other tokens gives way to the shared pages the request matches
-    # (all 9 pages of "new", which holds the request's 9th page too)
-    other = make_key("t", "other")
-    store.save(other, eng.memory, SPEC, [50, 51], 2 * SPEC.block_tokens, token_ids=list(range(2 * SPEC.block_tokens)))
-    lease = store.begin_restore(other, SPEC, 8, token_ids=prompt)
+    # a session that exists and holds a prefix of the request is extended from the shared pages the
+    # request matches (all 9 pages of "new", which holds the request's 9th page too)
+    short = make_key("t", "short")
+    store.save(short, eng.memory, SPEC, [50, 51], 2 * SPEC.block_tokens, token_ids=PREFIX[: 2 * SPEC.block_tokens])
+    lease = store.begin_restore(short, SPEC, 8, token_ids=prompt)
     store.end_restore("t", lease.lease_id)
-    assert store.stat(other).num_pages == 9 and restored(store, other) == eng.pages(list(range(8)) + [40])
+    assert store.stat(short).num_pages == 9 and restored(store, short) == eng.pages(list(range(8)) + [40])
     assert store.check_accounting() == []
 
 
@@ -413,3 +414,35 @@ def test_a_session_of_another_identity_is_refused_not_replaced(world):
     with pytest.raises(IdentityMismatch):  # though key(0) holds the request's pages under SPEC
         store.begin_restore(x, SPEC, 8, token_ids=PREFIX)
     assert store.stat(x).spec == other_spec and store.stat(x).num_pages == 2
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("held", ["other tokens", "a prefix, then other tokens", "unknown tokens"])
+@pytest.mark.parametrize("call", ["restore", "begin_restore", "begin_restore of all"])
+def test_a_read_never_replaces_a_session_holding_other_tokens(world, tier, held, call):
+    """A read of a session that exists, with the token ids of a prompt its
+    pages do not begin (another session of the tenant holds all of it), is
+    FAILED_PRECONDITION and changes nothing: starting from the shared pages
+    is for a session that does not exist or holds a prefix of the prompt."""
+    h, store = world
+    eng = HostEngine(seed=17)
+    store.save(key(0), eng.memory, SPEC, list(range(9)), 9 * SPEC.block_tokens, token_ids=own_tokens(0))
+    x = make_key("t", "x")
+    toks = {"other tokens": list(range(90_000, 90_000 + 6 * SPEC.block_tokens)),
+            "a prefix, then other tokens": PREFIX[: 4 * SPEC.block_tokens] + [3] * (2 * SPEC.block_tokens),
+            "unknown tokens": None}[held]
+    store.save(x, eng.memory, SPEC, list(range(20, 26)), 6 * SPEC.block_tokens, token_ids=toks)
+    if tier == "disk":
+        store.demote(x, "disk")
+    data = read_all(store.get(x)[1])
+    before = store.stat(x)  # (after the read: its last access)
+    used = {t: store.tiers[t].used for t in store.tiers}
+    with pytest.raises(FailedPrecondition, match="other tokens"):
+        if call == "restore":
+            store.restore(x, HostEngine(seed=99).memory, SPEC, list(range(9)), token_ids=own_tokens(0))
+        else:
+            store.begin_restore(x, SPEC, 9 if call == "begin_restore" else 0, token_ids=own_tokens(0))
+    assert store.stat(x) == before and set(before.tier_bytes) == {tier}
+    assert read_all(store.get(x)[1]) == data and {t: store.tiers[t].used for t in store.tiers} == used
+    assert store.lookup(x, own_tokens(0), SPEC).num_pages == (4 if held.startswith("a prefix") else 0)
+    assert store.check_accounting() == []

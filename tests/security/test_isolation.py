@@ -10,7 +10,9 @@ host tier were changed behind the daemon's back, through every read path.
 
 import fcntl
 import glob
+import json
 import os
+import socket
 
 import grpc
 import numpy as np
@@ -26,6 +28,7 @@ from tierd.client import (
     KVSpec,
     ResourceExhausted,
     SharedKVCache,
+    Unauthenticated,
 )
 from tierd.client.shm import sealed_memfd
 from tierd.core import engines as engines_module
@@ -144,7 +147,7 @@ def test_a_descriptor_ticket_is_its_tenants_alone(secured):
     """Descriptors handed over with alice's token cannot be registered by bob."""
     with random_cache() as kv:
         ticket = hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
-        with pytest.raises(FailedPrecondition, match="unknown token"):
+        with pytest.raises(Unauthenticated, match="unknown token"):
             hand_over(intake_path(secured.socket), kv.fds, "not-a-token")
         stub = pb_grpc.TierdStub(grpc.insecure_channel("unix:" + secured.socket))
         req = pb.RegisterEngineRequest(spec=spec_to_pb(SPEC), num_blocks=16, fd_ticket=ticket,
@@ -219,13 +222,46 @@ def test_a_lease_segment_cut_short_fails_its_commit_not_the_daemon(secured):
     assert alice.stat("a").num_tokens == 64
 
 
+def test_a_malformed_line_on_the_descriptor_intake_is_refused_and_the_daemon_serves_on(secured):
+    """The intake's line is parsed before any token is checked: a line nested
+    too deep for the parser got no answer and a traceback. Every malformed
+    line gets its refusal, with its status code (INVALID_ARGUMENT); a missing
+    or unknown token is UNAUTHENTICATED at the client."""
+    bad, unknown = "INVALID_ARGUMENT", "UNAUTHENTICATED"
+    lines = {b"[" * 100_000 + b"\n": bad, b"[" * 4000 + b"\n": bad, b'{"token": ' + b"[" * 4000 + b"]}\n": bad,
+             b"\xff\n": bad, b'"token"\n': bad, b'{"token": ["alice-secret"]}\n': bad, b'{"token": "x"}': bad,
+             b"{}\n": unknown, b'{"token": "not-a-token"}\n': unknown, b'{"token": "\\ud800"}\n': unknown}
+    for line, code in lines.items():
+        fd = sealed_memfd("m", 4096)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(intake_path(secured.socket))
+                socket.send_fds(s, [line], [fd])
+                reply = b""
+                while not reply.endswith(b"\n"):
+                    part = s.recv(4096)
+                    assert part, f"no answer to {line[:40]!r}"
+                    reply += part
+        finally:
+            os.close(fd)
+        answer = json.loads(reply)
+        assert "ticket" not in answer and answer["error"] and answer.get("code") == code, (line[:40], answer)
+    with random_cache() as kv:
+        for token in (None, "not-a-token"):
+            with pytest.raises(Unauthenticated):
+                secured.client(token=token).register_engine(SPEC, kv)
+        secured.client(token=TOKENS["alice"]).register_engine(SPEC, kv).save("a", [0], 16)  # the daemon serves on
+    assert secured.proc.poll() is None and "Traceback" not in secured.log()
+
+
 def test_a_tenant_holds_a_few_handed_over_memories_at_most(secured):
     """Each ticket keeps its descriptors open until registered or expired: one
     tenant handing over memory without end ran the daemon out of descriptors."""
     with random_cache() as kv:  # 8 regions
         for _ in range(FDS_PER_TENANT // len(kv.fds)):
             hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
-        with pytest.raises(FailedPrecondition, match="wait to be registered"):
+        with pytest.raises(ResourceExhausted, match="wait to be registered"):
             hand_over(intake_path(secured.socket), kv.fds, TOKENS["alice"])
         engine = secured.client(token=TOKENS["bob"]).register_engine(SPEC, kv)  # bob's are his own
         engine.save("b", [0], 16)

@@ -83,7 +83,8 @@ class Authenticator:
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         if not isinstance(header, str) or not header.startswith("Bearer ") or len(header) > 4096:
             raise Unauthenticated("this daemon requires 'authorization: Bearer TOKEN'")
-        digest = hashlib.sha256(header[len("Bearer "):].encode()).digest()
+        # (a token sent to the descriptor intake is any JSON string, lone surrogates too: it hashes, and matches none)
+        digest = hashlib.sha256(header[len("Bearer "):].encode("utf-8", "surrogatepass")).digest()
         found = None
         for entry in self._entries:  # no early exit: every entry is compared
             if hmac.compare_digest(entry.digest, digest) and found is None:

@@ -125,9 +125,10 @@ class Calls:
                cache_salt: str = "") -> LookupResult:
         """How many leading tokens of a prompt (its token ids, under its cache
         salt) the session's snapshot supplies; with spec, another identity is
-        FAILED_PRECONDITION, and where the session holds fewer (or does not
-        exist), pages other sessions of the tenant hold answer (begin_restore
-        with the same token ids starts the session from them)."""
+        FAILED_PRECONDITION, and where the session does not exist (or its
+        pages are a prefix of the prompt, fewer than other sessions of the
+        tenant hold), their pages answer (begin_restore with the same token
+        ids starts the session from them)."""
         req = pb.LookupRequest(session_id=session_id, token_ids=_ids(token_ids),
                                spec=optional_spec_to_pb(spec), cache_salt=cache_salt)
         return self._call("Lookup", req, lookup_from_pb)

@@ -5,11 +5,13 @@ tenant that named the daemon's arena or another tenant's segment got it
 mapped. So an engine opens its shared memory itself and passes the
 descriptors over a Unix socket beside the daemon's (SCM_RIGHTS), with its
 token; the daemon answers with a ticket that the engine's RegisterEngine
-names. The daemon accepts a descriptor only if it is not one of its own
-files, is owned by the connecting process's user (SO_PEERCRED), is open
-read-write, and is a memfd sealed against shrinking: memory the engine
-could cut short under the daemon would fault it (SIGBUS) in the middle of a
-copy, and take every tenant's service down with it.
+names, or with its refusal and the refusal's status code (the client raises
+the error a gRPC call would: UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...). The
+daemon accepts a descriptor only if it is not one of its own files, is
+owned by the connecting process's user (SO_PEERCRED), is open read-write,
+and is a memfd sealed against shrinking: memory the engine could cut short
+under the daemon would fault it (SIGBUS) in the middle of a copy, and take
+every tenant's service down with it.
 
 `hand_over` is the client's side (any thread); `FdIntake` runs on the
 daemon's event loop, never blocking it: one message a connection, a few
@@ -41,6 +43,7 @@ from tierd.errors import (
     ResourceExhausted,
     TierdError,
 )
+from tierd.wire.status import error_class
 
 log = logging.getLogger("tierd.wire.fds")
 MAX_FDS = 253  # SCM_MAX_FD: the kernel's limit on descriptors in one message
@@ -62,8 +65,8 @@ def intake_path(socket_path: str) -> str:
 
 def hand_over(path: str, fds: list[int], token: str | None = None, timeout: float = CONNECT_SECONDS) -> str:
     """Pass open descriptors to the daemon; returns the ticket that names
-    them in RegisterEngine. Raises FailedPrecondition (no daemon there, or it
-    refused them, saying why)."""
+    them in RegisterEngine. Raises the daemon's refusal as the error its
+    status code names, FailedPrecondition where no daemon answers."""
     if not 0 < len(fds) <= MAX_FDS:
         raise InvalidArgument(f"hand over 1 to {MAX_FDS} descriptors at once, not {len(fds)}", field="regions")
     payload = json.dumps({"token": token or ""}).encode() + b"\n"
@@ -89,7 +92,8 @@ def hand_over(path: str, fds: list[int], token: str | None = None, timeout: floa
     except ValueError:
         raise FailedPrecondition(f"the daemon at {path} gave no answer for the engine memory") from None
     if "ticket" not in answer:
-        raise FailedPrecondition(f"the daemon refused the engine memory: {answer.get('error', 'no reason given')}")
+        refused = error_class(answer.get("code")) or FailedPrecondition  # (a daemon that sent no code)
+        raise refused(f"the daemon refused the engine memory: {answer.get('error', 'no reason given')}")
     return str(answer["ticket"])
 
 
@@ -274,7 +278,7 @@ class FdIntake:
             fds = []  # the ticket holds them now
         except TierdError as exc:
             log.info("engine memory refused: %s", exc.message)
-            answer = {"error": exc.message}
+            answer = {"error": exc.message, "code": exc.code}
         finally:
             for fd in fds:
                 os.close(fd)
@@ -289,10 +293,11 @@ class FdIntake:
             raise InvalidArgument("send one line of JSON with the descriptors")
         try:
             request = json.loads(msg)
-            token = str(request.get("token") or "")
-        except (ValueError, AttributeError):
+        except (ValueError, RecursionError):  # (not UTF-8, not JSON, or nested deeper than the parser goes)
             raise InvalidArgument("send one line of JSON with the descriptors") from None
-        tenant = self._identify(token)
+        if not isinstance(request, dict) or not isinstance(request.get("token", ""), str):
+            raise InvalidArgument('send one line of JSON with the descriptors: {"token": "TOKEN"}')
+        tenant = self._identify(request.get("token", ""))
         if not fds:
             raise InvalidArgument("no descriptors came with the message")
         self._expire()

@@ -45,6 +45,13 @@ def status_of(exc: errors.TierdError) -> grpc.StatusCode:
     return CODES[exc.code]
 
 
+def error_class(code: object) -> type[errors.TierdError] | None:
+    """The error a status code's name (a TierdError's code) stands for, None
+    if none: for answers that are no gRPC call's (the descriptor intake's)."""
+    status = CODES.get(code) if isinstance(code, str) else None
+    return _BY_STATUS.get(status) if status is not None else None
+
+
 def from_rpc_error(err: grpc.RpcError) -> errors.TierdError:
     """The typed error a failed call stands for."""
     name = dict(err.trailing_metadata() or ()).get(ERROR_KEY)

@@ -208,9 +208,10 @@ class Leases(Reads):
         (waiting for a move of the session in flight first), and hand it out;
         end_restore gives it back. With token_ids (the request's prompt, under
         its cache salt), pages that hold other tokens are refused: the
-        snapshot changed since the lookup. With spec and token_ids, a session
-        that does not exist or holds fewer of those pages than other sessions
-        of the tenant starts from theirs (lookup() said so)."""
+        snapshot changed since the lookup (they are never replaced). With
+        spec and token_ids, a session that does not exist, or whose pages are
+        a prefix of the request's and fewer than other sessions of the tenant
+        hold, starts from theirs (lookup() said so)."""
         ttl = check_ttl(ttl)
         request = tokens.check_ids(token_ids) if token_ids is not None else None
         salt = tokens.check_salt(salt)

@@ -43,9 +43,10 @@ class Reads(Writes):
         """Scatter the snapshot's first len(block_ids) pages into those blocks.
         Waits for a move of the session in flight rather than starting another.
         With token_ids (the request's prompt, under its cache salt), pages that
-        hold other tokens are refused, and a session that does not exist (or
-        holds fewer of those pages than other sessions of the tenant) starts
-        from theirs, as begin_restore does."""
+        hold other tokens are refused (never replaced), and a session that
+        does not exist (or whose pages are a prefix of the request's, fewer
+        than other sessions of the tenant hold) starts from theirs, as
+        begin_restore does."""
         ids = check_blocks(block_ids, engine.layout.num_blocks)
         request = tokens.check_ids(token_ids) if token_ids is not None else None
         salt = tokens.check_salt(salt)
@@ -120,25 +121,28 @@ class Reads(Writes):
         """How many leading tokens of a request (its token ids, under its
         cache salt) the snapshot supplies: whole pages whose chained token
         hashes match. With spec, a snapshot of another identity is refused,
-        and where the session holds fewer of them (or does not exist) the
-        pages other sessions of the tenant hold answer: a restore with the
-        same token ids starts the session from them."""
+        and where the session does not exist, or its pages are a prefix of
+        the request's and fewer than other sessions of the tenant hold, their
+        pages answer: a restore with the same token ids starts the session
+        from them."""
         request = tokens.check_ids(token_ids)
         salt = tokens.check_salt(salt)
         with self._lock:
             session = self._sessions.get(key)
-        pages, stored, source = 0, 0, None
+        pages, stored, source, extends = 0, 0, None, True
         if session is not None:
             with self._lock:
                 snap = session.snap
                 if spec is not None:
                     check_identity(session, spec)
-                hashes, stored, damaged = snap.token_hashes, snap.num_tokens, session.damaged
+                hashes, stored, damaged, n_pages = snap.token_hashes, snap.num_tokens, session.damaged, snap.n_pages
                 bt = snap.spec.block_tokens
-            pages = 0 if damaged or snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
+            pages = 0 if snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
+            extends = pages == n_pages  # (pages of other tokens are never replaced by a restore)
+            pages = 0 if damaged else pages
             with self._lock:
                 source = snap.source_of(pages)
-        if spec is not None and not spec.is_opaque:
+        if spec is not None and not spec.is_opaque and extends:
             with self._lock:
                 donor, hashes = self._match(key.tenant, spec, request, salt, key)
                 upto = len(hashes)
@@ -157,16 +161,27 @@ class Reads(Writes):
                       request: np.ndarray, salt: str, need: int) -> Session | None:
         """With the key's lock held: where the session does not hold the
         first `need` pages of the request (0: as many as it can), but other
-        sessions of the tenant do, the session starts again from theirs
-        (created if new: its pages past the request's tokens held other
-        tokens, which the next store replaces anyway). Returns it, or None."""
+        sessions of the tenant do, the session starts again from theirs:
+        created if new, extended if its pages are a prefix of the request's.
+        A read never replaces pages that hold other tokens: a session holding
+        them is FAILED_PRECONDITION where more pages are asked for than it
+        holds of the request, else read as it is. Returns it, or None."""
         bt = spec.block_tokens
         if session is not None and session.snap.spec.fingerprint != spec.fingerprint:
             return None  # a snapshot of another identity is refused, not replaced (check_identity says so)
         own = 0
-        if session is not None and not session.damaged:
+        if session is not None:
             snap = session.snap
             own = tokens.matched_pages(snap.token_hashes, snap.num_tokens, snap.spec.block_tokens, request, salt)
+            if own < snap.n_pages:
+                if own < need:
+                    raise FailedPrecondition(
+                        f"session {shown(key.session_id)} holds other tokens than the request's from page {own} on "
+                        f"(it holds {own} of its pages), and a read never replaces them: look it up again",
+                        field="token_ids", have=own)
+                return None
+            if session.damaged:
+                own = 0  # (its pages hold the request's tokens: good copies of them may replace them)
         with self._lock:
             donor, hashes = self._match(key.tenant, spec, request, salt, key)
             upto = len(hashes)
