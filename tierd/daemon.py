@@ -44,7 +44,8 @@ from tierd.metrics import Metrics
 from tierd.process import TRIM_SECONDS, raise_fd_limit, tune_malloc
 from tierd.tiers import shm
 from tierd.v1 import tierd_pb2
-from tierd.wire.fds import FdIntake, intake_path
+from tierd.api.intake import FdIntake
+from tierd.wire.fds import intake_path
 
 log = logging.getLogger("tierd")
 SERVICE = tierd_pb2.DESCRIPTOR.services_by_name["Tierd"].full_name
@@ -169,8 +170,8 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     await server.start()
     loop = asyncio.get_running_loop()
     store.loop_thread = threading.get_ident()  # no remote call waits here: such calls move to the RPC threads
-    if servicer.fds is not None:
-        servicer.fds.start(loop)
+    if servicer.ctx.fds is not None:
+        servicer.ctx.fds.start(loop)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("tierd %s serving on %s", __version__, " and ".join(endpoints))
@@ -189,7 +190,7 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
     def tick() -> None:
         nonlocal trimmed
         store.tick()
-        servicer.engines.reap()
+        servicer.ctx.engines.reap()
         if trim is not None and time.monotonic() - trimmed >= TRIM_SECONDS:
             trim()
             trimmed = time.monotonic()
@@ -203,8 +204,8 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
             except Exception:
                 log.exception("policy tick failed")
     log.info("stopping: in-flight calls get %.0f s", cfg.grace_seconds)
-    if servicer.fds is not None:
-        servicer.fds.close()
+    if servicer.ctx.fds is not None:
+        servicer.ctx.fds.close()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(cfg.grace_seconds)
     policy.shutdown()

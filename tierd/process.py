@@ -41,7 +41,7 @@ def raise_fd_limit() -> None:
     """Take the hard limit on open descriptors as the soft one: engines'
     mappings, leases' segments, slab files and connections all hold
     descriptors, each tenant's within its own caps (core/engines.py,
-    wire/fds.py), and the sum of them must not meet a default of 1,024."""
+    api/intake.py), and the sum of them must not meet a default of 1,024."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != soft:
         try:

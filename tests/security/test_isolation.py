@@ -39,7 +39,8 @@ from tierd.types import Lease, Slot
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire.convert import spec_to_pb
-from tierd.wire.fds import FDS_PER_TENANT, hand_over, intake_path
+from tierd.api.intake import FDS_PER_TENANT
+from tierd.wire.fds import hand_over, intake_path
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
 TOKENS = {"alice": "alice-secret", "bob": "bob-secret"}

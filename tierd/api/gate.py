@@ -106,28 +106,28 @@ def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | Non
 
         @functools.wraps(fn)
         async def handler(self: Any, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            call = Call(self.metrics, fn.__name__)
+            call = Call(self.ctx.metrics, fn.__name__)
             try:
                 caller = CALLER.get()
                 req = parse(cls, raw)
                 if blocking:
                     take_back = undo and functools.partial(undo, self, caller)
-                    response = await self.blocking(caller.tenant, fn, self, req, caller, undo=take_back)
+                    response = await self.ctx.blocking(caller.tenant, fn, self, req, caller, undo=take_back)
                     if take_back is not None:
                         left = context.time_remaining()
                         if left is not None and left < LATE_SECONDS:
                             # The client gives up before (or as) the answer reaches it, yet the
                             # call would end well on this side: nobody would end what it made.
-                            self.executor.submit(_take_back, take_back, response)
+                            self.ctx.executor.submit(_take_back, take_back, response)
                             raise DeadlineExceeded(f"the {fn.__name__} call's deadline passed as it was answered; "
                                                    "what it made is taken back")
                         context.add_done_callback(
-                            lambda ctx: ctx.cancelled() and self.executor.submit(_take_back, take_back, response))
+                            lambda done: done.cancelled() and self.ctx.executor.submit(_take_back, take_back, response))
                     return response
                 try:
                     return fn(self, req, caller)
                 except WouldBlock:  # it has to ask the remote tier: not on the event loop
-                    return await self.blocking(caller.tenant, fn, self, req, caller, undo=None)
+                    return await self.ctx.blocking(caller.tenant, fn, self, req, caller, undo=None)
             except Exception as exc:
                 await call.fail(context, exc)
             finally:
@@ -166,7 +166,7 @@ def request_limit(method: Any) -> int | None:
     return None if method.input_type.name in packed.FIELDS or method.client_streaming else SMALL_REQUEST
 
 
-def gated(servicer: Any, fn: Callable, read: bool, limit: int | None = None) -> Callable:
+def gated(ctx: Any, fn: Callable, read: bool, limit: int | None = None) -> Callable:
     """fn as the call's behavior, behind a gate that runs as the call starts,
     before any message is read: the caller's token is checked (a call
     without a valid one is refused at once, holding nothing) and the call is
@@ -177,12 +177,12 @@ def gated(servicer: Any, fn: Callable, read: bool, limit: int | None = None) -> 
 
     async def behavior(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            caller = servicer.auth.identify(context.invocation_metadata())
+            caller = ctx.auth.identify(context.invocation_metadata())
             CALLER.set(caller)
-            with servicer.limits.call(caller.tenant):
+            with ctx.limits.call(caller.tenant):
                 if not read:
                     return await fn(request_iterator, context)
-                raw = await servicer._read(context, f"the {fn.__name__} call")
+                raw = await ctx.read(context, f"the {fn.__name__} call")
                 if raw is grpc.aio.EOF:
                     raise InvalidArgument(f"the {fn.__name__} call carried no request")
                 if limit is not None and len(raw) > limit:
@@ -191,7 +191,7 @@ def gated(servicer: Any, fn: Callable, read: bool, limit: int | None = None) -> 
         except grpc.aio.AbortError:
             raise  # fn has told the client already
         except Exception as exc:
-            await Call(servicer.metrics, fn.__name__).fail(context, exc)
+            await Call(ctx.metrics, fn.__name__).fail(context, exc)
 
     return behavior
 
@@ -264,7 +264,7 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     handlers = {}
     for method in SERVICE.methods:
         fn = getattr(servicer, method.name)
-        behavior = gated(servicer, fn, read=not method.client_streaming, limit=request_limit(method))
+        behavior = gated(servicer.ctx, fn, read=not method.client_streaming, limit=request_limit(method))
         if method.server_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, None, None)
         else:
