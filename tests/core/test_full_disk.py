@@ -260,6 +260,32 @@ def test_only_eviction_for_room_in_host_drops_a_session_the_least_valuable_first
     assert store.check_accounting() == []
 
 
+def test_a_store_takes_room_on_the_disk_tier_as_soon_as_the_file_system_has_room_again(small_fs):
+    """The disk tier found the file system full while its budget had room; the
+    space returns and a write-back needs more than the budget has left:
+    evicting a session on disk makes the room at once, with no policy tick in
+    between (it refused "the file system is full" until the tick had looked)."""
+    h = Harness(str(small_fs.path), host_budget=16 * MiB, disk_budget=10 * MiB, disk_slab=2 * MiB)
+    store = h.open()
+    eng = HostEngine(num_blocks=128, seed=6)
+    for i in range(4):
+        store.save(ON_DISK[i], eng.memory, SPEC, list(range(64)), 64 * 16)
+        store.demote(ON_DISK[i])
+        h.clock.advance(1)
+    small_fs.fill()
+    c, e = make_key("default", "c"), make_key("default", "e")
+    store.save(c, eng.memory, SPEC, list(range(64)), 64 * 16)
+    with pytest.raises(StoreUnavailable, match="full"):
+        store.write_back(c)  # 2 MiB in a new slab: the file system refuses
+    assert store.tiers["disk"].out_of_space
+    small_fs.free()
+    store.save(e, eng.memory, SPEC, list(range(128)), 128 * 16)  # 4 MiB: 2 more than the budget has left
+    store.write_back(e)
+    assert store.stat(e).durable and stored(store, e) == (128 * 16, b"".join(eng.pages(range(128))))
+    assert sorted(store.keys()) == sorted(ON_DISK[1:] + [c, e]) and store.check_accounting() == []
+    h.close()
+
+
 # -- a real daemon whose data dir is on the small file system ------------------------------
 
 OPAQUE = KVSpec.opaque("test/full", page_bytes=64 << 10)
