@@ -13,6 +13,7 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine, read_all
 from tierd.core.store import make_key
 from tierd.errors import TierdError
+from tierd.policy.rules import RETRY_FIRST
 from tierd.tiers.fileops import FileOps
 
 A, B, C = (make_key("default", n) for n in "abc")
@@ -198,6 +199,7 @@ def test_a_full_disk_pauses_demotion_and_it_resumes(tmp_path, caplog):
     assert store.stat(A).tier == "host"  # still served from host
     assert store.check_accounting() == []
     ops.fail_at = None  # space frees
+    h.clock.advance(RETRY_FIRST)  # a failed demotion is tried again after this, not at every tick
     store.tick()  # the disk tier notices, and policy demotes again
     store.drain(10)
     assert not store.tiers["disk"].out_of_space

@@ -4,9 +4,12 @@ RESOURCE_EXHAUSTED or UNAVAILABLE and changes nothing, in memory or on disk;
 no byte is left held by no session; a restart on the full disk serves every
 durable session; once space frees, the refused calls go through."""
 
+import logging
 import os
-import subprocess
+import re
 import sqlite3
+import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -16,6 +19,7 @@ from tierd.client import KVSpec, ResourceExhausted
 from tierd.core.store import make_key
 from tierd.errors import ResourceExhausted as StoreResourceExhausted
 from tierd.errors import Unavailable as StoreUnavailable
+from tierd.policy import PolicyConfig
 from tierd.testing import Daemon
 
 MiB = 1 << 20
@@ -163,6 +167,125 @@ def test_a_write_back_that_finds_no_room_leaves_no_file_behind(full):
     assert sorted(store.keys()) == [A, B] and store.scan() == [] and store.check_accounting() == []
 
 
+@pytest.fixture
+def full_tier(small_fs):
+    """The disk tier's budget full of sessions on disk only (d0, the least
+    recently used, to d3), then the file system filled: the disk tier takes a
+    session only by dropping one, and its index has no room to record that.
+    No watermark pressure: what moves is what idle time and room decide."""
+    policy = PolicyConfig(host_idle=60, writeback_idle=None, high_watermark=1.0, low_watermark=1.0)
+    h = Harness(str(small_fs.path), host_budget=8 * MiB, host_slab=8 * MiB, disk_budget=8 * MiB,
+                disk_slab=2 * MiB, policy=policy)
+    store = h.open()
+    eng = HostEngine(seed=5)
+    for i in range(4):
+        store.save(make_key("default", f"d{i}"), eng.memory, SPEC, list(range(64)), 64 * 16)
+        store.demote(make_key("default", f"d{i}"))
+        h.clock.advance(1)
+    small_fs.fill()
+    yield h, store, eng, small_fs
+    h.close()
+
+
+ON_DISK = [make_key("default", f"d{i}") for i in range(4)]
+
+
+def _idle_in_host(h, store, eng, names):
+    """Save a session of 2 MiB (an engine of its own each) per name and release
+    it, one second apart; let their idle time pass and the tick try to demote
+    them. Returns {key: (its tokens, its bytes)}."""
+    sessions = {}
+    for n, name in enumerate(names):
+        key, own = make_key("default", name), HostEngine(seed=10 + n)
+        store.save(key, own.memory, SPEC, list(range(64)), 64 * 16)
+        store.release(key)
+        sessions[key] = (64 * 16, b"".join(own.pages(range(64))))
+        h.clock.advance(1)
+    h.clock.advance(60)
+    assert sorted(m.key for m in store.tick() if m.reason == "idle") == sorted(sessions)
+    assert store.drain(30)
+    return sessions
+
+
+def test_an_idle_session_stays_in_host_while_the_disk_tier_and_its_index_are_full(full_tier, caplog):
+    h, store, eng, fs = full_tier
+    caplog.set_level(logging.DEBUG, logger="tierd")
+    (x, want), = _idle_in_host(h, store, eng, ["x"]).items()
+    # its demotion could not be done: it stays in host (stat, unlike a read, leaves its idle clock running)
+    assert store.stat(x).tier_bytes.keys() == {"host"}
+    assert sorted(store.keys()) == sorted(ON_DISK + [x]) and store.check_accounting() == []
+    # it is tried again later, not at every tick: 2 minutes of ticks every 0.5 s try it a few times
+    tries = 0
+    for _ in range(240):
+        h.clock.advance(0.5)
+        tries += sum(m.key == x for m in store.tick())
+        assert store.drain(30)
+    assert 1 <= tries <= 10
+    failures = [r for r in caplog.records if "default/x to disk failed" in r.getMessage()]
+    assert len(failures) == tries + 1 and [r.levelname for r in failures].count("WARNING") == 1
+    evictions = [r for r in caplog.records if "evicting default/d0 failed" in r.getMessage()]
+    assert len(evictions) == tries + 1 and [r.levelname for r in evictions].count("WARNING") == 1
+    # served as it was stored
+    assert store.stat(x).tier_bytes.keys() == {"host"} and stored(store, x) == want
+    assert store.check_accounting() == []
+    # once the file system has room, its next idle demotion makes room on disk: d0, the least valuable there, goes
+    store.release(x)
+    fs.free()
+    for _ in range(240):
+        h.clock.advance(0.5)
+        store.tick()
+        assert store.drain(30)
+        if store.stat(x).tier_bytes.keys() == {"disk"}:
+            break
+    assert store.stat(x).tier_bytes.keys() == {"disk"} and stored(store, x) == want
+    assert sorted(store.keys()) == sorted(ON_DISK[1:] + [x]) and store.check_accounting() == []
+
+
+def test_only_eviction_for_room_in_host_drops_a_session_the_least_valuable_first(full_tier):
+    h, store, eng, _ = full_tier
+    idle = _idle_in_host(h, store, eng, ["x0", "x1", "x2"])  # 6 MiB of the host tier's 8
+    assert sorted(store.keys()) == sorted(ON_DISK + list(idle))
+    # a fourth session fits: nothing is dropped
+    x3, x4 = make_key("default", "x3"), make_key("default", "x4")
+    store.save(x3, eng.memory, SPEC, list(range(64)), 64 * 16)
+    assert sorted(store.keys()) == sorted(ON_DISK + list(idle) + [x3])
+    # a fifth needs room: x0, the least recently used, has nowhere to go and is dropped, and only it
+    store.save(x4, eng.memory, SPEC, list(range(64)), 64 * 16)
+    x0 = make_key("default", "x0")
+    assert sorted(store.keys()) == sorted(ON_DISK + [k for k in idle if k != x0] + [x3, x4])
+    for key, want in idle.items():
+        if key != x0:
+            assert store.stat(key).tier_bytes.keys() == {"host"} and stored(store, key) == want
+    assert stored(store, x4) == (64 * 16, b"".join(eng.pages(range(64))))
+    assert store.check_accounting() == []
+
+
+def test_a_store_takes_room_on_the_disk_tier_as_soon_as_the_file_system_has_room_again(small_fs):
+    """The disk tier found the file system full while its budget had room; the
+    space returns and a write-back needs more than the budget has left:
+    evicting a session on disk makes the room at once, with no policy tick in
+    between (it refused "the file system is full" until the tick had looked)."""
+    h = Harness(str(small_fs.path), host_budget=16 * MiB, disk_budget=10 * MiB, disk_slab=2 * MiB)
+    store = h.open()
+    eng = HostEngine(num_blocks=128, seed=6)
+    for i in range(4):
+        store.save(ON_DISK[i], eng.memory, SPEC, list(range(64)), 64 * 16)
+        store.demote(ON_DISK[i])
+        h.clock.advance(1)
+    small_fs.fill()
+    c, e = make_key("default", "c"), make_key("default", "e")
+    store.save(c, eng.memory, SPEC, list(range(64)), 64 * 16)
+    with pytest.raises(StoreUnavailable, match="full"):
+        store.write_back(c)  # 2 MiB in a new slab: the file system refuses
+    assert store.tiers["disk"].out_of_space
+    small_fs.free()
+    store.save(e, eng.memory, SPEC, list(range(128)), 128 * 16)  # 4 MiB: 2 more than the budget has left
+    store.write_back(e)
+    assert store.stat(e).durable and stored(store, e) == (128 * 16, b"".join(eng.pages(range(128))))
+    assert sorted(store.keys()) == sorted(ON_DISK[1:] + [c, e]) and store.check_accounting() == []
+    h.close()
+
+
 # -- a real daemon whose data dir is on the small file system ------------------------------
 
 OPAQUE = KVSpec.opaque("test/full", page_bytes=64 << 10)
@@ -267,3 +390,49 @@ def test_drop_and_overwrite_on_a_full_index_answer_and_change_nothing(daemon_on)
     with d.start().client() as c:
         assert c.list() == []
 
+
+def _tries_of(d, session_id):
+    """The level of each line the daemon logged since its last start saying an
+    idle demotion of the session failed."""
+    text = d.log().split(f"--- start {d.starts}\n")[-1]
+    return re.findall(rf"^\S+ \S+ (\w+) tierd\.core\.store: idle of default/{session_id} to disk failed", text,
+                      re.MULTILINE)
+
+
+def test_a_daemon_keeps_released_puts_in_host_while_its_disk_and_index_are_full(small_fs, tmp_path):
+    d = Daemon(tmp_path / "d", "--host-idle", "0.2", "--writeback-idle", "off", "--disk-slab", "2MiB",
+               "--disk-budget", "8MiB", "--log-level", "debug")
+    d.data_dir = str(small_fs.path / "data")
+    try:
+        with d.start().client() as c:
+            for i in range(4):
+                c.put(f"d{i}", os.urandom(2 * MiB), OPAQUE, num_tokens=1)
+                c.release(f"d{i}")
+                wait_for(lambda i=i: c.stat(f"d{i}").tier_bytes.keys() == {"disk"}, what=f"d{i} on disk only")
+            small_fs.fill()
+            data = {f"x{i}": os.urandom(MiB) for i in range(3)}
+            for sid, payload in data.items():
+                c.put(sid, payload, OPAQUE, num_tokens=1)
+                c.release(sid)
+            wait_for(lambda: _tries_of(d, "x0") or "dropping default/x0" in d.log(), what="x0's idle time")
+            t0 = time.monotonic()
+            for sid in data:
+                assert c.stat(sid).tier_bytes.keys() == {"host"}  # (a Get would restart its idle clock)
+            # tried again later, not at every tick (0.1 s): a third try comes seconds after the first
+            wait_for(lambda: len(_tries_of(d, "x0")) >= 3, what="a third try of x0")
+            assert time.monotonic() - t0 > 2 and len(_tries_of(d, "x0")) <= 4
+            assert _tries_of(d, "x0").count("WARNING") == 1
+            for sid, payload in data.items():
+                assert c.stat(sid).tier_bytes.keys() == {"host"} and c.get(sid) == payload
+                c.release(sid)
+            assert "dropping" not in d.log() and wire_accounting(c) == []
+            # once space frees, the index takes a change at once, and the sessions go to disk
+            small_fs.free()
+            c.drop("d3")
+            wait_for(lambda: all(c.stat(sid).tier_bytes.keys() == {"disk"} for sid in data), what="x0..x2 on disk")
+            for sid, payload in data.items():
+                assert c.get(sid) == payload
+            assert wire_accounting(c) == []
+        assert d.stop() == 0
+    finally:
+        d.close()

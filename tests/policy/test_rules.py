@@ -75,8 +75,8 @@ def test_budget_shrink_plans_demotions_or_refuses():
 def test_pressure_demotes_from_high_to_low_watermark():
     cfg = PolicyConfig(high_watermark=0.9, low_watermark=0.5)
     views = [view(str(i), {"host": 10}, last=i) for i in range(10)]
-    assert pressure_moves(views, "host", 90, 100, cfg, ALL) == []
-    moves = pressure_moves(views, "host", 95, 100, cfg, ALL)
+    assert pressure_moves(views, "host", 90, 100, cfg, ALL, 0) == []
+    moves = pressure_moves(views, "host", 95, 100, cfg, ALL, 0)
     assert [m.key.session_id for m in moves] == ["0", "1", "2", "3", "4"]  # 95 - 50 = 45 bytes: five sessions
 
 
@@ -111,7 +111,24 @@ def test_idle_due_is_when_idle_moves_first_moves(cfg, present):
              for tiers in (("device",), ("host",), ("disk",), ("device", "disk"), ("host", "disk"))
              for durable in (False, True) for pinned in (False, True)]
     views.append(view("active", {"host": 1}, released=None))
+    views += [view(f"retry-{at}", {"host": 1}, released=1000.0, retry_at=at) for at in (1005.0, 1500.0, 1700.0)]
     for v in views:
         due = idle_due(v, cfg, present)
         moves_at = [t for t in (1000.0 + s for s in range(0, 2000, 1)) if idle_moves([v], t, cfg, present)]
         assert due == (moves_at[0] if moves_at else None), v
+
+
+def test_a_session_whose_move_failed_is_not_moved_again_before_its_retry_time():
+    s = view("a", {"host": 100}, released=0.0, retry_at=700.0)
+    assert idle_moves([s], 650, CFG, ALL) == []  # idle past host_idle (600 s), but held off
+    assert [(m.target, m.reason) for m in idle_moves([s], 700, CFG, ALL)] == [("disk", "idle")]
+    assert idle_due(s, CFG, ALL) == 700.0
+    # under pressure, the sessions held off are left, and more valuable ones do not take their place
+    cfg = PolicyConfig(high_watermark=0.9, low_watermark=0.5)
+    views = [view(str(i), {"host": 10}, last=i, retry_at=700.0 if i < 2 else None) for i in range(10)]
+    def pressed(now):
+        return [m.key.session_id for m in pressure_moves(views, "host", 95, 100, cfg, ALL, now)]
+    assert pressed(650) == ["2", "3", "4"]
+    assert pressed(700) == ["0", "1", "2", "3", "4"]
+    # eviction for room takes them as any other
+    assert [m.key.session_id for m in plan_eviction(views, "host", 20, ALL, cfg)] == ["0", "1"]

@@ -174,6 +174,8 @@ class Session:
     row: Any = None  # the complete state recorded in the disk index (index.Row), if any
     row_version: int = -1  # the snapshot version that row describes
     idle_check: float | None = None  # when the policy tick looks at it next (None: not scheduled)
+    retry_at: float | None = None  # a move of it failed: no idle or pressure move before this time
+    failures: int = 0  # moves of it that failed in a row
     op: threading.Lock = field(default_factory=threading.Lock)
     readers: int = 0  # Get streams reading pages without the op lock
     deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done

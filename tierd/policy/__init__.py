@@ -16,6 +16,7 @@ from tierd.policy.rules import (
     idle_moves,
     plan_eviction,
     pressure_moves,
+    retry_delay,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "idle_moves",
     "plan_eviction",
     "pressure_moves",
+    "retry_delay",
 ]

@@ -1,12 +1,14 @@
 """What to move and when: idle demotion (and when it is next due),
-watermarks, eviction order, budget changes, TTL, and the
-restore-or-recompute estimate.
+watermarks, eviction order, budget changes, TTL, when a move that failed is
+tried again, and the restore-or-recompute estimate.
 
 Pure functions over what policy may know of sessions (SessionView) and the
 tiers present, called by the store from the policy tick and from the calls
 that need room. Tiers are known by their registered order (tiers.tier_order):
 a session leaving a tier goes to the next lower tier present; write-backs go
-to the durable one.
+to the durable one. A move that failed (a full disk, say) leaves the
+session where it was; policy moves it again after retry_delay, doubling with
+each failure in a row: only eviction for room (plan_eviction) takes it sooner.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from tierd.tiers import DEVICE, HOST, durable_tier, tier_order
 from tierd.types import Advice, SessionKey
 
 DROP = "drop"
+RETRY_FIRST = 1.0  # seconds before a session whose move failed is moved again...
+RETRY_MOST = 30.0  # ... doubling with each failure in a row, up to this
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,7 @@ class SessionView:
     busy: bool = False  # a move or a data call holds it
     durable: bool = False
     awaited: bool = False  # prefetched and not yet used: the engine is about to come
+    retry_at: float | None = None  # a move of it failed: no idle or pressure move before this time
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,15 @@ class Move:
     target: str
     reason: str
     keep: bool = False
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds before a session whose moves failed `failures` (1 or more) times in a row is moved again."""
+    return min(RETRY_MOST, RETRY_FIRST * 2.0 ** min(failures - 1, 16))
+
+
+def _held_off(v: SessionView, now: float) -> bool:
+    return v.retry_at is not None and now < v.retry_at
 
 
 def _value(v: SessionView, cfg: PolicyConfig) -> float:
@@ -141,11 +155,12 @@ def _idle_rules(v: SessionView, cfg: PolicyConfig, order: tuple[str, ...]) -> li
 
 
 def idle_moves(views: Iterable[SessionView], now: float, cfg: PolicyConfig, present: Iterable[str]) -> list[Move]:
-    """Demotions, write-backs and TTL drops due for released sessions."""
+    """Demotions, write-backs and TTL drops due for released sessions (none
+    for a session held off after a failed move)."""
     order = tier_order(present)
     moves = []
     for v in views:
-        if v.released_at is None or v.pinned or v.busy:
+        if v.released_at is None or v.pinned or v.busy or _held_off(v, now):
             continue
         idle = now - v.released_at
         moves += [move for after, move in _idle_rules(v, cfg, order) if idle >= after][:1]
@@ -155,18 +170,23 @@ def idle_moves(views: Iterable[SessionView], now: float, cfg: PolicyConfig, pres
 def idle_due(v: SessionView, cfg: PolicyConfig, present: Iterable[str]) -> float | None:
     """When idle_moves first has a move for this session if nothing about it
     changes but the clock; None if it never will (in use, pinned, or where
-    nothing applies: durable, on disk only, no TTL). Busy is not looked at:
-    a busy session is due again as soon as it is not."""
+    nothing applies: durable, on disk only, no TTL); not before its retry
+    time. Busy is not looked at: a busy session is due again as soon as it is not."""
     if v.released_at is None or v.pinned:
         return None
     rules = _idle_rules(v, cfg, tier_order(present))
-    return v.released_at + min(after for after, _ in rules) if rules else None
+    if not rules:
+        return None
+    due = v.released_at + min(after for after, _ in rules)
+    return due if v.retry_at is None else max(due, v.retry_at)
 
 
 def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: int, cfg: PolicyConfig,
-                   present: Iterable[str]) -> list[Move]:
+                   present: Iterable[str], now: float) -> list[Move]:
     """Above the high watermark, demote least valuable sessions until the
-    tier would be at the low watermark (as far as movable sessions allow)."""
+    tier would be at the low watermark (as far as movable sessions allow).
+    A session held off after a failed move is left, its bytes counted as if
+    moved: more valuable sessions do not go in its place."""
     if budget <= 0 or used <= cfg.high_watermark * budget:
         return []
     need = used - int(cfg.low_watermark * budget)
@@ -175,7 +195,8 @@ def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: i
     for v in eviction_order(views, tier, cfg):
         if freed >= need:
             break
-        moves.append(Move(v.key, _next_lower(tier, present), "pressure"))
+        if not _held_off(v, now):
+            moves.append(Move(v.key, _next_lower(tier, present), "pressure"))
         freed += v.tier_bytes[tier]
     return moves
 

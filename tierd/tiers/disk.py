@@ -127,15 +127,25 @@ class DiskTier(SlabTier):
                         "space frees", self.directory, why)
         self.out_of_space = True
 
-    def maintain(self) -> int:
-        """Notice slab files deleted under the daemon (see _linked); resume once
-        the file system has a slab's worth of room again."""
-        with self._lock:
-            for slab, fd in self._fds.items():
-                self._linked(slab, fd)
+    def _look_for_room(self) -> None:
+        """Resume once the file system has a slab's worth of room again."""
         if self.out_of_space and shutil.disk_usage(self.directory).free >= self.slab_bytes:
             self.out_of_space = False
             log.info("disk tier: space freed under %s; demotion resumes", self.directory)
+
+    def alloc_pages(self, n_pages: int, page_bytes: int, owner: str = "") -> list[Piece] | None:
+        # out_of_space then says what this allocation found, not what one before the space returned did
+        # (it decides whether making room by eviction may help: placement.alloc).
+        self._look_for_room()
+        return super().alloc_pages(n_pages, page_bytes, owner)
+
+    def maintain(self) -> int:
+        """Notice slab files deleted under the daemon (see _linked), and space
+        freed on the file system."""
+        with self._lock:
+            for slab, fd in self._fds.items():
+                self._linked(slab, fd)
+        self._look_for_room()
         return 0
 
     def _close_slab(self, index: int) -> None:

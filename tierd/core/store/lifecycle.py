@@ -1,7 +1,9 @@
 """A session's life after its pages are stored: release (its idle clock
 starts), pin and unpin, drop, prefetch and readiness, demotions and
 write-backs on request, and the jobs the mover runs (prefetch, demotion,
-write-back, drop) on its own threads, each under the session's lock."""
+write-back, drop) on its own threads, each under the session's lock. A
+move that fails leaves the session where it was, held off from idle and
+pressure moves until policy's retry delay has passed."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tierd.errors import (
     TierdError,
     shown,
 )
-from tierd.policy.rules import DROP
+from tierd.policy.rules import DROP, retry_delay
 from tierd.tiers import DISK, HOST, MEMORY, is_tier, kind_of, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
@@ -170,23 +172,48 @@ class Lifecycle(Leases):
         except TierdError as exc:
             if job.reason == "prefetch":
                 self.events.prefetch_outcome("missed")
-            log.warning("%s of %s/%s to %s failed: %s", job.reason, job.key.tenant, job.key.session_id,
-                        job.target, exc)
+                log.warning("prefetch of %s/%s to %s failed: %s", *job.key, job.target, exc)
+            else:
+                delay, first = self._move_failed(session)
+                log.log(logging.WARNING if first else logging.DEBUG, "%s of %s/%s to %s failed: %s; tried again "
+                        "in %g s", job.reason, *job.key, job.target, exc, delay)
+        else:
+            if job.reason != "prefetch":
+                self._move_done(session)
         finally:
             with self._lock:
                 session.moving = False
             session.op.release()
             self._notify()
 
-    def _demote(self, session: Session, target: str, io_class: IOClass, reason: str) -> None:
-        """Demote toward target, or further down where target cannot take it;
-        where no lower tier can, the session is dropped (it is a cache)."""
+    def _move_failed(self, session: Session) -> tuple[float, bool]:
+        """A move of the session failed and it stays as it was: no idle or
+        pressure move takes it before policy's retry delay (eviction for room
+        may). Returns the delay, and whether this is the first failure in a
+        row: logged as a warning, the next ones at debug level."""
+        with self._lock:
+            session.failures += 1
+            delay = retry_delay(session.failures)
+            session.retry_at = self.clock.now() + delay
+            return delay, session.failures == 1
+
+    def _move_done(self, session: Session) -> None:
+        with self._lock:
+            session.retry_at, session.failures = None, 0
+
+    def _demote(self, session: Session, target: str, io_class: IOClass, reason: str, evict: bool = False) -> None:
+        """Demote toward target, or further down where target cannot take it.
+        Where no lower tier can, an eviction (evict: its room is needed now)
+        drops the session (it is a cache); any other demotion raises, and the
+        session stays where it is."""
         lower = [] if target == DROP else [t for t in tier_order(self.tiers) if tier_rank(t) >= tier_rank(target)]
         for tier in lower:
             try:
                 self.placement.demote(session, tier, io_class, reason)
                 return
             except ResourceExhausted as exc:
+                if not evict and tier == lower[-1]:
+                    raise
                 log.info("cannot demote %s/%s to %s: %s", *session.key, tier, exc)
         if lower:
             log.info("dropping %s/%s: no lower tier has room", *session.key)

@@ -139,7 +139,7 @@ class SessionTable:
 
     def _view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
         return SessionView(s.key, self._shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,
-                           s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited)
+                           s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited, s.retry_at)
 
     def _schedule(self, session: Session, at: float | None = None) -> None:
         """Have the tick look at a session at `at`, or else when policy says its

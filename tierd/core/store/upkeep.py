@@ -59,9 +59,10 @@ class Upkeep(Lifecycle):
                     due.append(session)
         return due
 
-    def _execute(self, moves: list[Move], io_class: IOClass) -> int:
-        """Carry out eviction moves now, skipping sessions busy by then."""
-        done = 0
+    def _execute(self, moves: list[Move], io_class: IOClass) -> tuple[int, int]:
+        """Carry out eviction moves now, skipping sessions busy by then;
+        returns how many were done and how many failed."""
+        done = failed = 0
         for mv in moves:
             with self._lock:
                 session = self._sessions.get(mv.key)
@@ -69,13 +70,16 @@ class Upkeep(Lifecycle):
                 continue
             try:
                 if not session.dropped:
-                    self._demote(session, mv.target, io_class, mv.reason)
+                    self._demote(session, mv.target, io_class, mv.reason, evict=True)
+                    self._move_done(session)
                     done += 1
             except TierdError as exc:
-                log.warning("evicting %s/%s failed: %s", mv.key.tenant, mv.key.session_id, exc)
+                failed += 1
+                _, first = self._move_failed(session)
+                log.log(logging.WARNING if first else logging.DEBUG, "evicting %s/%s failed: %s", *mv.key, exc)
             finally:
                 session.op.release()
-        return done
+        return done, failed
 
     def _make_room(self, tier: str, need: int, protect: SessionKey, io_class: IOClass, tenant: str | None) -> bool:
         """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
@@ -86,8 +90,11 @@ class Upkeep(Lifecycle):
             plan = plan_eviction(views, tier, need, self.tiers, self.policy)
             if plan is None:
                 return False
-            if self._execute(plan, io_class):
+            done, failed = self._execute(plan, io_class)
+            if done:
                 return True
+            if failed:
+                return False  # a plan again would fail as this one did (the disk index full, say)
             # Each planned session got busy in between (a queued move of it started): plan again.
         return False
 
@@ -119,7 +126,7 @@ class Upkeep(Lifecycle):
         for name, tier in self.tiers.items():
             if tier.used > self.policy.high_watermark * tier.budget:
                 views = self._views(keep=lambda s, name=name: bool(s.snap.placement.get(name)))
-                moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers)
+                moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers, now)
         seen: set[SessionKey] = set()
         for mv in moves:
             if mv.key in seen:
@@ -144,7 +151,7 @@ class Upkeep(Lifecycle):
                 f"pinned or busy sessions hold more of the {tier} tier than {nbytes} bytes; unpin some first",
                 tier=tier, used=t.used, budget=nbytes)
         t.budget = nbytes  # no new allocation past the new budget from here on
-        moved = self._execute(plan, IOClass.DEMAND)
+        moved, _ = self._execute(plan, IOClass.DEMAND)
         t.set_budget(nbytes)
         return BudgetResult(tier, old, nbytes, max(0, used0 - t.used), moved, time.perf_counter() - t0)
 
