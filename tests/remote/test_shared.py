@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, wait_for
-from tierd.errors import DataLoss, NotFound
+from tierd.errors import DataLoss, NotFound, Unavailable
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
 from tierd.types import SessionKey
@@ -629,3 +629,35 @@ def test_write_back_publishes_sessions_once_idle_on_disk(nodes):
     dst = HostEngine(seed=35)
     b.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == eng.pages([0, 1])
+
+
+def test_a_call_on_a_hung_cluster_waits_the_remote_timeout_at_most(tmp_path):
+    """Every master stopped (their replicas up): a Stat of a session held
+    nowhere here answers NOT_FOUND within the timeout, whatever redis-py does
+    to find the cluster again."""
+    import os
+    import signal
+
+    hung = RedisCluster(tmp_path / "hung", masters=3, replicas=1).start()
+    h = Harness(str(tmp_path / "n"), remote=hung.url, remote_timeout=0.5)
+    masters = [port for port, role in hung.nodes() if role == "master"]
+    try:
+        s = h.open()
+        stored(s, SessionKey("alice", "here"), HostEngine(seed=44), [0, 1], 32)
+        for port in masters:
+            os.kill(hung.procs[port].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(NotFound):
+            s.stat(SessionKey("alice", "elsewhere"))
+        took = time.monotonic() - t0
+        assert took < 0.5 + 0.25, f"{took:.2f} s"
+        t0 = time.monotonic()  # the remote store itself (the tier is down in the store now): a List's manifests
+        with pytest.raises(Unavailable):
+            s.remote.store.manifests([SessionKey("alice", f"m{i}") for i in range(24)])
+        took = time.monotonic() - t0
+        assert took < 0.5 + 0.25, f"{took:.2f} s"
+    finally:
+        for port in masters:
+            os.kill(hung.procs[port].pid, signal.SIGCONT)
+        h.close()
+        hung.close()

@@ -1,7 +1,9 @@
 """The remote store: sessions in a Redis Cluster (or one Redis or Valkey
 server) that every node reaches, so a session saved on one node resumes on
-any. Runs on the thread that calls it (movers, RPC threads); redis-py's
-clients are thread-safe.
+any. Runs on the thread that calls it (movers, RPC threads), except that
+each call that waits on the store runs on a thread of the store's, waited
+for `timeout` seconds at most (see Faults); redis-py's clients are
+thread-safe.
 
 Layout. A session's keys share one hash tag (its slot), derived by hash from
 tenant and session id, so no key names either: `PREFIX:{TAG}:m` holds the
@@ -36,6 +38,13 @@ Never wrong KV. The manifest carries the identity fingerprint, the page
 checksums and the token hashes; every page read back is checked (DataLoss
 on a mismatch). A chunk that is gone (evicted, expired, lost in a fail-over)
 makes the whole session NotFound: recompute, never a part.
+
+Faults. redis-py, on a node that does not answer, finds the cluster again
+and tries once more, and a pipeline sends its commands to that node again
+one at a time: each call that moves no session's bytes runs on a thread of
+the store's and its caller waits `timeout` seconds at most (Unavailable),
+while redis-py finishes on its own. A publish's chunks and a fetch are
+bounded by the timeout per read or write.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as Late
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +73,7 @@ PIPELINE = 16  # chunks written (or read through redis-py) per round trip
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
 MAX_VERSION = 10**14 - 1  # what the scripts' Lua numbers (doubles, printed to 14 digits) hold exactly
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
+CALL_THREADS = 32  # threads the calls that wait on the store run on
 
 _VERSION = """
 local function version(cur)  -- a manifest's or tombstone's number; 0 for one that does not parse: replaced as none
@@ -287,9 +298,11 @@ class RemoteStore:
         self.client = client
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000) if ttl else 0
+        self.timeout: float | None = client.get_connection_kwargs().get("socket_timeout")
         self._cas = client.register_script(_CAS)
         self._list = client.register_script(_LIST)
         self._drop = client.register_script(_DROP)
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="tierd-remote-call")
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
         # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
@@ -299,6 +312,7 @@ class RemoteStore:
 
     def close(self) -> None:
         self._sender.shutdown(wait=True)
+        self._calls.shutdown(wait=False, cancel_futures=True)  # a call on a store that hangs ends on its own
         self.client.close()
 
     def _key(self, key: SessionKey, *parts: str) -> str:
@@ -349,6 +363,21 @@ class RemoteStore:
             self._relist(tenant, [(i, -1) for i in session_ids])
 
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), a call on the store that moves no session's bytes,
+        on a thread of the store's: whatever redis-py does on a node that does
+        not answer, the caller waits `timeout` seconds at most (Unavailable)."""
+        try:
+            running = self._calls.submit(self._run, what, fn, *args, **kw)
+        except RuntimeError:  # closed
+            raise Unavailable(f"the remote store is closed ({what})") from None
+        try:
+            return running.result(self.timeout)
+        except Late:
+            running.cancel()
+            raise Unavailable(f"the remote store did not answer ({what}) in {self.timeout:g} s") from None
+
+    def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), a call on the store, here: redis-py's errors as tierd's."""
         import redis
         from redis.exceptions import RedisClusterException
 
@@ -451,7 +480,8 @@ class RemoteStore:
             manifest = Manifest(number, write, fingerprint,
                                 spec, num_tokens, nbytes, page_bytes, np.asarray(checksums, dtype=np.uint64),
                                 np.asarray(token_hashes), time.time(), owner_of(key))
-            reply = self._call("the manifest switch", self._cas,
+            # Not as a _call: the switch carries the manifest and checks every chunk (each read is bounded).
+            reply = self._run("the manifest switch", self._cas,
                                keys=[self._key(key, "m")] + [self._key(key, f"w{write}", str(i)) for i in range(chunks)],
                                args=[expect, manifest.encode(), self.ttl_ms])
             if not isinstance(reply, list) or len(reply) != 2:
@@ -498,13 +528,13 @@ class RemoteStore:
         pipe = self.client.pipeline(transaction=False)
         for i, chunk in enumerate(chunks):
             pipe.set(self._key(key, f"w{write}", str(first + i)), chunk, px=self.ttl_ms or None)
-        self._call("a page write", pipe.execute)
+        self._run("a page write", pipe.execute)
 
     def _get(self, key: SessionKey, write: str, first: int, count: int) -> list[bytes | None]:
         pipe = self.client.pipeline(transaction=False)
         for i in range(first, first + count):
             pipe.get(self._key(key, f"w{write}", str(i)))
-        return self._call("a page read", pipe.execute)
+        return self._run("a page read", pipe.execute)
 
     def _delete(self, key: SessionKey, write: str, chunks: int) -> None:
         """Delete a write's chunks (one slot: one call per 256); where the store
