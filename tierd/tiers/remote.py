@@ -25,6 +25,12 @@ A drop leaves a tombstone at the manifest's key, and a history's first
 version is numbered at random: a node's copy of a version that ended is
 never taken for the current one.
 
+Manifests. A read of a manifest returns the whole of it up to HEAD_BYTES,
+else its head, whose first line says how long the whole is: a value of
+another length is DataLoss before more of it is read, and a large manifest
+is read whole once per version (kept, by key and first line, up to
+MANIFESTS_KEPT bytes), one at a time.
+
 Reading. A fetch keeps several small batches of GETs in flight on one
 connection, so the store builds the next replies while these are read, and
 reads the replies off the connection straight into the memory the caller
@@ -51,10 +57,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as Late
@@ -73,21 +81,26 @@ PIPELINE = 16  # chunks written (or read through redis-py) per round trip
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
 MAX_VERSION = 10**14 - 1  # what the scripts' Lua numbers (doubles, printed to 14 digits) hold exactly
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
+HEAD_BYTES = 64 << 10  # a manifest read returns the whole of one this long at most, else this much of its head
+MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not read again
 CALL_THREADS = 32  # threads the calls that wait on the store run on
 
-_VERSION = """
+_VERSION = f"local HEAD = {HEAD_BYTES}\n" + """
+local function head(key)  -- the first HEAD bytes at key ('' for none)
+  return redis.call('GETRANGE', key, 0, HEAD - 1)
+end
 local function version(cur)  -- a manifest's or tombstone's number; 0 for one that does not parse: replaced as none
-  local v = cur and tonumber(string.match(cur, '^(%d+) ')) or 0
+  local v = tonumber(string.match(cur, '^(%d+) ')) or 0
   if v > 99999999999999 then return 0 end
   return v
 end
 """
 
 # KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
-# manifest, its TTL in ms (0: none). Returns {1, old manifest} if switched, {0, current version} if another
+# manifest, its TTL in ms (0: none). Returns {1, old manifest's head} if switched, {0, current version} if another
 # writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
 _CAS = _VERSION + """
-local cur = redis.call('GET', KEYS[1])
+local cur = head(KEYS[1])
 local have = version(cur)
 if have ~= tonumber(ARGV[1]) then return {0, have} end
 local there = 0
@@ -95,15 +108,17 @@ for i = 2, #KEYS, 1000 do there = there + redis.call('EXISTS', unpack(KEYS, i, m
 if there ~= #KEYS - 1 then return {2, there} end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
-return {1, cur or ''}
+return {1, cur}
 """
 
 # KEYS[1]: the manifest. ARGV: a TTL in ms (0: none). A session dropped leaves a tombstone, "N dropped", one
 # version past the one it ends: a node holding a copy of a version before it learns the session is gone,
-# and the next history goes on numbering from it. Returns the manifest replaced (false: none).
+# and the next history goes on numbering from it. Returns the head of the manifest replaced ('': none).
 _DROP = _VERSION + """
-local cur = redis.call('GET', KEYS[1])
-if not cur or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then return cur end  -- none, or dropped
+local cur = head(KEYS[1])
+if redis.call('EXISTS', KEYS[1]) == 0 or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then
+  return cur  -- none, or dropped
+end
 local n = version(cur) + 1
 if n > 99999999999999 then n = 1 end  -- past what a Lua number holds exactly
 local tomb = n .. ' dropped'
@@ -112,6 +127,14 @@ return cur
 """
 _TOMBSTONE = re.compile(rb"(\d+) dropped")
 
+
+# KEYS[1]: a manifest. ARGV[1]: a length (0: none). Returns its length and the whole of it where that is HEAD
+# bytes at most or ARGV[1] exactly, else its first HEAD bytes; {0, nil} for none (another type: WRONGTYPE).
+_READ = f"local HEAD = {HEAD_BYTES}\n" + """
+local n = redis.call('STRLEN', KEYS[1])
+if n <= HEAD or n == tonumber(ARGV[1]) then return {n, redis.call('GET', KEYS[1])} end
+return {n, redis.call('GETRANGE', KEYS[1], 0, HEAD - 1)}
+"""
 
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
 # then pairs of session id and bytes (-1: unlisted). Keeps the total equal to the map's sum (the map of a
@@ -170,7 +193,7 @@ class Manifest:
 
     @property
     def chunks(self) -> int:
-        return -(-self.nbytes // CHUNK_BYTES)
+        return _chunks(self.nbytes)
 
     def size_of(self, page: int) -> int:
         """Logical bytes of a page (the last may be short)."""
@@ -188,26 +211,22 @@ class Manifest:
     @classmethod
     def decode(cls, raw: bytes) -> Manifest:
         """The manifest in raw, checked to agree with itself (DataLoss if not):
-        whatever the store holds, what comes out of here is safe to describe."""
+        whatever the store holds, what comes out of here is safe to describe
+        (and to share: its arrays are read-only)."""
+        head = _Head.parse(raw)
+        if len(raw) != head.length:
+            raise DataLoss(f"a remote manifest of {len(raw)} bytes where its head says {head.length}", tier="remote")
         try:
-            if len(raw) > MAX_MANIFEST_BYTES:
-                raise ValueError(f"{len(raw)} bytes")
-            head, _, rest = raw.partition(b"\n")
-            version, _, text = head.partition(b" ")
-            meta = json.loads(text)
-            if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict):
-                raise ValueError("not an object with a spec")
-            n = _whole(meta["pages"], 1, MAX_PAGES)
+            meta, n, rest = head.meta, head.pages, raw[len(head.line) + 1 :]
             sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
-            shape = tuple(_whole(d, 0, 1 << 20) for d in meta["hash_shape"])
-            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"]))
-            if len(sums) != n or hashes.size != int(np.prod(shape)) or (shape and shape[0] not in (0, n)):
-                raise ValueError("its checksums or token hashes do not add up")
-            m = cls(_whole(version.decode(), 1, MAX_VERSION), str(meta["write"]), str(meta["fingerprint"]),
-                    dict(meta["spec"]), _whole(meta["num_tokens"], 0, 1 << 40), _whole(meta["nbytes"], 1, 1 << 50),
-                    _whole(meta["page_bytes"], 1, 1 << 34), sums, hashes.reshape(shape).copy(),
-                    float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
-            if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes or not m.write.isalnum():
+            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"])).reshape(head.hash_shape).copy()
+            if head.hash_shape and head.hash_shape[0] not in (0, n):
+                raise ValueError("its token hashes do not add up")
+            sums.flags.writeable = hashes.flags.writeable = False
+            m = cls(head.version, head.write, str(meta["fingerprint"]), dict(meta["spec"]),
+                    _whole(meta["num_tokens"], 0, 1 << 40), head.nbytes, _whole(meta["page_bytes"], 1, 1 << 34), sums,
+                    hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
+            if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes:
                 raise ValueError("its pages do not hold its bytes")
             return m
         except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
@@ -216,6 +235,53 @@ class Manifest:
 
 MAX_MANIFEST_BYTES = 256 << 20  # 24 bytes a page: ten million pages
 MAX_PAGES = 10_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """What a manifest's first line says: enough to know how long the whole is,
+    and which chunks hold its bytes, before reading more of it."""
+
+    line: bytes
+    version: int
+    meta: dict[str, Any]
+    write: str
+    nbytes: int
+    pages: int
+    hash_shape: tuple[int, ...]
+    length: int  # of the whole manifest
+
+    @property
+    def chunks(self) -> int:
+        return _chunks(self.nbytes)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _Head:
+        """The head of the manifest that raw is, or begins with (HEAD_BYTES of
+        it); DataLoss where it does not parse."""
+        try:
+            line, found, _ = raw[:HEAD_BYTES].partition(b"\n")
+            if not found:
+                raise ValueError(f"no first line in its first {len(line)} bytes")
+            version, _, text = line.partition(b" ")
+            meta = json.loads(text)
+            if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict):
+                raise ValueError("not an object with a spec")
+            n = _whole(meta["pages"], 1, MAX_PAGES)
+            shape = tuple(_whole(d, 0, 1 << 20) for d in meta["hash_shape"])
+            length = len(line) + 1 + 8 * n + np.dtype(meta["hash_dtype"]).itemsize * math.prod(shape)
+            head = cls(line, _whole(version.decode(), 1, MAX_VERSION), meta, str(meta["write"]),
+                       _whole(meta["nbytes"], 1, 1 << 50), n, shape, length)
+            if not head.write.isalnum() or length > MAX_MANIFEST_BYTES:
+                raise ValueError(f"write {head.write[:40]!r}, {length} bytes")
+            return head
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
+            raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _chunks(nbytes: int) -> int:
+    """The chunks that nbytes of a version take."""
+    return -(-nbytes // CHUNK_BYTES)
 
 
 def _whole(value: Any, low: int, high: int) -> int:
@@ -302,7 +368,13 @@ class RemoteStore:
         self._cas = client.register_script(_CAS)
         self._list = client.register_script(_LIST)
         self._drop = client.register_script(_DROP)
+        self._read = client.register_script(_READ)
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="tierd-remote-call")
+        # Large manifests read whole (see _manifest_at), by key: (first line, length, manifest), oldest first.
+        self._kept: OrderedDict[str, tuple[bytes, int, Manifest]] = OrderedDict()
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()
+        self._large = threading.Lock()  # one large manifest read at a time
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
         # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
@@ -349,13 +421,16 @@ class RemoteStore:
             return []
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.get(self._key(key, "m"))
+            pipe.execute_command("EVAL", _READ, 1, self._key(key, "m"), 0)
         out: list[Manifest | None] = []
-        for key, raw in zip(keys, self._call("a manifest read", pipe.execute, raise_on_error=False)):
+        for key, reply in zip(keys, self._call("a manifest read", pipe.execute, raise_on_error=False)):
             try:
-                out.append(None if raw is None else _owned(key, Manifest.decode(raw)))
-            except (DataLoss, TypeError):
-                out.append(None)  # TypeError: an error in raw's place (a key of another type, say)
+                if isinstance(reply, Exception):  # a key of another type, say
+                    raise DataLoss(str(reply))
+                m = self._manifest_at(self._key(key, "m"), *reply)[0]
+                out.append(_owned(key, m) if m is not None else None)
+            except DataLoss:
+                out.append(None)
         return out
 
     def unlist(self, tenant: str, session_ids: list[str]) -> None:
@@ -387,7 +462,7 @@ class RemoteStore:
             raise Unavailable(f"the remote store did not answer ({what}): {exc}") from None
         except redis.ResponseError as exc:
             # One key holds something else (on its own, or as a pipeline's command): that session's copy is unusable.
-            if re.match(r"(Command # \d+ .* caused error: )?WRONGTYPE", str(exc)):
+            if re.match(r"(Command # \d+ .* caused error: )?WRONGTYPE", str(exc), re.S):
                 raise DataLoss(f"the remote store holds something else than tierd wrote ({what}): {exc}",
                                tier="remote") from None
             raise Refused(f"the remote store refused {what}: {exc}") from None
@@ -419,13 +494,48 @@ class RemoteStore:
         """The session's current manifest (None: none, or a tombstone: the
         session was dropped) and the version number at its key (0: none);
         DataLoss for a manifest that does not parse or is another session's."""
-        raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
-        if raw is None:
-            return None, 0
-        if _dropped_at(raw):
-            return None, _dropped_at(raw)
-        m = _owned(key, Manifest.decode(raw))
-        return m, m.version
+        name = self._key(key, "m")
+        m, at = self._manifest_at(name, *self._call("a manifest read", self._read, keys=[name], args=[0]))
+        return (_owned(key, m) if m is not None else None), at
+
+    def _manifest_at(self, name: str, length: int, raw: bytes | None) -> tuple[Manifest | None, int]:
+        """What a read of key `name` found (`length` bytes, of which raw is the
+        whole or the head): its manifest (None: none, or a tombstone) and the
+        version number there. A large one is read whole once per version,
+        one at a time; DataLoss where its head says another length."""
+        for _ in range(2):
+            if raw is None:
+                return None, 0
+            if _dropped_at(raw):
+                return None, _dropped_at(raw)
+            if len(raw) == length:
+                m = Manifest.decode(raw)
+                return m, m.version
+            head = _Head.parse(raw)
+            if head.length != length:
+                raise DataLoss(f"a remote manifest of {length} bytes where its head says {head.length}",
+                               tier="remote")
+            with self._large:
+                with self._kept_lock:
+                    kept = self._kept.get(name)
+                    if kept is not None and kept[:2] == (head.line, length):
+                        self._kept.move_to_end(name)
+                        return kept[2], kept[2].version
+                # Not as a _call: a large manifest may take longer than the timeout (each read is bounded by it).
+                length, raw = self._run("a manifest read", self._read, keys=[name], args=[length])
+                if raw is not None and len(raw) == length > HEAD_BYTES:
+                    m = Manifest.decode(raw)
+                    self._keep(name, raw.partition(b"\n")[0], length, m)
+                    return m, m.version
+        raise Unavailable("the remote tier's manifest of this session changed twice as it was read")
+
+    def _keep(self, name: str, line: bytes, length: int, m: Manifest) -> None:
+        with self._kept_lock:
+            old = self._kept.pop(name, None)
+            self._kept_bytes += length - (old[1] if old is not None else 0)
+            self._kept[name] = (line, length, m)
+            while self._kept_bytes > MANIFESTS_KEPT:
+                self._kept_bytes -= self._kept.popitem(last=False)[1][1]
 
     def tombstones(self, keys: list[SessionKey]) -> list[int]:
         """For each session, the version of its tombstone (0: not dropped),
@@ -439,7 +549,7 @@ class RemoteStore:
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,
         whatever the rest holds (0: none, or none it can read)."""
-        raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
+        raw = self._call("a manifest read", self.client.getrange, self._key(key, "m"), 0, 31)
         return _version(raw)
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
@@ -507,7 +617,7 @@ class RemoteStore:
             pass
         if old:
             try:
-                previous = Manifest.decode(old)
+                previous = _Head.parse(old)
             except DataLoss:
                 return manifest  # unreadable: its chunks go by their TTL
             self._delete(key, previous.write, previous.chunks)  # the version replaced: reclaimed
@@ -656,13 +766,14 @@ class RemoteStore:
         manifest's place; whether there was one."""
         old = self._call("a drop", self._drop, keys=[self._key(key, "m")], args=[self.ttl_ms])
         self.unlist(key.tenant, [key.session_id])
-        if not isinstance(old, bytes) or _dropped_at(old):
+        if not old or _dropped_at(old):
             return False
         try:
-            manifest = _owned(key, Manifest.decode(old))
+            head = _Head.parse(old)
         except DataLoss:
             return True  # unreadable: its chunks go by their TTL
-        self._delete(key, manifest.write, manifest.chunks)
+        if head.meta.get("owner", "") == owner_of(key):  # (another session's manifest names chunks of its own)
+            self._delete(key, head.write, head.chunks)
         return True
 
 
