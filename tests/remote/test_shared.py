@@ -571,6 +571,22 @@ def test_a_key_of_another_type_is_that_session_s_loss_not_the_tier_s(nodes):
     assert b.stat(other).tier == "remote"  # the remote tier is not marked down by it
 
 
+def test_a_manifest_key_of_another_type_is_replaced_by_the_next_store_and_the_local_copy_kept(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "wrongtype-stored")
+    eng = HostEngine(seed=45)
+    save(a, key, eng, [0, 1], 32)
+    publisher_idle(a)
+    a.remote.store.client.delete(a.remote.store._key(key, "m"))
+    a.remote.store.client.rpush(a.remote.store._key(key, "m"), b"not a manifest")
+    save(a, key, eng, [2, 3], 32)  # published over it
+    publisher_idle(a)
+    assert a.stat(key).state != "damaged" and a.stat(key).remote_durable
+    dst = HostEngine(seed=46)
+    b.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == eng.pages([2, 3])
+
+
 def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_serve(tmp_path):
     import os
     import signal
@@ -629,6 +645,55 @@ def test_write_back_publishes_sessions_once_idle_on_disk(nodes):
     dst = HostEngine(seed=35)
     b.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == eng.pages([0, 1])
+
+
+def publisher_idle(store):
+    wait_for(lambda: store.publish_queue() == (0, 0), what="the publisher idle")
+
+
+@pytest.mark.parametrize("damage", ["total a list", "total past a count", "map a string", "list a string",
+                                    "map values garbled"])
+def test_a_garbled_tenant_key_is_repaired_and_no_session_s_loss(nodes, damage, caplog):
+    """The tenant's list, map of bytes and total are bookkeeping: one that
+    holds something else is reset (one log line) or summed again, and every
+    node goes on storing, publishing and listing the tenant's sessions."""
+    a, b = nodes("a", remote_quota=8 * PAGE).store, nodes("b", remote_quota=8 * PAGE).store
+    eng = HostEngine(seed=40)
+    keys = [SessionKey("alice", f"kept{i}") for i in range(3)]
+    stored(a, keys[0], eng, [0, 1], 32)
+    store = a.remote.store
+    client, names = store.client, {w: store._index("alice", w) for w in "sbu"}
+    if damage == "total a list":
+        client.delete(names["u"])
+        client.rpush(names["u"], b"not a count")
+    elif damage == "total past a count":
+        client.set(names["u"], b"9" * 30)  # a tenant refused for ever, were it believed
+    elif damage == "map a string":
+        client.delete(names["b"])
+        client.set(names["b"], b"not a map")
+    elif damage == "list a string":
+        client.delete(names["s"])
+        client.set(names["s"], b"not a list")
+    else:
+        client.delete(names["u"])  # summed again from the map, where kept0's bytes are no count
+        client.hset(names["b"], "kept0", b"1e999")
+    for node, key, blocks in ((a, keys[1], [2, 3]), (b, keys[2], [4, 5])):
+        save(node, key, eng, blocks, 32)
+        publisher_idle(node)
+        info = node.stat(key)
+        assert info.remote_durable and info.state != "damaged", (damage, key)
+    for node, key, blocks in ((b, keys[1], [2, 3]), (a, keys[2], [4, 5]), (b, keys[0], [0, 1])):
+        dst = HostEngine(seed=41)
+        node.restore(key, dst.memory, SPEC, [0, 1])  # each node serves the others' sessions
+        assert dst.pages([0, 1]) == eng.pages(blocks)
+    c = nodes("c").store
+    assert [i.session_id for i in c.list("alice")[0]] == ["kept0", "kept1", "kept2"]
+    kinds = {w: client.type(name) for w, name in names.items()}
+    assert kinds == {"s": b"zset", "b": b"hash", "u": b"string"}
+    held = 4 * PAGE if damage in ("map a string", "map values garbled") else 6 * PAGE  # kept0's bytes forgotten
+    assert store.usage("alice", "kept1") == (held, 2 * PAGE)
+    if damage in ("total a list", "map a string", "list a string"):
+        assert len([r for r in caplog.records if "reset" in r.getMessage()]) == 1
 
 
 def test_a_call_on_a_hung_cluster_waits_the_remote_timeout_at_most(tmp_path):

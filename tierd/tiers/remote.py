@@ -14,7 +14,9 @@ tenant's session ids are members of one sorted set, `PREFIX:{TENANT TAG}:s`
 (for List; a member whose manifest is gone is dropped when found), and
 `PREFIX:{TENANT TAG}:b` maps each to its bytes and `PREFIX:{TENANT TAG}:u`
 holds their sum (the tenant's quota, read in one call whatever its number
-of sessions).
+of sessions). These three are bookkeeping: one that holds something else is
+reset (the list made again from the map), and a total that is no count is
+summed again.
 
 One history per session. A version is published in two steps: its chunks
 under a write id of its own, then the manifest switched by compare-and-set
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import secrets
@@ -73,8 +76,10 @@ import numpy as np
 
 from tierd.checksum import page_checksum
 from tierd.config import parse_remote_url
-from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable, shown
 from tierd.types import SessionKey
+
+log = logging.getLogger("tierd.tiers.remote")
 
 CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
 PIPELINE = 16  # chunks written (or read through redis-py) per round trip
@@ -86,7 +91,8 @@ MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not 
 CALL_THREADS = 32  # threads the calls that wait on the store run on
 
 _VERSION = f"local HEAD = {HEAD_BYTES}\n" + """
-local function head(key)  -- the first HEAD bytes at key ('' for none)
+local function head(key)  -- the first HEAD bytes at key; '' for none, or a key of another type: replaced as none
+  if redis.call('TYPE', key)['ok'] ~= 'string' then return '' end
   return redis.call('GETRANGE', key, 0, HEAD - 1)
 end
 local function version(cur)  -- a manifest's or tombstone's number; 0 for one that does not parse: replaced as none
@@ -137,17 +143,37 @@ return {n, redis.call('GETRANGE', KEYS[1], 0, HEAD - 1)}
 """
 
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
-# then pairs of session id and bytes (-1: unlisted). Keeps the total equal to the map's sum (the map of a
-# store written before there was a total is summed once); returns the total.
+# a session id (''), then pairs of session id and bytes (-1: unlisted). A key of another type is deleted first
+# (a list deleted is made again from the map's ids); the total is kept equal to the map's sum (summed again
+# where it is no count: none, garbled, or the map deleted). Returns the total, the session's bytes, and the
+# names of the keys deleted.
 _LIST = """
-local total = tonumber(redis.call('GET', KEYS[3]) or '-1') or -1  -- none, or garbled: summed again
-if total < 0 then
-  total = 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (tonumber(v) or 0) end
+local kinds, lost, reset = {'zset', 'hash', 'string'}, {}, {}
+for i, k in ipairs(KEYS) do
+  local kind = redis.call('TYPE', k)['ok']
+  if kind ~= 'none' and kind ~= kinds[i] then
+    redis.call('DEL', k)
+    lost[i] = true
+    reset[#reset + 1] = k
+  end
 end
-for i = 2, #ARGV, 2 do
+if lost[1] then
+  for _, id in ipairs(redis.call('HKEYS', KEYS[2])) do redis.call('ZADD', KEYS[1], 0, id) end
+end
+local function count(v)  -- a count of bytes, or false
+  if v and #v < 16 and string.match(v, '^%d+$') then return tonumber(v) end
+  return false
+end
+local stored = redis.call('GET', KEYS[3])
+local was = not lost[2] and count(stored)
+local total = was
+if not total then
+  total = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (count(v) or 0) end
+end
+for i = 3, #ARGV, 2 do
   local id, new = ARGV[i], tonumber(ARGV[i + 1])
-  total = total - (tonumber(redis.call('HGET', KEYS[2], id) or '0') or 0)
+  total = total - (count(redis.call('HGET', KEYS[2], id)) or 0)
   if new < 0 then
     redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', KEYS[2], id)
@@ -158,11 +184,12 @@ for i = 2, #ARGV, 2 do
   end
 end
 if total < 0 then total = 0 end
-redis.call('SET', KEYS[3], total)
-if tonumber(ARGV[1]) > 0 then
+if total ~= was and (stored or total > 0) then redis.call('SET', KEYS[3], string.format('%.0f', total)) end
+if tonumber(ARGV[1]) > 0 and (#ARGV > 2 or #reset > 0 or total ~= was) then
   for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ARGV[1]) end
 end
-return total
+local own = ARGV[2] ~= '' and count(redis.call('HGET', KEYS[2], ARGV[2])) or 0
+return {total, own, reset}
 """
 
 
@@ -395,24 +422,32 @@ class RemoteStore:
 
     def usage(self, tenant: str, session_id: str) -> tuple[int, int]:
         """Bytes of the tenant's sessions, and of this one, as their publishes recorded them."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(self._index(tenant, "u"))
-        pipe.hget(self._index(tenant, "b"), session_id)
-        total, own = self._call("a usage read", pipe.execute)
-        if not _count(total):  # none (a store written before there was a total) or garbled: summed again
-            total = self._relist(tenant, [])
-        return int(total), int(own) if _count(own) else 0
+        return self._relist(tenant, [], own=session_id)
 
-    def _relist(self, tenant: str, entries: list[tuple[str, int]]) -> int:
-        """List or (bytes -1) unlist the tenant's sessions, keeping the total; the total."""
-        args = [self.ttl_ms] + [x for entry in entries for x in entry]
-        return int(self._call("a list entry", self._list, keys=[self._index(tenant, w) for w in ("s", "b", "u")],
-                              args=args))
+    def _relist(self, tenant: str, entries: list[tuple[str, int]], own: str = "") -> tuple[int, int]:
+        """List or (bytes -1) unlist the tenant's sessions, keeping the total,
+        each of the tenant's keys that holds something else reset first (one
+        log line); the total and the bytes of session `own`."""
+        args = [self.ttl_ms, own] + [x for entry in entries for x in entry]
+        total, mine, reset = self._call("a list entry", self._list,
+                                        keys=[self._index(tenant, w) for w in ("s", "b", "u")], args=args)
+        if reset:
+            what = {"s": "list of sessions", "b": "bytes per session", "u": "total of bytes"}
+            log.warning("remote tier: tenant %s's %s held something else than tierd writes there; reset",
+                        shown(tenant), ", ".join(what[k.decode()[-1]] for k in reset))
+        return int(total), int(mine)
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         """The tenant's session ids in the store's index, in order, after `after`."""
-        raw = self._call("a list", self.client.zrangebylex, self._index(tenant), f"({after}" if after else "-", "+",
-                         start=0, num=count)
+        def ids() -> list[bytes]:
+            return self._call("a list", self.client.zrangebylex, self._index(tenant), f"({after}" if after else "-",
+                              "+", start=0, num=count)
+
+        try:
+            raw = ids()
+        except DataLoss:  # the list holds something else: reset (made again from the map of bytes)
+            self._relist(tenant, [])
+            raw = ids()
         return [r.decode() for r in raw]
 
     def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
@@ -549,7 +584,10 @@ class RemoteStore:
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,
         whatever the rest holds (0: none, or none it can read)."""
-        raw = self._call("a manifest read", self.client.getrange, self._key(key, "m"), 0, 31)
+        try:
+            raw = self._call("a manifest read", self.client.getrange, self._key(key, "m"), 0, 31)
+        except DataLoss:
+            return 0  # a key of another type: the switch replaces it as none
         return _version(raw)
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
@@ -809,11 +847,6 @@ def _version(raw: Any) -> int:
 def _dropped_at(raw: Any) -> int:
     """The version of the tombstone at a manifest's key (0: not one the scripts take as one)."""
     return _version(raw) if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) else 0
-
-
-def _count(raw: bytes | None) -> bool:
-    """Whether a value read back is a count of bytes."""
-    return raw is not None and raw.isdigit() and len(raw) < 20
 
 
 class _Arrivals:
