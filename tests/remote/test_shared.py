@@ -651,6 +651,13 @@ def publisher_idle(store):
     wait_for(lambda: store.publish_queue() == (0, 0), what="the publisher idle")
 
 
+def names_of(store, key):
+    """The keys of the session's current version: its manifest and its chunks."""
+    remote = store.remote.store
+    m = remote.manifest(key)
+    return [remote._key(key, "m")] + [remote._key(key, f"w{m.write}", str(i)) for i in range(m.chunks)]
+
+
 @pytest.mark.parametrize("damage", ["total a list", "total past a count", "map a string", "list a string",
                                     "map values garbled"])
 def test_a_garbled_tenant_key_is_repaired_and_no_session_s_loss(nodes, damage, caplog):
@@ -694,6 +701,84 @@ def test_a_garbled_tenant_key_is_repaired_and_no_session_s_loss(nodes, damage, c
     assert store.usage("alice", "kept1") == (held, 2 * PAGE)
     if damage in ("total a list", "map a string", "list a string"):
         assert len([r for r in caplog.records if "reset" in r.getMessage()]) == 1
+
+
+def test_sessions_that_expired_give_their_bytes_back_to_the_tenant_s_remote_quota(nodes):
+    a = nodes("a", remote_quota=6 * PAGE).store
+    eng = HostEngine(seed=42)
+    keys = [SessionKey("alice", f"exp{i}") for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        stored(a, key, eng, [2 * i, 2 * i + 1], 32)  # the quota is full
+    save(a, keys[3], eng, [6, 7], 32)
+    publisher_idle(a)
+    assert not a.stat(keys[3]).remote_durable  # past the quota
+    client = a.remote.store.client
+    names = names_of(a, keys[0])
+    for name in names:
+        client.pexpire(name, 1)
+    wait_for(lambda: client.exists(*names) == 0, what="its keys expired")
+    save(a, keys[3], eng, [6, 7], 32)
+    publisher_idle(a)
+    assert a.stat(keys[3]).remote_durable
+    assert a.remote.store.usage("alice", "exp3") == (6 * PAGE, 2 * PAGE)
+    assert [i.session_id for i in nodes("b").store.list("alice")[0]] == ["exp1", "exp2", "exp3"]
+
+
+def test_sessions_redis_evicted_give_their_bytes_back_to_the_tenant_s_remote_quota(tmp_path):
+    """maxmemory with allkeys-lru, as the operations guide says: Redis evicts
+    the least recently used keys, chunks and manifests of old sessions."""
+    import redis
+
+    lru = RedisCluster(tmp_path / "lru", masters=3, replicas=0).start()
+    h = Harness(str(tmp_path / "n"), remote=lru.url, remote_quota=6 * PAGE)
+    try:
+        a = h.open()
+        eng = HostEngine(seed=43)
+        keys = [SessionKey("alice", f"lru{i}") for i in range(4)]
+        for i, key in enumerate(keys[:3]):
+            stored(a, key, eng, [2 * i, 2 * i + 1], 32)
+        save(a, keys[3], eng, [6, 7], 32)
+        publisher_idle(a)
+        assert not a.stat(keys[3]).remote_durable  # past the quota
+        store, client = a.remote.store, a.remote.store.client
+        names = {key: names_of(a, key) for key in keys[:3]}
+        tenant = [store._index("alice", w) for w in "sbu"]
+        nodes_of = {key: client.get_node_from_key(names[key][0]).port for key in keys[:3]}
+        direct = {port: redis.Redis(port=port) for port in set(nodes_of.values())}
+
+        def idle(key):
+            return min(direct[nodes_of[key]].object("idletime", n) or 0 for n in names[key])
+
+        wait_for(lambda: all(idle(key) >= 2 for key in keys[:3]), what="the sessions' keys idle")
+        for port, r in direct.items():
+            r.config_set("maxmemory-policy", "allkeys-lru")
+            r.config_set("maxmemory-samples", 10)
+
+        def whole(key):
+            return client.exists(*names[key]) == len(names[key])
+
+        def evict():  # a little under what each node holds, a step at a time: the oldest keys go
+            client.zrange(tenant[0], 0, -1)  # the tenant's keys in use, as each publish uses them
+            client.hgetall(tenant[1])
+            client.get(tenant[2])
+            for port, r in direct.items():
+                if any(whole(key) for key in keys[:3] if nodes_of[key] == port):
+                    r.config_set("maxmemory", r.info("memory")["used_memory"] - 1024)
+                    r.ping()
+            return sum(not whole(key) for key in keys[:3]) >= 2
+
+        wait_for(evict, what="two sessions evicted")
+        for r in direct.values():
+            r.config_set("maxmemory", 0)
+        assert client.exists(*tenant) == 3  # the tenant's own keys were not evicted
+        save(a, keys[3], eng, [6, 7], 32)
+        publisher_idle(a)
+        assert a.stat(keys[3]).remote_durable
+        total, _ = store.usage("alice", "lru3")
+        assert total == sum(2 * PAGE for key in keys if key == keys[3] or whole(key))
+    finally:
+        h.close()
+        lru.close()
 
 
 def test_a_call_on_a_hung_cluster_waits_the_remote_timeout_at_most(tmp_path):

@@ -15,8 +15,9 @@ tenant's session ids are members of one sorted set, `PREFIX:{TENANT TAG}:s`
 `PREFIX:{TENANT TAG}:b` maps each to its bytes and `PREFIX:{TENANT TAG}:u`
 holds their sum (the tenant's quota, read in one call whatever its number
 of sessions). These three are bookkeeping: one that holds something else is
-reset (the list made again from the map), and a total that is no count is
-summed again.
+reset (the list made again from the map), a total that is no count summed
+again, and a recount checks listed sessions against what the store holds
+(Redis expires and evicts sessions without telling anyone).
 
 One history per session. A version is published in two steps: its chunks
 under a write id of its own, then the manifest switched by compare-and-set
@@ -88,6 +89,8 @@ MAX_VERSION = 10**14 - 1  # what the scripts' Lua numbers (doubles, printed to 1
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
 HEAD_BYTES = 64 << 10  # a manifest read returns the whole of one this long at most, else this much of its head
 MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not read again
+RECOUNT = 256  # a tenant's sessions a recount checks against what the store holds
+LINE_BYTES = 4096  # of each manifest a recount reads: its first line, for any real one
 CALL_THREADS = 32  # threads the calls that wait on the store run on
 
 _VERSION = f"local HEAD = {HEAD_BYTES}\n" + """
@@ -143,10 +146,10 @@ return {n, redis.call('GETRANGE', KEYS[1], 0, HEAD - 1)}
 """
 
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
-# a session id (''), then pairs of session id and bytes (-1: unlisted). A key of another type is deleted first
-# (a list deleted is made again from the map's ids); the total is kept equal to the map's sum (summed again
-# where it is no count: none, garbled, or the map deleted). Returns the total, the session's bytes, and the
-# names of the keys deleted.
+# a session id (''), how many ids to sample, then pairs of session id and bytes (-1: unlisted). A key of another
+# type is deleted first (a list deleted is made again from the map's ids); the total is kept equal to the map's
+# sum (summed again where it is no count: none, garbled, or the map deleted). Returns the total, the session's
+# bytes, up to that many of the tenant's ids at random, and the names of the keys deleted.
 _LIST = """
 local kinds, lost, reset = {'zset', 'hash', 'string'}, {}, {}
 for i, k in ipairs(KEYS) do
@@ -171,7 +174,7 @@ if not total then
   total = 0
   for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (count(v) or 0) end
 end
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   local id, new = ARGV[i], tonumber(ARGV[i + 1])
   total = total - (count(redis.call('HGET', KEYS[2], id)) or 0)
   if new < 0 then
@@ -185,11 +188,13 @@ for i = 3, #ARGV, 2 do
 end
 if total < 0 then total = 0 end
 if total ~= was and (stored or total > 0) then redis.call('SET', KEYS[3], string.format('%.0f', total)) end
-if tonumber(ARGV[1]) > 0 and (#ARGV > 2 or #reset > 0 or total ~= was) then
+if tonumber(ARGV[1]) > 0 and (#ARGV > 3 or #reset > 0 or total ~= was) then
   for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ARGV[1]) end
 end
 local own = ARGV[2] ~= '' and count(redis.call('HGET', KEYS[2], ARGV[2])) or 0
-return {total, own, reset}
+local sample = {}
+if tonumber(ARGV[3]) > 0 then sample = redis.call('ZRANDMEMBER', KEYS[1], ARGV[3]) end
+return {total, own, sample, reset}
 """
 
 
@@ -420,22 +425,74 @@ class RemoteStore:
     def _index(self, tenant: str, what: str = "s") -> str:
         return f"{self.prefix}:{{t{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:{what}"
 
-    def usage(self, tenant: str, session_id: str) -> tuple[int, int]:
-        """Bytes of the tenant's sessions, and of this one, as their publishes recorded them."""
-        return self._relist(tenant, [], own=session_id)
+    def usage(self, tenant: str, session_id: str, recount: bool = False) -> tuple[int, int]:
+        """Bytes of the tenant's sessions, and of this one, as their publishes
+        recorded them; with recount, after some of its sessions were checked
+        against what the store holds (see _recount)."""
+        if recount:
+            self._recount(tenant)
+        total, own, _ = self._relist(tenant, [], own=session_id)
+        return total, own
 
-    def _relist(self, tenant: str, entries: list[tuple[str, int]], own: str = "") -> tuple[int, int]:
+    def _recount(self, tenant: str) -> None:
+        """Check up to RECOUNT of the tenant's sessions, at random, against what
+        the store holds: one whose manifest or any chunk is gone (expired,
+        evicted) is unlisted, and its bytes no longer count; one that is there
+        counts the bytes its manifest says. Two round trips of one command a
+        session. (A session published again meanwhile is listed again: its
+        publish lists it after its switch, or the second look finds it.)"""
+        ids = self._relist(tenant, [], sample=RECOUNT)[2]
+        held = self._held(tenant, ids)
+        gone = [i for i, n in held.items() if not n]
+        if gone:
+            log.info("remote tier: %d of tenant %s's sessions are gone from the store (expired or evicted); their "
+                     "bytes no longer count", len(gone), shown(tenant))
+            self.unlist(tenant, gone)
+            held.update(self._held(tenant, gone))
+        self._relist(tenant, [(i, n) for i, n in held.items() if n])
+
+    def _held(self, tenant: str, ids: list[str]) -> dict[str, int]:
+        """The bytes of each session that the store holds whole (0: none, a
+        tombstone, a manifest that does not parse, or a chunk gone); one whose
+        manifest's first line is longer than LINE_BYTES is left out."""
+        keys = [SessionKey(tenant, i) for i in ids]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(self._key(key, "m"), 0, LINE_BYTES - 1)
+        held: dict[str, int] = {}
+        heads: dict[SessionKey, _Head] = {}
+        for key, raw in zip(keys, self._call("a recount", pipe.execute, raise_on_error=False)):
+            if isinstance(raw, bytes) and len(raw) == LINE_BYTES and b"\n" not in raw:
+                continue  # not known: left as it was listed
+            held[key.session_id] = 0
+            if isinstance(raw, bytes) and raw and not _dropped_at(raw):
+                try:
+                    heads[key] = _Head.parse(raw)
+                except DataLoss:
+                    pass
+        if heads:
+            pipe = self.client.pipeline(transaction=False)
+            for key, head in heads.items():
+                pipe.exists(*[self._key(key, f"w{head.write}", str(i)) for i in range(head.chunks)])
+            there = self._call("a recount", pipe.execute, raise_on_error=False)
+            for (key, head), count in zip(heads.items(), there):
+                held[key.session_id] = head.nbytes if count == head.chunks else 0
+        return held
+
+    def _relist(self, tenant: str, entries: list[tuple[str, int]], own: str = "",
+                sample: int = 0) -> tuple[int, int, list[str]]:
         """List or (bytes -1) unlist the tenant's sessions, keeping the total,
         each of the tenant's keys that holds something else reset first (one
-        log line); the total and the bytes of session `own`."""
-        args = [self.ttl_ms, own] + [x for entry in entries for x in entry]
-        total, mine, reset = self._call("a list entry", self._list,
-                                        keys=[self._index(tenant, w) for w in ("s", "b", "u")], args=args)
+        log line); the total, the bytes of session `own`, and up to `sample`
+        of the tenant's ids at random."""
+        args = [self.ttl_ms, own, sample] + [x for entry in entries for x in entry]
+        total, mine, ids, reset = self._call("a list entry", self._list,
+                                             keys=[self._index(tenant, w) for w in ("s", "b", "u")], args=args)
         if reset:
             what = {"s": "list of sessions", "b": "bytes per session", "u": "total of bytes"}
             log.warning("remote tier: tenant %s's %s held something else than tierd writes there; reset",
                         shown(tenant), ", ".join(what[k.decode()[-1]] for k in reset))
-        return int(total), int(mine)
+        return int(total), int(mine), [i.decode() for i in ids]
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         """The tenant's session ids in the store's index, in order, after `after`."""
