@@ -619,7 +619,7 @@ class RemoteStore:
                     m = Manifest.decode(raw)
                     self._keep(name, raw.partition(b"\n")[0], length, m)
                     return m, m.version
-        raise Unavailable("the remote tier's manifest of this session changed twice as it was read")
+        raise Refused("the remote tier's manifest of this session changed twice as it was read")
 
     def _keep(self, name: str, line: bytes, length: int, m: Manifest) -> None:
         with self._kept_lock:
