@@ -122,3 +122,49 @@ def test_a_wrong_or_missing_password_is_a_clear_start_up_error(tmp_path):
             d.close()
     finally:
         locked.close()
+
+
+def test_a_huge_value_at_a_manifest_key_costs_the_node_little_and_fails_that_session_alone(daemons, cluster):
+    """120 MiB of garbage at a session's manifest key: Stats of it, eight at
+    once, each answer DATA_LOSS without the node taking the value in."""
+    import threading
+
+    from redis.cluster import ClusterNode, RedisCluster as Client
+
+    from tests.security.test_memory import peak_growth
+    from tierd.client import DataLoss
+    from tierd.tiers.remote import tag_of
+    from tierd.types import SessionKey
+
+    a, b = daemons("a"), daemons("b")
+    data = os.urandom(2 * SPEC.page_bytes)
+    with a.client() as ca:
+        ca.put("fine", data, SPEC, 32)
+        wait_for(lambda: ca.stat("fine").remote_durable, what="the session published")
+    prefix = b.flags[b.flags.index("--remote-prefix") + 1]
+    client = Client(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports], socket_timeout=30)
+    client.set(f"{prefix}:{{{tag_of(SessionKey('default', 'huge'))}}}:m", b"7 " + os.urandom(120 << 20))
+    client.close()
+    errors = []
+
+    def stat():
+        with b.client(timeout=60) as cb:
+            try:
+                cb.stat("huge")
+            except Exception as exc:  # noqa: BLE001 - each answer is checked below
+                errors.append(exc)
+
+    def eight_at_once():
+        threads = [threading.Thread(target=stat) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    with b.client() as cb:
+        assert cb.stat("fine").tier == "remote"  # the node has its connections and threads up
+    growth = peak_growth(b, eight_at_once)
+    assert len(errors) == 8 and all(isinstance(e, DataLoss) for e in errors), errors
+    assert growth < 32 << 20, f"{growth / (1 << 20):.0f} MiB for eight Stats"
+    with b.client() as cb:
+        assert cb.stat("fine").tier == "remote" and cb.get("fine") == data  # the others are served

@@ -430,3 +430,42 @@ def test_a_tenant_s_bytes_are_a_running_total_kept_with_its_list(store):
         damage()  # a store written before there was a total, or one garbled: summed again
         assert store.usage("alice", "u1") == (sum(sizes.values()), sizes["u1"])
         assert int(store.client.get(total)) == sum(sizes.values())
+
+
+def test_a_large_manifest_is_read_whole_once_and_one_longer_than_its_head_says_not_at_all(store):
+    """A manifest past what one reply carries (20,000 pages here): its head says
+    how long it is, it is read whole once per version, and a value of another
+    length at its key is DataLoss before any more of it is read."""
+    import redis
+
+    n, page = 20_000, 64
+    data = np.random.default_rng(21).integers(0, 256, n * page, dtype=np.uint8).tobytes()
+    sums = np.array([page_checksum(data[i * page : (i + 1) * page]) for i in range(n)], dtype=np.uint64)
+
+    def publish_big(expect=0):
+        return store.publish(KEY, expect, {"model_id": "m"}, "fp", n, page, sums, np.arange(n, dtype=np.uint64),
+                             [(data, True)])
+
+    m = publish_big()
+    name = f"{store.prefix}:{{{tag_of(KEY)}}}:m"
+    assert store.client.strlen(name) > 300_000
+    node = redis.Redis(port=store.client.get_node_from_key(name).port)
+
+    def sent():
+        return node.info("stats")["total_net_output_bytes"]
+
+    assert store.manifest(KEY).version == m.version
+    before = sent()
+    again = store.manifest(KEY)
+    assert sent() - before < 100_000  # its head, not its 300 KB again
+    assert again.version == m.version and list(again.checksums) == list(sums) and b"".join(store.read(KEY, again)) \
+        == data
+    newer = publish_big(expect=m.version)
+    assert store.manifest(KEY).version == newer.version  # a new version is read anew
+    raw = store.client.get(name)
+    for wrong in (raw + b"x", raw[:-1], raw[:70_000]):
+        store.client.set(name, wrong)
+        before = sent()
+        with pytest.raises(DataLoss, match="bytes"):
+            store.manifest(KEY)
+        assert sent() - before < 100_000

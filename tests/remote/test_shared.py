@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, wait_for
-from tierd.errors import DataLoss, NotFound
+from tierd.errors import DataLoss, NotFound, Unavailable
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
 from tierd.types import SessionKey
@@ -571,6 +571,22 @@ def test_a_key_of_another_type_is_that_session_s_loss_not_the_tier_s(nodes):
     assert b.stat(other).tier == "remote"  # the remote tier is not marked down by it
 
 
+def test_a_manifest_key_of_another_type_is_replaced_by_the_next_store_and_the_local_copy_kept(nodes):
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "wrongtype-stored")
+    eng = HostEngine(seed=45)
+    save(a, key, eng, [0, 1], 32)
+    publisher_idle(a)
+    a.remote.store.client.delete(a.remote.store._key(key, "m"))
+    a.remote.store.client.rpush(a.remote.store._key(key, "m"), b"not a manifest")
+    save(a, key, eng, [2, 3], 32)  # published over it
+    publisher_idle(a)
+    assert a.stat(key).state != "damaged" and a.stat(key).remote_durable
+    dst = HostEngine(seed=46)
+    b.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == eng.pages([2, 3])
+
+
 def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_serve(tmp_path):
     import os
     import signal
@@ -629,3 +645,169 @@ def test_write_back_publishes_sessions_once_idle_on_disk(nodes):
     dst = HostEngine(seed=35)
     b.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == eng.pages([0, 1])
+
+
+def publisher_idle(store):
+    wait_for(lambda: store.publish_queue() == (0, 0), what="the publisher idle")
+
+
+def names_of(store, key):
+    """The keys of the session's current version: its manifest and its chunks."""
+    remote = store.remote.store
+    m = remote.manifest(key)
+    return [remote._key(key, "m")] + [remote._key(key, f"w{m.write}", str(i)) for i in range(m.chunks)]
+
+
+@pytest.mark.parametrize("damage", ["total a list", "total past a count", "map a string", "list a string",
+                                    "map values garbled"])
+def test_a_garbled_tenant_key_is_repaired_and_no_session_s_loss(nodes, damage, caplog):
+    """The tenant's list, map of bytes and total are bookkeeping: one that
+    holds something else is reset (one log line) or summed again, and every
+    node goes on storing, publishing and listing the tenant's sessions."""
+    a, b = nodes("a", remote_quota=8 * PAGE).store, nodes("b", remote_quota=8 * PAGE).store
+    eng = HostEngine(seed=40)
+    keys = [SessionKey("alice", f"kept{i}") for i in range(3)]
+    stored(a, keys[0], eng, [0, 1], 32)
+    store = a.remote.store
+    client, names = store.client, {w: store._index("alice", w) for w in "sbu"}
+    if damage == "total a list":
+        client.delete(names["u"])
+        client.rpush(names["u"], b"not a count")
+    elif damage == "total past a count":
+        client.set(names["u"], b"9" * 30)  # a tenant refused for ever, were it believed
+    elif damage == "map a string":
+        client.delete(names["b"])
+        client.set(names["b"], b"not a map")
+    elif damage == "list a string":
+        client.delete(names["s"])
+        client.set(names["s"], b"not a list")
+    else:
+        client.delete(names["u"])  # summed again from the map, where kept0's bytes are no count
+        client.hset(names["b"], "kept0", b"1e999")
+    for node, key, blocks in ((a, keys[1], [2, 3]), (b, keys[2], [4, 5])):
+        save(node, key, eng, blocks, 32)
+        publisher_idle(node)
+        info = node.stat(key)
+        assert info.remote_durable and info.state != "damaged", (damage, key)
+    for node, key, blocks in ((b, keys[1], [2, 3]), (a, keys[2], [4, 5]), (b, keys[0], [0, 1])):
+        dst = HostEngine(seed=41)
+        node.restore(key, dst.memory, SPEC, [0, 1])  # each node serves the others' sessions
+        assert dst.pages([0, 1]) == eng.pages(blocks)
+    c = nodes("c").store
+    assert [i.session_id for i in c.list("alice")[0]] == ["kept0", "kept1", "kept2"]
+    kinds = {w: client.type(name) for w, name in names.items()}
+    assert kinds == {"s": b"zset", "b": b"hash", "u": b"string"}
+    held = 4 * PAGE if damage in ("map a string", "map values garbled") else 6 * PAGE  # kept0's bytes forgotten
+    assert store.usage("alice", "kept1") == (held, 2 * PAGE)
+    if damage in ("total a list", "map a string", "list a string"):
+        assert len([r for r in caplog.records if "reset" in r.getMessage()]) == 1
+
+
+def test_sessions_that_expired_give_their_bytes_back_to_the_tenant_s_remote_quota(nodes):
+    a = nodes("a", remote_quota=6 * PAGE).store
+    eng = HostEngine(seed=42)
+    keys = [SessionKey("alice", f"exp{i}") for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        stored(a, key, eng, [2 * i, 2 * i + 1], 32)  # the quota is full
+    save(a, keys[3], eng, [6, 7], 32)
+    publisher_idle(a)
+    assert not a.stat(keys[3]).remote_durable  # past the quota
+    client = a.remote.store.client
+    names = names_of(a, keys[0])
+    for name in names:
+        client.pexpire(name, 1)
+    wait_for(lambda: client.exists(*names) == 0, what="its keys expired")
+    save(a, keys[3], eng, [6, 7], 32)
+    publisher_idle(a)
+    assert a.stat(keys[3]).remote_durable
+    assert a.remote.store.usage("alice", "exp3") == (6 * PAGE, 2 * PAGE)
+    assert [i.session_id for i in nodes("b").store.list("alice")[0]] == ["exp1", "exp2", "exp3"]
+
+
+def test_sessions_redis_evicted_give_their_bytes_back_to_the_tenant_s_remote_quota(tmp_path):
+    """maxmemory with allkeys-lru, as the operations guide says: Redis evicts
+    the least recently used keys, chunks and manifests of old sessions."""
+    import redis
+
+    lru = RedisCluster(tmp_path / "lru", masters=3, replicas=0).start()
+    h = Harness(str(tmp_path / "n"), remote=lru.url, remote_quota=6 * PAGE)
+    try:
+        a = h.open()
+        eng = HostEngine(seed=43)
+        keys = [SessionKey("alice", f"lru{i}") for i in range(4)]
+        for i, key in enumerate(keys[:3]):
+            stored(a, key, eng, [2 * i, 2 * i + 1], 32)
+        save(a, keys[3], eng, [6, 7], 32)
+        publisher_idle(a)
+        assert not a.stat(keys[3]).remote_durable  # past the quota
+        store, client = a.remote.store, a.remote.store.client
+        names = {key: names_of(a, key) for key in keys[:3]}
+        tenant = [store._index("alice", w) for w in "sbu"]
+        nodes_of = {key: client.get_node_from_key(names[key][0]).port for key in keys[:3]}
+        direct = {port: redis.Redis(port=port) for port in set(nodes_of.values())}
+
+        def idle(key):
+            return min(direct[nodes_of[key]].object("idletime", n) or 0 for n in names[key])
+
+        wait_for(lambda: all(idle(key) >= 2 for key in keys[:3]), what="the sessions' keys idle")
+        for port, r in direct.items():
+            r.config_set("maxmemory-policy", "allkeys-lru")
+            r.config_set("maxmemory-samples", 10)
+
+        def whole(key):
+            return client.exists(*names[key]) == len(names[key])
+
+        def evict():  # a little under what each node holds, a step at a time: the oldest keys go
+            client.zrange(tenant[0], 0, -1)  # the tenant's keys in use, as each publish uses them
+            client.hgetall(tenant[1])
+            client.get(tenant[2])
+            for port, r in direct.items():
+                if any(whole(key) for key in keys[:3] if nodes_of[key] == port):
+                    r.config_set("maxmemory", r.info("memory")["used_memory"] - 1024)
+                    r.ping()
+            return sum(not whole(key) for key in keys[:3]) >= 2
+
+        wait_for(evict, what="two sessions evicted")
+        for r in direct.values():
+            r.config_set("maxmemory", 0)
+        assert client.exists(*tenant) == 3  # the tenant's own keys were not evicted
+        save(a, keys[3], eng, [6, 7], 32)
+        publisher_idle(a)
+        assert a.stat(keys[3]).remote_durable
+        total, _ = store.usage("alice", "lru3")
+        assert total == sum(2 * PAGE for key in keys if key == keys[3] or whole(key))
+    finally:
+        h.close()
+        lru.close()
+
+
+def test_a_call_on_a_hung_cluster_waits_the_remote_timeout_at_most(tmp_path):
+    """Every master stopped (their replicas up): a Stat of a session held
+    nowhere here answers NOT_FOUND within the timeout, whatever redis-py does
+    to find the cluster again."""
+    import os
+    import signal
+
+    hung = RedisCluster(tmp_path / "hung", masters=3, replicas=1).start()
+    h = Harness(str(tmp_path / "n"), remote=hung.url, remote_timeout=0.5)
+    masters = [port for port, role in hung.nodes() if role == "master"]
+    try:
+        s = h.open()
+        stored(s, SessionKey("alice", "here"), HostEngine(seed=44), [0, 1], 32)
+        for port in masters:
+            os.kill(hung.procs[port].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(NotFound):
+            s.stat(SessionKey("alice", "elsewhere"))
+        took = time.monotonic() - t0
+        assert took < 0.5 + 0.25, f"{took:.2f} s"
+        t0 = time.monotonic()  # the remote store itself (the tier is down in the store now): a List's manifests
+        with pytest.raises(Unavailable):
+            s.remote.store.manifests([SessionKey("alice", f"m{i}") for i in range(24)])
+        took = time.monotonic() - t0
+        assert took < 0.5 + 0.25, f"{took:.2f} s"
+    finally:
+        for port in masters:
+            os.kill(hung.procs[port].pid, signal.SIGCONT)
+        h.close()
+        hung.close()

@@ -1,7 +1,9 @@
 """The remote store: sessions in a Redis Cluster (or one Redis or Valkey
 server) that every node reaches, so a session saved on one node resumes on
-any. Runs on the thread that calls it (movers, RPC threads); redis-py's
-clients are thread-safe.
+any. Runs on the thread that calls it (movers, RPC threads), except that
+each call that waits on the store runs on a thread of the store's, waited
+for `timeout` seconds at most (see Faults); redis-py's clients are
+thread-safe.
 
 Layout. A session's keys share one hash tag (its slot), derived by hash from
 tenant and session id, so no key names either: `PREFIX:{TAG}:m` holds the
@@ -12,7 +14,10 @@ tenant's session ids are members of one sorted set, `PREFIX:{TENANT TAG}:s`
 (for List; a member whose manifest is gone is dropped when found), and
 `PREFIX:{TENANT TAG}:b` maps each to its bytes and `PREFIX:{TENANT TAG}:u`
 holds their sum (the tenant's quota, read in one call whatever its number
-of sessions).
+of sessions). These three are bookkeeping: one that holds something else is
+reset (the list made again from the map), a total that is no count summed
+again, and a recount checks listed sessions against what the store holds
+(Redis expires and evicts sessions without telling anyone).
 
 One history per session. A version is published in two steps: its chunks
 under a write id of its own, then the manifest switched by compare-and-set
@@ -22,6 +27,12 @@ deletes the chunks of the version it replaced. A reader never sees a mix.
 A drop leaves a tombstone at the manifest's key, and a history's first
 version is numbered at random: a node's copy of a version that ended is
 never taken for the current one.
+
+Manifests. A read of a manifest returns the whole of it up to HEAD_BYTES,
+else its head, whose first line says how long the whole is: a value of
+another length is DataLoss before more of it is read, and a large manifest
+is read whole once per version (kept, by key and first line, up to
+MANIFESTS_KEPT bytes), one at a time.
 
 Reading. A fetch keeps several small batches of GETs in flight on one
 connection, so the store builds the next replies while these are read, and
@@ -36,18 +47,29 @@ Never wrong KV. The manifest carries the identity fingerprint, the page
 checksums and the token hashes; every page read back is checked (DataLoss
 on a mismatch). A chunk that is gone (evicted, expired, lost in a fail-over)
 makes the whole session NotFound: recompute, never a part.
+
+Faults. redis-py, on a node that does not answer, finds the cluster again
+and tries once more, and a pipeline sends its commands to that node again
+one at a time: each call that moves no session's bytes runs on a thread of
+the store's and its caller waits `timeout` seconds at most (Unavailable),
+while redis-py finishes on its own. A publish's chunks and a fetch are
+bounded by the timeout per read or write.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import re
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as Late
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,28 +77,39 @@ import numpy as np
 
 from tierd.checksum import page_checksum
 from tierd.config import parse_remote_url
-from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable, shown
 from tierd.types import SessionKey
+
+log = logging.getLogger("tierd.tiers.remote")
 
 CHUNK_BYTES = (1 << 20) - 4096  # below 1 MiB with Redis's own headers: the allocator's 1 MiB class
 PIPELINE = 16  # chunks written (or read through redis-py) per round trip
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
 MAX_VERSION = 10**14 - 1  # what the scripts' Lua numbers (doubles, printed to 14 digits) hold exactly
 READ_BATCH, READ_DEPTH = 4, 4  # chunks a fetch asks for per round trip, and round trips in flight
+HEAD_BYTES = 64 << 10  # a manifest read returns the whole of one this long at most, else this much of its head
+MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not read again
+RECOUNT = 256  # a tenant's sessions a recount checks against what the store holds
+LINE_BYTES = 4096  # of each manifest a recount reads: its first line, for any real one
+CALL_THREADS = 32  # threads the calls that wait on the store run on
 
-_VERSION = """
+_VERSION = f"local HEAD = {HEAD_BYTES}\n" + """
+local function head(key)  -- the first HEAD bytes at key; '' for none, or a key of another type: replaced as none
+  if redis.call('TYPE', key)['ok'] ~= 'string' then return '' end
+  return redis.call('GETRANGE', key, 0, HEAD - 1)
+end
 local function version(cur)  -- a manifest's or tombstone's number; 0 for one that does not parse: replaced as none
-  local v = cur and tonumber(string.match(cur, '^(%d+) ')) or 0
+  local v = tonumber(string.match(cur, '^(%d+) ')) or 0
   if v > 99999999999999 then return 0 end
   return v
 end
 """
 
 # KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
-# manifest, its TTL in ms (0: none). Returns {1, old manifest} if switched, {0, current version} if another
+# manifest, its TTL in ms (0: none). Returns {1, old manifest's head} if switched, {0, current version} if another
 # writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
 _CAS = _VERSION + """
-local cur = redis.call('GET', KEYS[1])
+local cur = head(KEYS[1])
 local have = version(cur)
 if have ~= tonumber(ARGV[1]) then return {0, have} end
 local there = 0
@@ -84,15 +117,17 @@ for i = 2, #KEYS, 1000 do there = there + redis.call('EXISTS', unpack(KEYS, i, m
 if there ~= #KEYS - 1 then return {2, there} end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
-return {1, cur or ''}
+return {1, cur}
 """
 
 # KEYS[1]: the manifest. ARGV: a TTL in ms (0: none). A session dropped leaves a tombstone, "N dropped", one
 # version past the one it ends: a node holding a copy of a version before it learns the session is gone,
-# and the next history goes on numbering from it. Returns the manifest replaced (false: none).
+# and the next history goes on numbering from it. Returns the head of the manifest replaced ('': none).
 _DROP = _VERSION + """
-local cur = redis.call('GET', KEYS[1])
-if not cur or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then return cur end  -- none, or dropped
+local cur = head(KEYS[1])
+if redis.call('EXISTS', KEYS[1]) == 0 or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then
+  return cur  -- none, or dropped
+end
 local n = version(cur) + 1
 if n > 99999999999999 then n = 1 end  -- past what a Lua number holds exactly
 local tomb = n .. ' dropped'
@@ -102,18 +137,46 @@ return cur
 _TOMBSTONE = re.compile(rb"(\d+) dropped")
 
 
+# KEYS[1]: a manifest. ARGV[1]: a length (0: none). Returns its length and the whole of it where that is HEAD
+# bytes at most or ARGV[1] exactly, else its first HEAD bytes; {0, nil} for none (another type: WRONGTYPE).
+_READ = f"local HEAD = {HEAD_BYTES}\n" + """
+local n = redis.call('STRLEN', KEYS[1])
+if n <= HEAD or n == tonumber(ARGV[1]) then return {n, redis.call('GET', KEYS[1])} end
+return {n, redis.call('GETRANGE', KEYS[1], 0, HEAD - 1)}
+"""
+
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
-# then pairs of session id and bytes (-1: unlisted). Keeps the total equal to the map's sum (the map of a
-# store written before there was a total is summed once); returns the total.
+# a session id (''), how many ids to sample, then pairs of session id and bytes (-1: unlisted). A key of another
+# type is deleted first (a list deleted is made again from the map's ids); the total is kept equal to the map's
+# sum (summed again where it is no count: none, garbled, or the map deleted). Returns the total, the session's
+# bytes, up to that many of the tenant's ids at random, and the names of the keys deleted.
 _LIST = """
-local total = tonumber(redis.call('GET', KEYS[3]) or '-1') or -1  -- none, or garbled: summed again
-if total < 0 then
-  total = 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (tonumber(v) or 0) end
+local kinds, lost, reset = {'zset', 'hash', 'string'}, {}, {}
+for i, k in ipairs(KEYS) do
+  local kind = redis.call('TYPE', k)['ok']
+  if kind ~= 'none' and kind ~= kinds[i] then
+    redis.call('DEL', k)
+    lost[i] = true
+    reset[#reset + 1] = k
+  end
 end
-for i = 2, #ARGV, 2 do
+if lost[1] then
+  for _, id in ipairs(redis.call('HKEYS', KEYS[2])) do redis.call('ZADD', KEYS[1], 0, id) end
+end
+local function count(v)  -- a count of bytes, or false
+  if v and #v < 16 and string.match(v, '^%d+$') then return tonumber(v) end
+  return false
+end
+local stored = redis.call('GET', KEYS[3])
+local was = not lost[2] and count(stored)
+local total = was
+if not total then
+  total = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (count(v) or 0) end
+end
+for i = 4, #ARGV, 2 do
   local id, new = ARGV[i], tonumber(ARGV[i + 1])
-  total = total - (tonumber(redis.call('HGET', KEYS[2], id) or '0') or 0)
+  total = total - (count(redis.call('HGET', KEYS[2], id)) or 0)
   if new < 0 then
     redis.call('ZREM', KEYS[1], id)
     redis.call('HDEL', KEYS[2], id)
@@ -124,11 +187,14 @@ for i = 2, #ARGV, 2 do
   end
 end
 if total < 0 then total = 0 end
-redis.call('SET', KEYS[3], total)
-if tonumber(ARGV[1]) > 0 then
+if total ~= was and (stored or total > 0) then redis.call('SET', KEYS[3], string.format('%.0f', total)) end
+if tonumber(ARGV[1]) > 0 and (#ARGV > 3 or #reset > 0 or total ~= was) then
   for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ARGV[1]) end
 end
-return total
+local own = ARGV[2] ~= '' and count(redis.call('HGET', KEYS[2], ARGV[2])) or 0
+local sample = {}
+if tonumber(ARGV[3]) > 0 then sample = redis.call('ZRANDMEMBER', KEYS[1], ARGV[3]) end
+return {total, own, sample, reset}
 """
 
 
@@ -159,7 +225,7 @@ class Manifest:
 
     @property
     def chunks(self) -> int:
-        return -(-self.nbytes // CHUNK_BYTES)
+        return _chunks(self.nbytes)
 
     def size_of(self, page: int) -> int:
         """Logical bytes of a page (the last may be short)."""
@@ -177,26 +243,22 @@ class Manifest:
     @classmethod
     def decode(cls, raw: bytes) -> Manifest:
         """The manifest in raw, checked to agree with itself (DataLoss if not):
-        whatever the store holds, what comes out of here is safe to describe."""
+        whatever the store holds, what comes out of here is safe to describe
+        (and to share: its arrays are read-only)."""
+        head = _Head.parse(raw)
+        if len(raw) != head.length:
+            raise DataLoss(f"a remote manifest of {len(raw)} bytes where its head says {head.length}", tier="remote")
         try:
-            if len(raw) > MAX_MANIFEST_BYTES:
-                raise ValueError(f"{len(raw)} bytes")
-            head, _, rest = raw.partition(b"\n")
-            version, _, text = head.partition(b" ")
-            meta = json.loads(text)
-            if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict):
-                raise ValueError("not an object with a spec")
-            n = _whole(meta["pages"], 1, MAX_PAGES)
+            meta, n, rest = head.meta, head.pages, raw[len(head.line) + 1 :]
             sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
-            shape = tuple(_whole(d, 0, 1 << 20) for d in meta["hash_shape"])
-            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"]))
-            if len(sums) != n or hashes.size != int(np.prod(shape)) or (shape and shape[0] not in (0, n)):
-                raise ValueError("its checksums or token hashes do not add up")
-            m = cls(_whole(version.decode(), 1, MAX_VERSION), str(meta["write"]), str(meta["fingerprint"]),
-                    dict(meta["spec"]), _whole(meta["num_tokens"], 0, 1 << 40), _whole(meta["nbytes"], 1, 1 << 50),
-                    _whole(meta["page_bytes"], 1, 1 << 34), sums, hashes.reshape(shape).copy(),
-                    float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
-            if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes or not m.write.isalnum():
+            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"])).reshape(head.hash_shape).copy()
+            if head.hash_shape and head.hash_shape[0] not in (0, n):
+                raise ValueError("its token hashes do not add up")
+            sums.flags.writeable = hashes.flags.writeable = False
+            m = cls(head.version, head.write, str(meta["fingerprint"]), dict(meta["spec"]),
+                    _whole(meta["num_tokens"], 0, 1 << 40), head.nbytes, _whole(meta["page_bytes"], 1, 1 << 34), sums,
+                    hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
+            if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes:
                 raise ValueError("its pages do not hold its bytes")
             return m
         except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
@@ -205,6 +267,53 @@ class Manifest:
 
 MAX_MANIFEST_BYTES = 256 << 20  # 24 bytes a page: ten million pages
 MAX_PAGES = 10_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """What a manifest's first line says: enough to know how long the whole is,
+    and which chunks hold its bytes, before reading more of it."""
+
+    line: bytes
+    version: int
+    meta: dict[str, Any]
+    write: str
+    nbytes: int
+    pages: int
+    hash_shape: tuple[int, ...]
+    length: int  # of the whole manifest
+
+    @property
+    def chunks(self) -> int:
+        return _chunks(self.nbytes)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _Head:
+        """The head of the manifest that raw is, or begins with (HEAD_BYTES of
+        it); DataLoss where it does not parse."""
+        try:
+            line, found, _ = raw[:HEAD_BYTES].partition(b"\n")
+            if not found:
+                raise ValueError(f"no first line in its first {len(line)} bytes")
+            version, _, text = line.partition(b" ")
+            meta = json.loads(text)
+            if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict):
+                raise ValueError("not an object with a spec")
+            n = _whole(meta["pages"], 1, MAX_PAGES)
+            shape = tuple(_whole(d, 0, 1 << 20) for d in meta["hash_shape"])
+            length = len(line) + 1 + 8 * n + np.dtype(meta["hash_dtype"]).itemsize * math.prod(shape)
+            head = cls(line, _whole(version.decode(), 1, MAX_VERSION), meta, str(meta["write"]),
+                       _whole(meta["nbytes"], 1, 1 << 50), n, shape, length)
+            if not head.write.isalnum() or length > MAX_MANIFEST_BYTES:
+                raise ValueError(f"write {head.write[:40]!r}, {length} bytes")
+            return head
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
+            raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _chunks(nbytes: int) -> int:
+    """The chunks that nbytes of a version take."""
+    return -(-nbytes // CHUNK_BYTES)
 
 
 def _whole(value: Any, low: int, high: int) -> int:
@@ -290,9 +399,17 @@ class RemoteStore:
         self.client = client
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000) if ttl else 0
+        self.timeout: float | None = client.get_connection_kwargs().get("socket_timeout")
         self._cas = client.register_script(_CAS)
         self._list = client.register_script(_LIST)
         self._drop = client.register_script(_DROP)
+        self._read = client.register_script(_READ)
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="tierd-remote-call")
+        # Large manifests read whole (see _manifest_at), by key: (first line, length, manifest), oldest first.
+        self._kept: OrderedDict[str, tuple[bytes, int, Manifest]] = OrderedDict()
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()
+        self._large = threading.Lock()  # one large manifest read at a time
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
         # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
@@ -303,6 +420,7 @@ class RemoteStore:
 
     def close(self) -> None:
         self._sender.shutdown(wait=True)
+        self._calls.shutdown(wait=False, cancel_futures=True)  # a call on a store that hangs ends on its own
         self.client.close()
 
     def describe(self) -> str:
@@ -317,26 +435,86 @@ class RemoteStore:
     def _index(self, tenant: str, what: str = "s") -> str:
         return f"{self.prefix}:{{t{hashlib.sha256(tenant.encode()).hexdigest()[:24]}}}:{what}"
 
-    def usage(self, tenant: str, session_id: str) -> tuple[int, int]:
-        """Bytes of the tenant's sessions, and of this one, as their publishes recorded them."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(self._index(tenant, "u"))
-        pipe.hget(self._index(tenant, "b"), session_id)
-        total, own = self._call("a usage read", pipe.execute)
-        if not _count(total):  # none (a store written before there was a total) or garbled: summed again
-            total = self._relist(tenant, [])
-        return int(total), int(own) if _count(own) else 0
+    def usage(self, tenant: str, session_id: str, recount: bool = False) -> tuple[int, int]:
+        """Bytes of the tenant's sessions, and of this one, as their publishes
+        recorded them; with recount, after some of its sessions were checked
+        against what the store holds (see _recount)."""
+        if recount:
+            self._recount(tenant)
+        total, own, _ = self._relist(tenant, [], own=session_id)
+        return total, own
 
-    def _relist(self, tenant: str, entries: list[tuple[str, int]]) -> int:
-        """List or (bytes -1) unlist the tenant's sessions, keeping the total; the total."""
-        args = [self.ttl_ms] + [x for entry in entries for x in entry]
-        return int(self._call("a list entry", self._list, keys=[self._index(tenant, w) for w in ("s", "b", "u")],
-                              args=args))
+    def _recount(self, tenant: str) -> None:
+        """Check up to RECOUNT of the tenant's sessions, at random, against what
+        the store holds: one whose manifest or any chunk is gone (expired,
+        evicted) is unlisted, and its bytes no longer count; one that is there
+        counts the bytes its manifest says. Two round trips of one command a
+        session. (A session published again meanwhile is listed again: its
+        publish lists it after its switch, or the second look finds it.)"""
+        ids = self._relist(tenant, [], sample=RECOUNT)[2]
+        held = self._held(tenant, ids)
+        gone = [i for i, n in held.items() if not n]
+        if gone:
+            log.info("remote tier: %d of tenant %s's sessions are gone from the store (expired or evicted); their "
+                     "bytes no longer count", len(gone), shown(tenant))
+            self.unlist(tenant, gone)
+            held.update(self._held(tenant, gone))
+        self._relist(tenant, [(i, n) for i, n in held.items() if n])
+
+    def _held(self, tenant: str, ids: list[str]) -> dict[str, int]:
+        """The bytes of each session that the store holds whole (0: none, a
+        tombstone, a manifest that does not parse, or a chunk gone); one whose
+        manifest's first line is longer than LINE_BYTES is left out."""
+        keys = [SessionKey(tenant, i) for i in ids]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getrange(self._key(key, "m"), 0, LINE_BYTES - 1)
+        held: dict[str, int] = {}
+        heads: dict[SessionKey, _Head] = {}
+        for key, raw in zip(keys, self._call("a recount", pipe.execute, raise_on_error=False)):
+            if isinstance(raw, bytes) and len(raw) == LINE_BYTES and b"\n" not in raw:
+                continue  # not known: left as it was listed
+            held[key.session_id] = 0
+            if isinstance(raw, bytes) and raw and not _dropped_at(raw):
+                try:
+                    heads[key] = _Head.parse(raw)
+                except DataLoss:
+                    pass
+        if heads:
+            pipe = self.client.pipeline(transaction=False)
+            for key, head in heads.items():
+                pipe.exists(*[self._key(key, f"w{head.write}", str(i)) for i in range(head.chunks)])
+            there = self._call("a recount", pipe.execute, raise_on_error=False)
+            for (key, head), count in zip(heads.items(), there):
+                held[key.session_id] = head.nbytes if count == head.chunks else 0
+        return held
+
+    def _relist(self, tenant: str, entries: list[tuple[str, int]], own: str = "",
+                sample: int = 0) -> tuple[int, int, list[str]]:
+        """List or (bytes -1) unlist the tenant's sessions, keeping the total,
+        each of the tenant's keys that holds something else reset first (one
+        log line); the total, the bytes of session `own`, and up to `sample`
+        of the tenant's ids at random."""
+        args = [self.ttl_ms, own, sample] + [x for entry in entries for x in entry]
+        total, mine, ids, reset = self._call("a list entry", self._list,
+                                             keys=[self._index(tenant, w) for w in ("s", "b", "u")], args=args)
+        if reset:
+            what = {"s": "list of sessions", "b": "bytes per session", "u": "total of bytes"}
+            log.warning("remote tier: tenant %s's %s held something else than tierd writes there; reset",
+                        shown(tenant), ", ".join(what[k.decode()[-1]] for k in reset))
+        return int(total), int(mine), [i.decode() for i in ids]
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         """The tenant's session ids in the store's index, in order, after `after`."""
-        raw = self._call("a list", self.client.zrangebylex, self._index(tenant), f"({after}" if after else "-", "+",
-                         start=0, num=count)
+        def ids() -> list[bytes]:
+            return self._call("a list", self.client.zrangebylex, self._index(tenant), f"({after}" if after else "-",
+                              "+", start=0, num=count)
+
+        try:
+            raw = ids()
+        except DataLoss:  # the list holds something else: reset (made again from the map of bytes)
+            self._relist(tenant, [])
+            raw = ids()
         return [r.decode() for r in raw]
 
     def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
@@ -345,13 +523,16 @@ class RemoteStore:
             return []
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.get(self._key(key, "m"))
+            pipe.execute_command("EVAL", _READ, 1, self._key(key, "m"), 0)
         out: list[Manifest | None] = []
-        for key, raw in zip(keys, self._call("a manifest read", pipe.execute, raise_on_error=False)):
+        for key, reply in zip(keys, self._call("a manifest read", pipe.execute, raise_on_error=False)):
             try:
-                out.append(None if raw is None else _owned(key, Manifest.decode(raw)))
-            except (DataLoss, TypeError):
-                out.append(None)  # TypeError: an error in raw's place (a key of another type, say)
+                if isinstance(reply, Exception):  # a key of another type, say
+                    raise DataLoss(str(reply))
+                m = self._manifest_at(self._key(key, "m"), *reply)[0]
+                out.append(_owned(key, m) if m is not None else None)
+            except DataLoss:
+                out.append(None)
         return out
 
     def unlist(self, tenant: str, session_ids: list[str]) -> None:
@@ -359,6 +540,21 @@ class RemoteStore:
             self._relist(tenant, [(i, -1) for i in session_ids])
 
     def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), a call on the store that moves no session's bytes,
+        on a thread of the store's: whatever redis-py does on a node that does
+        not answer, the caller waits `timeout` seconds at most (Unavailable)."""
+        try:
+            running = self._calls.submit(self._run, what, fn, *args, **kw)
+        except RuntimeError:  # closed
+            raise Unavailable(f"the remote store is closed ({what})") from None
+        try:
+            return running.result(self.timeout)
+        except Late:
+            running.cancel()
+            raise Unavailable(f"the remote store did not answer ({what}) in {self.timeout:g} s") from None
+
+    def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """fn(*args, **kw), a call on the store, here: redis-py's errors as tierd's."""
         import redis
         from redis.exceptions import RedisClusterException
 
@@ -368,7 +564,7 @@ class RemoteStore:
             raise Unavailable(f"the remote store did not answer ({what}): {exc}") from None
         except redis.ResponseError as exc:
             # One key holds something else (on its own, or as a pipeline's command): that session's copy is unusable.
-            if re.match(r"(Command # \d+ .* caused error: )?WRONGTYPE", str(exc)):
+            if re.match(r"(Command # \d+ .* caused error: )?WRONGTYPE", str(exc), re.S):
                 raise DataLoss(f"the remote store holds something else than tierd wrote ({what}): {exc}",
                                tier="remote") from None
             raise Refused(f"the remote store refused {what}: {exc}") from None
@@ -400,13 +596,48 @@ class RemoteStore:
         """The session's current manifest (None: none, or a tombstone: the
         session was dropped) and the version number at its key (0: none);
         DataLoss for a manifest that does not parse or is another session's."""
-        raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
-        if raw is None:
-            return None, 0
-        if _dropped_at(raw):
-            return None, _dropped_at(raw)
-        m = _owned(key, Manifest.decode(raw))
-        return m, m.version
+        name = self._key(key, "m")
+        m, at = self._manifest_at(name, *self._call("a manifest read", self._read, keys=[name], args=[0]))
+        return (_owned(key, m) if m is not None else None), at
+
+    def _manifest_at(self, name: str, length: int, raw: bytes | None) -> tuple[Manifest | None, int]:
+        """What a read of key `name` found (`length` bytes, of which raw is the
+        whole or the head): its manifest (None: none, or a tombstone) and the
+        version number there. A large one is read whole once per version,
+        one at a time; DataLoss where its head says another length."""
+        for _ in range(2):
+            if raw is None:
+                return None, 0
+            if _dropped_at(raw):
+                return None, _dropped_at(raw)
+            if len(raw) == length:
+                m = Manifest.decode(raw)
+                return m, m.version
+            head = _Head.parse(raw)
+            if head.length != length:
+                raise DataLoss(f"a remote manifest of {length} bytes where its head says {head.length}",
+                               tier="remote")
+            with self._large:
+                with self._kept_lock:
+                    kept = self._kept.get(name)
+                    if kept is not None and kept[:2] == (head.line, length):
+                        self._kept.move_to_end(name)
+                        return kept[2], kept[2].version
+                # Not as a _call: a large manifest may take longer than the timeout (each read is bounded by it).
+                length, raw = self._run("a manifest read", self._read, keys=[name], args=[length])
+                if raw is not None and len(raw) == length > HEAD_BYTES:
+                    m = Manifest.decode(raw)
+                    self._keep(name, raw.partition(b"\n")[0], length, m)
+                    return m, m.version
+        raise Refused("the remote tier's manifest of this session changed twice as it was read")
+
+    def _keep(self, name: str, line: bytes, length: int, m: Manifest) -> None:
+        with self._kept_lock:
+            old = self._kept.pop(name, None)
+            self._kept_bytes += length - (old[1] if old is not None else 0)
+            self._kept[name] = (line, length, m)
+            while self._kept_bytes > MANIFESTS_KEPT:
+                self._kept_bytes -= self._kept.popitem(last=False)[1][1]
 
     def tombstones(self, keys: list[SessionKey]) -> list[int]:
         """For each session, the version of its tombstone (0: not dropped),
@@ -420,7 +651,10 @@ class RemoteStore:
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,
         whatever the rest holds (0: none, or none it can read)."""
-        raw = self._call("a manifest read", self.client.get, self._key(key, "m"))
+        try:
+            raw = self._call("a manifest read", self.client.getrange, self._key(key, "m"), 0, 31)
+        except DataLoss:
+            return 0  # a key of another type: the switch replaces it as none
         return _version(raw)
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
@@ -461,7 +695,8 @@ class RemoteStore:
             manifest = Manifest(number, write, fingerprint,
                                 spec, num_tokens, nbytes, page_bytes, np.asarray(checksums, dtype=np.uint64),
                                 np.asarray(token_hashes), time.time(), owner_of(key))
-            reply = self._call("the manifest switch", self._cas,
+            # Not as a _call: the switch carries the manifest and checks every chunk (each read is bounded).
+            reply = self._run("the manifest switch", self._cas,
                                keys=[self._key(key, "m")] + [self._key(key, f"w{write}", str(i)) for i in range(chunks)],
                                args=[expect, manifest.encode(), self.ttl_ms])
             if not isinstance(reply, list) or len(reply) != 2:
@@ -487,7 +722,7 @@ class RemoteStore:
             pass
         if old:
             try:
-                previous = Manifest.decode(old)
+                previous = _Head.parse(old)
             except DataLoss:
                 return manifest  # unreadable: its chunks go by their TTL
             self._delete(key, previous.write, previous.chunks)  # the version replaced: reclaimed
@@ -508,13 +743,13 @@ class RemoteStore:
         pipe = self.client.pipeline(transaction=False)
         for i, chunk in enumerate(chunks):
             pipe.set(self._key(key, f"w{write}", str(first + i)), chunk, px=self.ttl_ms or None)
-        self._call("a page write", pipe.execute)
+        self._run("a page write", pipe.execute)
 
     def _get(self, key: SessionKey, write: str, first: int, count: int) -> list[bytes | None]:
         pipe = self.client.pipeline(transaction=False)
         for i in range(first, first + count):
             pipe.get(self._key(key, f"w{write}", str(i)))
-        return self._call("a page read", pipe.execute)
+        return self._run("a page read", pipe.execute)
 
     def _delete(self, key: SessionKey, write: str, chunks: int) -> None:
         """Delete a write's chunks (one slot: one call per 256); where the store
@@ -636,13 +871,14 @@ class RemoteStore:
         manifest's place; whether there was one."""
         old = self._call("a drop", self._drop, keys=[self._key(key, "m")], args=[self.ttl_ms])
         self.unlist(key.tenant, [key.session_id])
-        if not isinstance(old, bytes) or _dropped_at(old):
+        if not old or _dropped_at(old):
             return False
         try:
-            manifest = _owned(key, Manifest.decode(old))
+            head = _Head.parse(old)
         except DataLoss:
             return True  # unreadable: its chunks go by their TTL
-        self._delete(key, manifest.write, manifest.chunks)
+        if head.meta.get("owner", "") == owner_of(key):  # (another session's manifest names chunks of its own)
+            self._delete(key, head.write, head.chunks)
         return True
 
 
@@ -678,11 +914,6 @@ def _version(raw: Any) -> int:
 def _dropped_at(raw: Any) -> int:
     """The version of the tombstone at a manifest's key (0: not one the scripts take as one)."""
     return _version(raw) if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) else 0
-
-
-def _count(raw: bytes | None) -> bool:
-    """Whether a value read back is a count of bytes."""
-    return raw is not None and raw.isdigit() and len(raw) < 20
 
 
 class _Arrivals:

@@ -756,6 +756,8 @@ class Shared(Inspection):
         the same moment may each take one session past it."""
         assert self.remote is not None
         total, own = self._call("quota", self.remote.store.usage, key.tenant, key.session_id)
+        if total - own + nbytes > self.remote.tenant_quota:  # the total may count sessions expired or evicted since
+            total, own = self._call("quota", self.remote.store.usage, key.tenant, key.session_id, True)
         held = total - own
         if held + nbytes <= self.remote.tenant_quota:
             return True
