@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, wait_for
 from tierd.errors import DataLoss, NotFound
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
@@ -279,6 +279,36 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     _, reader = b.get(keys[2])  # the new history fetched into the same session meanwhile
     assert b"".join(bytes(x) for x in reader) == HostEngine(seed=35).pages([5])[0]
     assert not b._dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
+
+
+def read(store, key):
+    _, reader = store.get(key)
+    return b"".join(bytes(x) for x in reader)
+
+
+def marked_down(store):
+    """A call that times out while every master is stopped: the node marks the remote tier down."""
+    with pytest.raises(NotFound):
+        store.stat(SessionKey("alice", "nobody-stored-this"))
+
+
+def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers(nodes, cluster):
+    a, b = nodes("a").store, nodes("b").store
+    fresh, appended = SessionKey("alice", "stored-while-down"), SessionKey("alice", "appended-while-down")
+    old, new = HostEngine(seed=41), HostEngine(seed=42)
+    stored(a, fresh, old, [0, 1], 32)
+    stored(a, appended, old, [2, 3], 32)
+    assert read(b, fresh) == b"".join(old.pages([0, 1]))  # b holds the old version
+    with masters_stopped(cluster):
+        marked_down(a)
+        save(a, fresh, new, [0, 1], 32)  # a new history, while the tier is marked down
+        save(a, appended, new, [4], 48, start_token=32)
+        assert read(a, fresh) == b"".join(new.pages([0, 1]))  # a serves what it stored, never the older
+    published(a, fresh)
+    published(a, appended)
+    assert read(b, fresh) == b"".join(new.pages([0, 1]))
+    assert read(b, appended) == b"".join(old.pages([2, 3]) + new.pages([4]))
+    assert read(a, fresh) == b"".join(new.pages([0, 1]))
 
 
 @pytest.mark.parametrize("over", ["version", "tombstone"])

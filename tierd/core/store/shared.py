@@ -20,10 +20,12 @@ replaced (a fail-over lost it), the copy is kept and published again.
 Publishing. With write "through", every committed store queues the session
 for the publisher thread, which reads its pages (no lock held, as a Get
 does) and publishes them as a new version; with "back", the publisher
-queues sessions that have been idle on disk for `idle` seconds. The queue
-holds `queue` sessions: a store that finds it full still succeeds here and
-the session is not remote-durable until it is stored again (or, with back,
-found idle). A version replaces the one this content builds on (the one it
+queues sessions that have been idle on disk for `idle` seconds. While the
+remote tier is down, the queue waits (a publish the fault cut short is
+queued again) and is published once it answers. The queue holds `queue`
+sessions: a store that finds it full still succeeds here and the session is
+not remote-durable until it is stored again (or, with back, found idle). A
+version replaces the one this content builds on (the one it
 was fetched as, or last published as); a session stored from token 0 here
 since replaces whatever is there (a new history); anything else is another
 node's newer history, which wins: this node's copy is not published.
@@ -31,7 +33,8 @@ node's newer history, which wins: this node's copy is not published.
 Faults. A remote call that fails marks the remote tier down; until a probe
 thread finds it answering again (every PROBE_SECONDS), no call waits on it:
 sessions this node does not hold are NOT_FOUND at once (the engine
-recomputes) and local copies are served as they are.
+recomputes), local copies are served as they are and publishes wait in
+the queue.
 
 Where the code runs: manifests and fetches on the RPC thread of the call
 that needs them, or on a mover for a Prefetch; publishes on the publisher
@@ -242,8 +245,7 @@ class Shared(Inspection):
             session.remote_write = m.write if m is not None else ""
         log.warning("%s/%s: the remote tier lost this node's last publish (a fail-over?); it is published again",
                     *session.key)
-        if self.remote is not None and self.remote.write != "off":
-            self._queue_publish(session.key)
+        self._queue_publish(session.key)
 
     def _sweep_loop(self) -> None:
         assert self.remote is not None
@@ -627,7 +629,10 @@ class Shared(Inspection):
         return info
 
     def _queue_publish(self, key: SessionKey) -> bool:
+        """Queue the session for the publisher (none with write "off": publish() alone publishes); whether it is."""
         assert self.remote is not None
+        if self._publisher is None:
+            return False
         with self._pub_cv:
             if key in self._pub_queue:
                 return True
@@ -659,11 +664,12 @@ class Shared(Inspection):
         next_scan = time.monotonic() + scan_every
         while True:
             with self._pub_cv:
-                while not self._pub_queue and not self._pub_stop:
+                # While the tier is down, what is queued waits (the probe wakes this once it answers).
+                while (not self._pub_queue or self._down.is_set()) and not self._pub_stop:
                     left = next_scan - time.monotonic()
-                    if self.remote.write == "back" and left <= 0:
+                    if self.remote.write == "back" and left <= 0 and not self._down.is_set():
                         break
-                    self._pub_cv.wait(left if self.remote.write == "back" else None)
+                    self._pub_cv.wait(left if self.remote.write == "back" and not self._down.is_set() else None)
                 if self._pub_stop:
                     return
                 key = self._pub_queue.popitem(last=False)[0] if self._pub_queue else None
@@ -697,7 +703,8 @@ class Shared(Inspection):
         assert self.remote is not None
         store = self.remote.store
         if self._down.is_set():
-            return  # not remote-durable; stored again (or found idle, with back) once the tier answers
+            self._queue_publish(key)  # published once the tier answers
+            return
         with self._lock:
             session = self._sessions.get(key)
             if session is None or session.dropped or session.damaged or session.remote_durable:
@@ -746,6 +753,8 @@ class Shared(Inspection):
         except DataLoss as exc:
             self.placement.mark_damaged(session, exc)
         except Unavailable as exc:
+            if self._down.is_set():  # not Refused (the store answered): published once the tier answers
+                self._queue_publish(key)
             log.info("%s/%s not published: %s", *key, exc)
         finally:
             self.placement.end_read(session)
