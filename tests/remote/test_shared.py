@@ -12,7 +12,7 @@ import zlib
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, wait_for
-from tierd.errors import DataLoss, NotFound
+from tierd.errors import DataLoss, NotFound, Unavailable
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
 from tierd.types import SessionKey
@@ -290,6 +290,32 @@ def marked_down(store):
     """A call that times out while every master is stopped: the node marks the remote tier down."""
     with pytest.raises(NotFound):
         store.stat(SessionKey("alice", "nobody-stored-this"))
+
+
+def test_a_drop_the_remote_tier_does_not_take_fails_and_changes_nothing(nodes, cluster):
+    """A drop that returned OK while the tier was down was undone once it
+    answered: other nodes served the dropped version until its TTL."""
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "forget-me")
+    eng = HostEngine(seed=40)
+    stored(a, key, eng, [0, 1], 32)
+    with masters_stopped(cluster):
+        marked_down(a)
+        with pytest.raises(Unavailable, match="not dropped.*nothing was changed"):
+            a.drop(key)
+        assert read(a, key) == b"".join(eng.pages([0, 1]))  # still held, and served
+
+    def dropped():
+        try:
+            a.drop(key)
+        except Unavailable:
+            return False  # until the probe finds the tier answering: the engine tries again
+        return True
+
+    wait_for(dropped, what="the drop taken once the tier answers")
+    for store in (a, b):
+        with pytest.raises(NotFound):
+            store.get(key)
 
 
 def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers(nodes, cluster):

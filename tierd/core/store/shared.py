@@ -10,12 +10,16 @@ the others fetch it into the host tier first, every page checked, and then
 serve it as any other; a Restore scatters each window of pages into the
 engine's blocks as soon as it is in (checked on its way out, as every page
 is), while the next chunks are fetched. A local copy with stores not yet
-published is this node's and is served as it is. Drop removes both copies
-and leaves a tombstone: another node's copy of the dropped version is
-forgotten at its next call, or by the sweep thread, which looks at every
-copy held here each `sweep` seconds. A copy is of a version by number and
-write id: where the store holds again exactly what this node's last publish
-replaced (a fail-over lost it), the copy is kept and published again.
+published is this node's and is served as it is. Drop removes the remote
+copy first, leaving a tombstone, then this node's; one the remote tier does
+not take fails and changes nothing (taken here alone, it would be undone
+once the tier answers). A fetch or publish of the session on this node ends
+before a drop starts, and none starts until it is done. Another node's copy
+of the dropped version is forgotten at its next call, or by the sweep
+thread, which looks at every copy held here each `sweep` seconds. A copy is
+of a version by number and write id: where the store holds again exactly
+what this node's last publish replaced (a fail-over lost it), the copy is
+kept and published again.
 
 Publishing. With write "through", every committed store queues the session
 for the publisher thread, which reads its pages (no lock held, as a Get
@@ -33,15 +37,17 @@ node's newer history, which wins: this node's copy is not published.
 Faults. A remote call that fails marks the remote tier down; until a probe
 thread finds it answering again (every PROBE_SECONDS), no call waits on it:
 sessions this node does not hold are NOT_FOUND at once (the engine
-recomputes), local copies are served as they are and publishes wait in
-the queue.
+recomputes), local copies are served as they are, a Drop is UNAVAILABLE
+(the engine tries again) and publishes wait in the queue.
 
-Where the code runs: manifests and fetches on the RPC thread of the call
-that needs them, or on a mover for a Prefetch; publishes on the publisher
-thread; the probe on a thread of its own while the tier is down; the sweep
-on its own thread. A call on
+Where the code runs: manifests, fetches and drops on the RPC thread of the
+call that needs them, or on a mover for a Prefetch; publishes on the
+publisher thread (or the RPC thread of publish()); the probe on a thread of
+its own while the tier is down; the sweep on its own thread. A call on
 the event loop that would have to ask the remote store raises WouldBlock,
-and the API runs it again on an RPC thread.
+and the API runs it again on an RPC thread. A drop, fetch or publish that
+waits for another of its key waits on the store lock's condition (the lock
+released meanwhile), holding no op lock.
 """
 
 from __future__ import annotations
@@ -116,6 +122,10 @@ class Shared(Inspection):
         # Why the last fetch of a key failed (DataLoss, NotFound), for WaitReady; the latest FAILED_KEPT.
         self._failed: OrderedDict[SessionKey, TierdError] = OrderedDict()
         self._fetching: dict[SessionKey, threading.Event] = {}  # one fetch per key at once
+        # Keys being dropped, and published (by the publisher or publish()), under the store lock: a drop
+        # waits for the fetch and publish of its key in flight, and none starts until it is done.
+        self._dropping: set[SessionKey] = set()
+        self._pubs: set[SessionKey] = set()
         self._pub_cv = threading.Condition()
         self._pub_queue: OrderedDict[SessionKey, None] = OrderedDict()
         self._pub_stop = False
@@ -317,7 +327,8 @@ class Shared(Inspection):
         into engine blocks on the way, see _Into); False if the remote tier
         holds none. One fetch per key at once: a second caller waits for the
         first."""
-        with self._lock:
+        with self._changed:
+            self._changed.wait_for(lambda: key not in self._dropping)  # after a drop of the key, never across it
             running = self._fetching.get(key)
             if running is None:
                 done = self._fetching[key] = threading.Event()
@@ -331,8 +342,9 @@ class Shared(Inspection):
             self._adopt(key, m, into)
             return True
         finally:
-            with self._lock:
+            with self._changed:
                 del self._fetching[key]
+                self._changed.notify_all()
             done.set()
 
     @staticmethod
@@ -596,7 +608,41 @@ class Shared(Inspection):
             self._notify()
 
     def drop(self, key: SessionKey) -> None:
-        """Forget the session here and, unless the remote tier is read-only, there."""
+        """Forget the session in the remote tier (unless it is read-only), then
+        here. A drop the remote tier does not take fails (Unavailable) and
+        changes nothing: the engine tries again. Taken here alone, it would be
+        undone once the tier answers (this node and the others would find the
+        remote copy again). A fetch or publish of the session on this node
+        ends before the drop starts, and none starts until it is done: no copy
+        of the dropped version is taken in or published after its tombstone."""
+        there, why = False, None
+        if self.remote is None or self.remote.write == "off":
+            held = self._drop_here(key)
+        else:
+            if threading.get_ident() == self.loop_thread:
+                raise WouldBlock("drop")
+            with self._changed:
+                self._changed.wait_for(lambda: key not in self._dropping and key not in self._pubs
+                                       and key not in self._fetching)
+                self._dropping.add(key)
+            try:
+                try:
+                    there = self._call("drop", self.remote.store.drop, key)
+                except DataLoss as exc:  # the store holds something else there: no copy any node serves
+                    why = exc
+                except Unavailable as exc:
+                    raise Unavailable(f"session {shown(key.session_id)} is not dropped: {exc}; nothing was changed, "
+                                      "try again", session_id=key.session_id) from None
+                held = self._drop_here(key)
+            finally:
+                with self._changed:
+                    self._dropping.discard(key)
+                    self._changed.notify_all()
+        if not held and not there:
+            raise why or NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
+
+    def _drop_here(self, key: SessionKey) -> bool:
+        """Forget this node's copy, if it holds one; whether it did."""
         held = True
         try:
             super().drop(key)
@@ -604,16 +650,7 @@ class Shared(Inspection):
             held = False
         with self._lock:
             self._fetches.discard(key)  # a queued fetch was cancelled with the drop
-        there = False
-        if self.remote is not None and self.remote.write != "off":
-            try:
-                there = self._call("drop", self.remote.store.drop, key)
-            except Unavailable:
-                if not held:
-                    raise
-                log.warning("drop of %s/%s: the remote tier is unreachable; its copy goes by its TTL", *key)
-        if not held and not there:
-            raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
+        return held
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -705,10 +742,12 @@ class Shared(Inspection):
         if self._down.is_set():
             self._queue_publish(key)  # published once the tier answers
             return
-        with self._lock:
+        with self._changed:
+            self._changed.wait_for(lambda: key not in self._dropping and key not in self._pubs)
             session = self._sessions.get(key)
             if session is None or session.dropped or session.damaged or session.remote_durable:
                 return
+            self._pubs.add(key)
             snap = session.snap
             version, spec, sums, hashes = snap.version, snap.spec, snap.checksums, snap.token_hashes
             num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
@@ -745,8 +784,7 @@ class Shared(Inspection):
             self.copier.record(f"{HOST}->{REMOTE}", geom.nbytes, seconds)
             self.events.moved(max((s.tier for s in spans), key=tier_rank), REMOTE, "publish", geom.nbytes, seconds)
             self.events.remote_op("publish", "ok")
-            if self._published(session, version, new):
-                self._call("drop", store.drop, key)  # dropped while it was published
+            self._published(session, version, new)
         except FailedPrecondition as exc:
             self.events.remote_op("publish", "conflict")
             log.info("%s/%s not published: %s", *key, exc)
@@ -758,6 +796,9 @@ class Shared(Inspection):
             log.info("%s/%s not published: %s", *key, exc)
         finally:
             self.placement.end_read(session)
+            with self._changed:
+                self._pubs.discard(key)
+                self._changed.notify_all()
 
     def _within_quota(self, key: SessionKey, nbytes: int) -> bool:
         """Whether a version of nbytes fits the tenant's remote quota (in place of
@@ -773,14 +814,12 @@ class Shared(Inspection):
                  held, self.remote.tenant_quota)
         return False
 
-    def _published(self, session: Session, version: int, m: Manifest) -> bool:
-        """Record that the remote tier holds snapshot `version` as manifest m; whether the session was
-        dropped meanwhile."""
+    def _published(self, session: Session, version: int, m: Manifest) -> None:
+        """Record that the remote tier holds snapshot `version` as manifest m."""
         with self._lock:
             session.remote_version, session.remote_write = m.version, m.write
             if session.snap.version == version:
                 session.remote_at = version
-            return session.dropped
 
 
 __all__ = ["PROBE_SECONDS", "Remote", "Shared"]
