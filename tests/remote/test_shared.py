@@ -337,6 +337,38 @@ def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers
     assert read(a, fresh) == b"".join(new.pages([0, 1]))
 
 
+def evict(store, key, what):
+    """Delete a session's chunks, or all its keys, as Redis's eviction or TTL does."""
+    remote = store.remote.store
+    m = remote.manifest(key)
+    names = [remote._key(key, f"w{m.write}", str(i)) for i in range(m.chunks)]
+    names += [remote._key(key, "m")] if what == "everything" else []
+    assert remote.client.delete(*names) == len(names)
+
+
+@pytest.mark.parametrize("what", ["chunks", "everything"])
+def test_a_copy_the_remote_tier_evicted_is_not_remote_durable_and_is_published_again(nodes, what):
+    quiet, a, b = nodes("quiet", remote_write="off").store, nodes("a").store, nodes("b").store  # quiet: when asked
+    seen, swept, through = (SessionKey("alice", f"{what}-{n}") for n in ("stat", "sweep", "through"))
+    eng = HostEngine(seed=43)
+    for key, blocks in ((seen, [0, 1]), (swept, [2, 3])):
+        save(quiet, key, eng, blocks, 32)
+        assert quiet.publish(key)
+    stored(a, through, eng, [4, 5], 32)
+    for key in (seen, swept, through):
+        evict(quiet, key, what)
+        with pytest.raises(NotFound):
+            b.get(key)  # no other node can serve it
+    assert not quiet.stat(seen).remote_durable  # Stat looks
+    assert quiet._sweep() == 0
+    assert not {i.session_id: i for i in quiet.list("alice")[0]}[swept.session_id].remote_durable  # the sweep did
+    for key, blocks in ((seen, [0, 1]), (swept, [2, 3])):
+        assert read(quiet, key) == b"".join(eng.pages(blocks))  # the local copy is still good
+        assert quiet.publish(key) and read(b, key) == b"".join(eng.pages(blocks))
+    wait_for(lambda: a.stat(through).remote_durable and read(b, through) == b"".join(eng.pages([4, 5])),
+             missing_ok=True, what="published again, on its own")
+
+
 @pytest.mark.parametrize("over", ["version", "tombstone"])
 def test_a_publish_the_store_lost_in_a_fail_over_leaves_the_node_s_copy_served_and_published_again(nodes, over):
     """A master lost before its replica had a publish: the promoted replica

@@ -16,10 +16,13 @@ not take fails and changes nothing (taken here alone, it would be undone
 once the tier answers). A fetch or publish of the session on this node ends
 before a drop starts, and none starts until it is done. Another node's copy
 of the dropped version is forgotten at its next call, or by the sweep
-thread, which looks at every copy held here each `sweep` seconds. A copy is
-of a version by number and write id: where the store holds again exactly
-what this node's last publish replaced (a fail-over lost it), the copy is
-kept and published again.
+thread, which looks at every remote-durable copy held here each `sweep`
+seconds. A copy is of a version by number and write id: where the store
+holds again exactly what this node's last publish replaced (a fail-over
+lost it), the copy is kept and published again; where it holds nothing of
+it any more (evicted, expired: nothing at its manifest's key, or, at Stat
+and at the sweep, a chunk gone), the copy is not remote-durable and is
+published again.
 
 Publishing. With write "through", every committed store queues the session
 for the publisher thread, which reads its pages (no lock held, as a Get
@@ -211,7 +214,7 @@ class Shared(Inspection):
 
     # -- fetching -----------------------------------------------------------------------------
 
-    def _stale(self, key: SessionKey) -> Manifest | None:
+    def _stale(self, key: SessionKey, whole: bool = False) -> Manifest | None:
         """The remote manifest where it is the session and this node's copy is
         not: this node holds none, or one of another version with nothing
         stored here since. None where the local copy (or nothing) is the
@@ -220,7 +223,9 @@ class Shared(Inspection):
         does not parse is DataLoss only where this node holds no copy. A copy
         of a version the remote tier has since dropped (its tombstone is of
         another version) is forgotten here: the session was dropped on
-        another node."""
+        another node. A remote-durable copy whose version the remote tier no
+        longer holds (nothing at its key; with whole, a chunk gone too) is
+        remote-durable no more, and published again."""
         if self.remote is None:
             return None
         with self._lock:
@@ -240,8 +245,19 @@ class Shared(Inspection):
             return None
         if session is not None and self._settle(session, version, m, at) == "kept":
             return None
-        # Another version, or another node's publish under this one's number (this node's was lost).
-        return m if m is not None and (m.version != version or (write and m.write != write)) else None
+        if m is not None and (m.version != version or (write and m.write != write)):
+            return m  # another version, or another node's publish under this one's number (this node's was lost)
+        if session is not None and version > 0 and (not at or m is not None and whole and self._lost(key, m)):
+            self._gone(session, version, write)
+        return None
+
+    def _lost(self, key: SessionKey, m: Manifest) -> bool:
+        """Whether a chunk of manifest m's version is gone from the remote tier (False where it does not answer)."""
+        assert self.remote is not None
+        try:
+            return self._call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.chunks)])[0]
+        except Unavailable:
+            return False
 
     def _went_back(self, session: Session, version: int, m: Manifest | None) -> None:
         """The remote tier holds again what this node's publish of `version`
@@ -257,6 +273,21 @@ class Shared(Inspection):
                     *session.key)
         self._queue_publish(session.key)
 
+    def _gone(self, session: Session, version: int, write: str) -> None:
+        """The remote tier no longer holds this node's copy of remote version
+        `version` (write id `write`): expired, evicted, or a first publish
+        lost in a fail-over. The copy is no longer remote-durable, and is
+        published again; as a copy that was published before, not as a new
+        history: it gives way to whatever another node published since."""
+        with self._lock:
+            if not session.remote_durable or session.dropped or \
+                    (session.remote_version, session.remote_write) != (version, write):
+                return
+            session.remote_at = session.remote_fresh = -1
+        log.info("%s/%s: the remote tier no longer holds this node's copy (evicted or expired); it is published again",
+                 *session.key)
+        self._queue_publish(session.key)
+
     def _sweep_loop(self) -> None:
         assert self.remote is not None
         while not self._sweep_stop.wait(self.remote.sweep):
@@ -266,24 +297,31 @@ class Shared(Inspection):
                 log.exception("looking for sessions dropped on other nodes failed")
 
     def _sweep(self) -> int:
-        """Forget the copies held here of sessions another node dropped (their
-        tombstones are of another version), those no call named since: their
-        bytes go back and List stops showing them, well before a tombstone
-        expires. How many were forgotten."""
+        """Look at every remote-durable copy held here, those no call named
+        since too: forget those of sessions another node dropped (their
+        tombstones are of another version), so their bytes go back and List
+        stops showing them well before a tombstone expires; and those whose
+        version the remote tier lost (evicted, expired) are remote-durable no
+        more, and published again. How many were forgotten."""
         assert self.remote is not None
         if self._down.is_set():
             return 0
         with self._lock:
-            held = [(s, s.remote_version) for s in self._sessions.values() if s.remote_durable and not s.dropped]
+            held = [(s, s.remote_version, s.remote_write, -(-s.snap.nbytes // CHUNK_BYTES))
+                    for s in self._sessions.values() if s.remote_durable and not s.dropped]
         gone = 0
         for i in range(0, len(held), SWEEP_BATCH):
             batch = held[i : i + SWEEP_BATCH]
             try:
-                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, _ in batch])
+                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, *_ in batch])
+                lost = self._call("sweep", self.remote.store.missing, [(s.key, *rest) for s, *rest in batch])
             except Unavailable:
                 return gone
-            gone += sum(self._settle(session, version, None, at) == "forgotten"
-                        for (session, version), at in zip(batch, dropped))
+            for (session, version, write, _), at, loss in zip(batch, dropped, lost):
+                if self._settle(session, version, None, at) == "forgotten":
+                    gone += 1
+                elif loss:
+                    self._gone(session, version, write)
         return gone
 
     def _settle(self, session: Session, version: int, m: Manifest | None, at: int) -> str:
@@ -440,7 +478,7 @@ class Shared(Inspection):
     # -- the calls that reach the remote tier ---------------------------------------------------
 
     def stat(self, key: SessionKey) -> SessionInfo:
-        m = self._stale(key)
+        m = self._stale(key, whole=True)  # remote_durable: whether the remote tier holds every chunk of this copy
         return self._remote_info(key, m) if m is not None else super().stat(key)
 
     def prompt_limit(self, key: SessionKey) -> int:
