@@ -7,9 +7,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,3 +261,19 @@ def wire_accounting(client) -> list[str]:
         for tier, nbytes in info.tier_bytes.items():
             held[tier] += nbytes
     return [f"the {t} tier holds {used[t]} bytes, its sessions {held[t]}" for t in used if used[t] != held[t]]
+
+
+@contextmanager
+def masters_stopped(cluster) -> Iterator[None]:
+    """Every master of a RedisCluster stopped (SIGSTOP) for the block, then
+    resumed (SIGCONT) and the cluster ok again: a blip of the whole remote
+    tier in which no replica takes over (no master is left to vote)."""
+    masters = [port for port, role in cluster.nodes() if role == "master"]
+    for port in masters:
+        os.kill(cluster.procs[port].pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for port in masters:
+            os.kill(cluster.procs[port].pid, signal.SIGCONT)
+        cluster.wait_ok()

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.helpers import metric, wait_for
-from tierd.errors import NotFound
+from tests.helpers import masters_stopped, metric, wait_for
+from tierd.errors import NotFound, Unavailable
 from tierd.layout import KVSpec
 from tierd.testing import Daemon, RedisCluster
 
@@ -99,6 +99,35 @@ def test_a_master_killed_fails_over_and_local_tiers_serve_throughout(daemons, cl
 
         wait_for(served, timeout=60, what="every session served from the promoted replicas")
     wait_for(lambda: metric(a, "tierd_remote_up") == 1, what="a's probe finds the remote tier again")
+
+
+def test_a_drop_while_the_remote_tier_hangs_is_unavailable_and_never_undone(daemons, cluster):
+    """Every master stopped: a Drop answered OK was undone once they answered
+    (another node served the dropped bytes). It is UNAVAILABLE, the session
+    still served where it was, and the drop tried again once the tier answers
+    is taken everywhere."""
+    a, b = daemons("a"), daemons("b")
+    data = os.urandom(2 * SPEC.page_bytes)
+    with a.client() as ca:
+        ca.put("forget-me", data, SPEC, 32)
+        wait_for(lambda: ca.stat("forget-me").remote_durable, what="the session published")
+        with masters_stopped(cluster):
+            with pytest.raises(NotFound):
+                ca.stat("nobody-stored-this")  # times out: the node marks the tier down
+            with pytest.raises(Unavailable, match="not dropped"):
+                ca.drop("forget-me")
+            assert ca.get("forget-me") == data
+
+        def dropped():
+            try:
+                ca.drop("forget-me")
+            except Unavailable:
+                return False
+            return True
+
+        wait_for(dropped, what="the drop taken once the tier answers")
+    with b.client() as cb, pytest.raises(NotFound):
+        cb.get("forget-me")
 
 
 def test_a_wrong_or_missing_password_is_a_clear_start_up_error(tmp_path):

@@ -216,6 +216,25 @@ def test_a_history_at_the_top_of_the_numbers_starts_again_below(store):
     assert store.head(KEY) == (None, 1)  # a tombstone, not a number the scripts print as 1e+14
 
 
+def test_missing_tells_the_versions_the_store_lost_from_another_version_or_a_drop(store, monkeypatch):
+    import tierd.tiers.remote as remote
+
+    monkeypatch.setattr(remote, "LOOK_BATCH", 5)  # a round trip for every session or two
+    pages, sums = snapshot(3, seed=21)  # three chunks
+    keys = [SessionKey("alice", f"look{i}") for i in range(5)]
+    made = [publish(store, pages, sums, key=k) for k in keys]
+
+    def ask():
+        return store.missing([(k, m.version, m.write, m.chunks) for k, m in zip(keys, made)])
+
+    assert ask() == [False] * 5
+    store.client.delete(store._key(keys[0], f"w{made[0].write}", "1"))  # a chunk evicted
+    store.client.delete(store._key(keys[1], "m"))  # the manifest expired
+    publish(store, pages, sums, expect=made[2].version, key=keys[2])  # another version: no loss
+    store.drop(keys[3])  # a tombstone: no loss
+    assert ask() == [True, True, False, False, False]
+
+
 def test_a_version_whose_chunks_are_not_all_there_is_not_published(store):
     """A fail-over between the chunks' writes and the manifest's switch loses
     the chunks the old master had not passed on: the switch sees it."""

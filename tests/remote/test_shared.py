@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, wait_for
 from tierd.errors import DataLoss, NotFound, Unavailable
 from tierd.testing import RedisCluster
 from tierd.tiers.remote import tag_of
@@ -279,6 +279,94 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     _, reader = b.get(keys[2])  # the new history fetched into the same session meanwhile
     assert b"".join(bytes(x) for x in reader) == HostEngine(seed=35).pages([5])[0]
     assert not b._dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
+
+
+def read(store, key):
+    _, reader = store.get(key)
+    return b"".join(bytes(x) for x in reader)
+
+
+def marked_down(store):
+    """A call that times out while every master is stopped: the node marks the remote tier down."""
+    with pytest.raises(NotFound):
+        store.stat(SessionKey("alice", "nobody-stored-this"))
+
+
+def test_a_drop_the_remote_tier_does_not_take_fails_and_changes_nothing(nodes, cluster):
+    """A drop that returned OK while the tier was down was undone once it
+    answered: other nodes served the dropped version until its TTL."""
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "forget-me")
+    eng = HostEngine(seed=40)
+    stored(a, key, eng, [0, 1], 32)
+    with masters_stopped(cluster):
+        marked_down(a)
+        with pytest.raises(Unavailable, match="not dropped.*nothing was changed"):
+            a.drop(key)
+        assert read(a, key) == b"".join(eng.pages([0, 1]))  # still held, and served
+
+    def dropped():
+        try:
+            a.drop(key)
+        except Unavailable:
+            return False  # until the probe finds the tier answering: the engine tries again
+        return True
+
+    wait_for(dropped, what="the drop taken once the tier answers")
+    for store in (a, b):
+        with pytest.raises(NotFound):
+            store.get(key)
+
+
+def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers(nodes, cluster):
+    a, b = nodes("a").store, nodes("b").store
+    fresh, appended = SessionKey("alice", "stored-while-down"), SessionKey("alice", "appended-while-down")
+    old, new = HostEngine(seed=41), HostEngine(seed=42)
+    stored(a, fresh, old, [0, 1], 32)
+    stored(a, appended, old, [2, 3], 32)
+    assert read(b, fresh) == b"".join(old.pages([0, 1]))  # b holds the old version
+    with masters_stopped(cluster):
+        marked_down(a)
+        save(a, fresh, new, [0, 1], 32)  # a new history, while the tier is marked down
+        save(a, appended, new, [4], 48, start_token=32)
+        assert read(a, fresh) == b"".join(new.pages([0, 1]))  # a serves what it stored, never the older
+    published(a, fresh)
+    published(a, appended)
+    assert read(b, fresh) == b"".join(new.pages([0, 1]))
+    assert read(b, appended) == b"".join(old.pages([2, 3]) + new.pages([4]))
+    assert read(a, fresh) == b"".join(new.pages([0, 1]))
+
+
+def evict(store, key, what):
+    """Delete a session's chunks, or all its keys, as Redis's eviction or TTL does."""
+    remote = store.remote.store
+    m = remote.manifest(key)
+    names = [remote._key(key, f"w{m.write}", str(i)) for i in range(m.chunks)]
+    names += [remote._key(key, "m")] if what == "everything" else []
+    assert remote.client.delete(*names) == len(names)
+
+
+@pytest.mark.parametrize("what", ["chunks", "everything"])
+def test_a_copy_the_remote_tier_evicted_is_not_remote_durable_and_is_published_again(nodes, what):
+    quiet, a, b = nodes("quiet", remote_write="off").store, nodes("a").store, nodes("b").store  # quiet: when asked
+    seen, swept, through = (SessionKey("alice", f"{what}-{n}") for n in ("stat", "sweep", "through"))
+    eng = HostEngine(seed=43)
+    for key, blocks in ((seen, [0, 1]), (swept, [2, 3])):
+        save(quiet, key, eng, blocks, 32)
+        assert quiet.publish(key)
+    stored(a, through, eng, [4, 5], 32)
+    for key in (seen, swept, through):
+        evict(quiet, key, what)
+        with pytest.raises(NotFound):
+            b.get(key)  # no other node can serve it
+    assert not quiet.stat(seen).remote_durable  # Stat looks
+    assert quiet._sweep() == 0
+    assert not {i.session_id: i for i in quiet.list("alice")[0]}[swept.session_id].remote_durable  # the sweep did
+    for key, blocks in ((seen, [0, 1]), (swept, [2, 3])):
+        assert read(quiet, key) == b"".join(eng.pages(blocks))  # the local copy is still good
+        assert quiet.publish(key) and read(b, key) == b"".join(eng.pages(blocks))
+    wait_for(lambda: a.stat(through).remote_durable and read(b, through) == b"".join(eng.pages([4, 5])),
+             missing_ok=True, what="published again, on its own")
 
 
 @pytest.mark.parametrize("over", ["version", "tombstone"])

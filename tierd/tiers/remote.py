@@ -54,6 +54,10 @@ one at a time: each call that moves no session's bytes runs on a thread of
 the store's and its caller waits `timeout` seconds at most (Unavailable),
 while redis-py finishes on its own. A publish's chunks and a fetch are
 bounded by the timeout per read or write.
+
+missing() tells a node which of the versions it holds copies of the store
+lost, from the head of each manifest's key and its chunks' existence (no
+value is read).
 """
 
 from __future__ import annotations
@@ -135,6 +139,8 @@ if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[1], tomb, 'PX', ARGV[1]) el
 return cur
 """
 _TOMBSTONE = re.compile(rb"(\d+) dropped")
+_HEAD = re.compile(rb'(\d+) \{"write": "(\w+)"')  # a manifest's number and write id (Manifest.encode writes them first)
+LOOK_BATCH = 8192  # keys missing() asks about in one round trip (a version's keys go together)
 
 
 # KEYS[1]: a manifest. ARGV[1]: a length (0: none). Returns its length and the whole of it where that is HEAD
@@ -647,6 +653,39 @@ class RemoteStore:
             pipe.getrange(self._key(key, "m"), 0, 31)
         heads = self._call("a tombstone read", pipe.execute, raise_on_error=False)
         return [_dropped_at(h) for h in heads]
+
+    def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
+        """For each version of a session (its number, write id and chunks),
+        whether the store lost it: its manifest's key holds nothing, or that
+        version with a chunk gone (evicted, expired, lost in a fail-over).
+        Another version or a tombstone there is no loss (another node's store,
+        or a drop), nor is anything the store did not answer plainly."""
+        out: list[bool] = []
+        pipe, asked, keys = self.client.pipeline(transaction=False), [], 0
+        for key, version, write, chunks in versions:
+            pipe.getrange(self._key(key, "m"), 0, 63)
+            names = [self._key(key, f"w{write}", str(i)) for i in range(chunks)]
+            for i in range(0, len(names), 1000):  # one slot: a command for 1000 keys
+                pipe.exists(*names[i : i + 1000])
+            asked.append((version, write, -(-chunks // 1000), chunks))
+            keys += chunks + 1
+            if keys >= LOOK_BATCH:
+                out += self._missing(pipe, asked)
+                pipe, asked, keys = self.client.pipeline(transaction=False), [], 0
+        return out + self._missing(pipe, asked)
+
+    def _missing(self, pipe: Any, asked: list[tuple[int, str, int, int]]) -> list[bool]:
+        if not asked:
+            return []
+        replies = iter(self._call("a manifest read", pipe.execute, raise_on_error=False))
+        out = []
+        for version, write, commands, chunks in asked:
+            head = next(replies)
+            there = [next(replies) for _ in range(commands)]
+            found = _HEAD.match(head) if isinstance(head, bytes) else None
+            out.append(head == b"" or (found is not None and (int(found[1]), found[2].decode()) == (version, write)
+                                       and all(isinstance(n, int) for n in there) and sum(there) < chunks))
+        return out
 
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest switch sees in the manifest's key,

@@ -10,20 +10,29 @@ the others fetch it into the host tier first, every page checked, and then
 serve it as any other; a Restore scatters each window of pages into the
 engine's blocks as soon as it is in (checked on its way out, as every page
 is), while the next chunks are fetched. A local copy with stores not yet
-published is this node's and is served as it is. Drop removes both copies
-and leaves a tombstone: another node's copy of the dropped version is
-forgotten at its next call, or by the sweep thread, which looks at every
-copy held here each `sweep` seconds. A copy is of a version by number and
-write id: where the store holds again exactly what this node's last publish
-replaced (a fail-over lost it), the copy is kept and published again.
+published is this node's and is served as it is. Drop removes the remote
+copy first, leaving a tombstone, then this node's; one the remote tier does
+not take fails and changes nothing (taken here alone, it would be undone
+once the tier answers). A fetch or publish of the session on this node ends
+before a drop starts, and none starts until it is done. Another node's copy
+of the dropped version is forgotten at its next call, or by the sweep
+thread, which looks at every remote-durable copy held here each `sweep`
+seconds. A copy is of a version by number and write id: where the store
+holds again exactly what this node's last publish replaced (a fail-over
+lost it), the copy is kept and published again; where it holds nothing of
+it any more (evicted, expired: nothing at its manifest's key, or, at Stat
+and at the sweep, a chunk gone), the copy is not remote-durable and is
+published again.
 
 Publishing. With write "through", every committed store queues the session
 for the publisher thread, which reads its pages (no lock held, as a Get
 does) and publishes them as a new version; with "back", the publisher
-queues sessions that have been idle on disk for `idle` seconds. The queue
-holds `queue` sessions: a store that finds it full still succeeds here and
-the session is not remote-durable until it is stored again (or, with back,
-found idle). A version replaces the one this content builds on (the one it
+queues sessions that have been idle on disk for `idle` seconds. While the
+remote tier is down, the queue waits (a publish the fault cut short is
+queued again) and is published once it answers. The queue holds `queue`
+sessions: a store that finds it full still succeeds here and the session is
+not remote-durable until it is stored again (or, with back, found idle). A
+version replaces the one this content builds on (the one it
 was fetched as, or last published as); a session stored from token 0 here
 since replaces whatever is there (a new history); anything else is another
 node's newer history, which wins: this node's copy is not published.
@@ -31,14 +40,17 @@ node's newer history, which wins: this node's copy is not published.
 Faults. A remote call that fails marks the remote tier down; until a probe
 thread finds it answering again (every PROBE_SECONDS), no call waits on it:
 sessions this node does not hold are NOT_FOUND at once (the engine
-recomputes) and local copies are served as they are.
+recomputes), local copies are served as they are, a Drop is UNAVAILABLE
+(the engine tries again) and publishes wait in the queue.
 
-Where the code runs: manifests and fetches on the RPC thread of the call
-that needs them, or on a mover for a Prefetch; publishes on the publisher
-thread; the probe on a thread of its own while the tier is down; the sweep
-on its own thread. A call on
+Where the code runs: manifests, fetches and drops on the RPC thread of the
+call that needs them, or on a mover for a Prefetch; publishes on the
+publisher thread (or the RPC thread of publish()); the probe on a thread of
+its own while the tier is down; the sweep on its own thread. A call on
 the event loop that would have to ask the remote store raises WouldBlock,
-and the API runs it again on an RPC thread.
+and the API runs it again on an RPC thread. A drop, fetch or publish that
+waits for another of its key waits on the store lock's condition (the lock
+released meanwhile), holding no op lock.
 """
 
 from __future__ import annotations
@@ -113,6 +125,10 @@ class Shared(Inspection):
         # Why the last fetch of a key failed (DataLoss, NotFound), for WaitReady; the latest FAILED_KEPT.
         self._failed: OrderedDict[SessionKey, TierdError] = OrderedDict()
         self._fetching: dict[SessionKey, threading.Event] = {}  # one fetch per key at once
+        # Keys being dropped, and published (by the publisher or publish()), under the store lock: a drop
+        # waits for the fetch and publish of its key in flight, and none starts until it is done.
+        self._dropping: set[SessionKey] = set()
+        self._pubs: set[SessionKey] = set()
         self._pub_cv = threading.Condition()
         self._pub_queue: OrderedDict[SessionKey, None] = OrderedDict()
         self._pub_stop = False
@@ -198,7 +214,7 @@ class Shared(Inspection):
 
     # -- fetching -----------------------------------------------------------------------------
 
-    def _stale(self, key: SessionKey) -> Manifest | None:
+    def _stale(self, key: SessionKey, whole: bool = False) -> Manifest | None:
         """The remote manifest where it is the session and this node's copy is
         not: this node holds none, or one of another version with nothing
         stored here since. None where the local copy (or nothing) is the
@@ -207,7 +223,9 @@ class Shared(Inspection):
         does not parse is DataLoss only where this node holds no copy. A copy
         of a version the remote tier has since dropped (its tombstone is of
         another version) is forgotten here: the session was dropped on
-        another node."""
+        another node. A remote-durable copy whose version the remote tier no
+        longer holds (nothing at its key; with whole, a chunk gone too) is
+        remote-durable no more, and published again."""
         if self.remote is None:
             return None
         with self._lock:
@@ -227,8 +245,19 @@ class Shared(Inspection):
             return None
         if session is not None and self._settle(session, version, m, at) == "kept":
             return None
-        # Another version, or another node's publish under this one's number (this node's was lost).
-        return m if m is not None and (m.version != version or (write and m.write != write)) else None
+        if m is not None and (m.version != version or (write and m.write != write)):
+            return m  # another version, or another node's publish under this one's number (this node's was lost)
+        if session is not None and version > 0 and (not at or m is not None and whole and self._lost(key, m)):
+            self._gone(session, version, write)
+        return None
+
+    def _lost(self, key: SessionKey, m: Manifest) -> bool:
+        """Whether a chunk of manifest m's version is gone from the remote tier (False where it does not answer)."""
+        assert self.remote is not None
+        try:
+            return self._call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.chunks)])[0]
+        except Unavailable:
+            return False
 
     def _went_back(self, session: Session, version: int, m: Manifest | None) -> None:
         """The remote tier holds again what this node's publish of `version`
@@ -242,8 +271,22 @@ class Shared(Inspection):
             session.remote_write = m.write if m is not None else ""
         log.warning("%s/%s: the remote tier lost this node's last publish (a fail-over?); it is published again",
                     *session.key)
-        if self.remote is not None and self.remote.write != "off":
-            self._queue_publish(session.key)
+        self._queue_publish(session.key)
+
+    def _gone(self, session: Session, version: int, write: str) -> None:
+        """The remote tier no longer holds this node's copy of remote version
+        `version` (write id `write`): expired, evicted, or a first publish
+        lost in a fail-over. The copy is no longer remote-durable, and is
+        published again; as a copy that was published before, not as a new
+        history: it gives way to whatever another node published since."""
+        with self._lock:
+            if not session.remote_durable or session.dropped or \
+                    (session.remote_version, session.remote_write) != (version, write):
+                return
+            session.remote_at = session.remote_fresh = -1
+        log.info("%s/%s: the remote tier no longer holds this node's copy (evicted or expired); it is published again",
+                 *session.key)
+        self._queue_publish(session.key)
 
     def _sweep_loop(self) -> None:
         assert self.remote is not None
@@ -254,24 +297,31 @@ class Shared(Inspection):
                 log.exception("looking for sessions dropped on other nodes failed")
 
     def _sweep(self) -> int:
-        """Forget the copies held here of sessions another node dropped (their
-        tombstones are of another version), those no call named since: their
-        bytes go back and List stops showing them, well before a tombstone
-        expires. How many were forgotten."""
+        """Look at every remote-durable copy held here, those no call named
+        since too: forget those of sessions another node dropped (their
+        tombstones are of another version), so their bytes go back and List
+        stops showing them well before a tombstone expires; and those whose
+        version the remote tier lost (evicted, expired) are remote-durable no
+        more, and published again. How many were forgotten."""
         assert self.remote is not None
         if self._down.is_set():
             return 0
         with self._lock:
-            held = [(s, s.remote_version) for s in self._sessions.values() if s.remote_durable and not s.dropped]
+            held = [(s, s.remote_version, s.remote_write, -(-s.snap.nbytes // CHUNK_BYTES))
+                    for s in self._sessions.values() if s.remote_durable and not s.dropped]
         gone = 0
         for i in range(0, len(held), SWEEP_BATCH):
             batch = held[i : i + SWEEP_BATCH]
             try:
-                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, _ in batch])
+                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, *_ in batch])
+                lost = self._call("sweep", self.remote.store.missing, [(s.key, *rest) for s, *rest in batch])
             except Unavailable:
                 return gone
-            gone += sum(self._settle(session, version, None, at) == "forgotten"
-                        for (session, version), at in zip(batch, dropped))
+            for (session, version, write, _), at, loss in zip(batch, dropped, lost):
+                if self._settle(session, version, None, at) == "forgotten":
+                    gone += 1
+                elif loss:
+                    self._gone(session, version, write)
         return gone
 
     def _settle(self, session: Session, version: int, m: Manifest | None, at: int) -> str:
@@ -315,7 +365,8 @@ class Shared(Inspection):
         into engine blocks on the way, see _Into); False if the remote tier
         holds none. One fetch per key at once: a second caller waits for the
         first."""
-        with self._lock:
+        with self._changed:
+            self._changed.wait_for(lambda: key not in self._dropping)  # after a drop of the key, never across it
             running = self._fetching.get(key)
             if running is None:
                 done = self._fetching[key] = threading.Event()
@@ -329,8 +380,9 @@ class Shared(Inspection):
             self._adopt(key, m, into)
             return True
         finally:
-            with self._lock:
+            with self._changed:
                 del self._fetching[key]
+                self._changed.notify_all()
             done.set()
 
     @staticmethod
@@ -426,7 +478,7 @@ class Shared(Inspection):
     # -- the calls that reach the remote tier ---------------------------------------------------
 
     def stat(self, key: SessionKey) -> SessionInfo:
-        m = self._stale(key)
+        m = self._stale(key, whole=True)  # remote_durable: whether the remote tier holds every chunk of this copy
         return self._remote_info(key, m) if m is not None else super().stat(key)
 
     def prompt_limit(self, key: SessionKey) -> int:
@@ -594,7 +646,41 @@ class Shared(Inspection):
             self._notify()
 
     def drop(self, key: SessionKey) -> None:
-        """Forget the session here and, unless the remote tier is read-only, there."""
+        """Forget the session in the remote tier (unless it is read-only), then
+        here. A drop the remote tier does not take fails (Unavailable) and
+        changes nothing: the engine tries again. Taken here alone, it would be
+        undone once the tier answers (this node and the others would find the
+        remote copy again). A fetch or publish of the session on this node
+        ends before the drop starts, and none starts until it is done: no copy
+        of the dropped version is taken in or published after its tombstone."""
+        there, why = False, None
+        if self.remote is None or self.remote.write == "off":
+            held = self._drop_here(key)
+        else:
+            if threading.get_ident() == self.loop_thread:
+                raise WouldBlock("drop")
+            with self._changed:
+                self._changed.wait_for(lambda: key not in self._dropping and key not in self._pubs
+                                       and key not in self._fetching)
+                self._dropping.add(key)
+            try:
+                try:
+                    there = self._call("drop", self.remote.store.drop, key)
+                except DataLoss as exc:  # the store holds something else there: no copy any node serves
+                    why = exc
+                except Unavailable as exc:
+                    raise Unavailable(f"session {shown(key.session_id)} is not dropped: {exc}; nothing was changed, "
+                                      "try again", session_id=key.session_id) from None
+                held = self._drop_here(key)
+            finally:
+                with self._changed:
+                    self._dropping.discard(key)
+                    self._changed.notify_all()
+        if not held and not there:
+            raise why or NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
+
+    def _drop_here(self, key: SessionKey) -> bool:
+        """Forget this node's copy, if it holds one; whether it did."""
         held = True
         try:
             super().drop(key)
@@ -602,16 +688,7 @@ class Shared(Inspection):
             held = False
         with self._lock:
             self._fetches.discard(key)  # a queued fetch was cancelled with the drop
-        there = False
-        if self.remote is not None and self.remote.write != "off":
-            try:
-                there = self._call("drop", self.remote.store.drop, key)
-            except Unavailable:
-                if not held:
-                    raise
-                log.warning("drop of %s/%s: the remote tier is unreachable; its copy goes by its TTL", *key)
-        if not held and not there:
-            raise NotFound(f"session {shown(key.session_id)} not found", session_id=key.session_id)
+        return held
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -627,7 +704,10 @@ class Shared(Inspection):
         return info
 
     def _queue_publish(self, key: SessionKey) -> bool:
+        """Queue the session for the publisher (none with write "off": publish() alone publishes); whether it is."""
         assert self.remote is not None
+        if self._publisher is None:
+            return False
         with self._pub_cv:
             if key in self._pub_queue:
                 return True
@@ -659,11 +739,12 @@ class Shared(Inspection):
         next_scan = time.monotonic() + scan_every
         while True:
             with self._pub_cv:
-                while not self._pub_queue and not self._pub_stop:
+                # While the tier is down, what is queued waits (the probe wakes this once it answers).
+                while (not self._pub_queue or self._down.is_set()) and not self._pub_stop:
                     left = next_scan - time.monotonic()
-                    if self.remote.write == "back" and left <= 0:
+                    if self.remote.write == "back" and left <= 0 and not self._down.is_set():
                         break
-                    self._pub_cv.wait(left if self.remote.write == "back" else None)
+                    self._pub_cv.wait(left if self.remote.write == "back" and not self._down.is_set() else None)
                 if self._pub_stop:
                     return
                 key = self._pub_queue.popitem(last=False)[0] if self._pub_queue else None
@@ -697,11 +778,14 @@ class Shared(Inspection):
         assert self.remote is not None
         store = self.remote.store
         if self._down.is_set():
-            return  # not remote-durable; stored again (or found idle, with back) once the tier answers
-        with self._lock:
+            self._queue_publish(key)  # published once the tier answers
+            return
+        with self._changed:
+            self._changed.wait_for(lambda: key not in self._dropping and key not in self._pubs)
             session = self._sessions.get(key)
             if session is None or session.dropped or session.damaged or session.remote_durable:
                 return
+            self._pubs.add(key)
             snap = session.snap
             version, spec, sums, hashes = snap.version, snap.spec, snap.checksums, snap.token_hashes
             num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
@@ -738,17 +822,21 @@ class Shared(Inspection):
             self.copier.record(f"{HOST}->{REMOTE}", geom.nbytes, seconds)
             self.events.moved(max((s.tier for s in spans), key=tier_rank), REMOTE, "publish", geom.nbytes, seconds)
             self.events.remote_op("publish", "ok")
-            if self._published(session, version, new):
-                self._call("drop", store.drop, key)  # dropped while it was published
+            self._published(session, version, new)
         except FailedPrecondition as exc:
             self.events.remote_op("publish", "conflict")
             log.info("%s/%s not published: %s", *key, exc)
         except DataLoss as exc:
             self.placement.mark_damaged(session, exc)
         except Unavailable as exc:
+            if self._down.is_set():  # not Refused (the store answered): published once the tier answers
+                self._queue_publish(key)
             log.info("%s/%s not published: %s", *key, exc)
         finally:
             self.placement.end_read(session)
+            with self._changed:
+                self._pubs.discard(key)
+                self._changed.notify_all()
 
     def _within_quota(self, key: SessionKey, nbytes: int) -> bool:
         """Whether a version of nbytes fits the tenant's remote quota (in place of
@@ -766,14 +854,12 @@ class Shared(Inspection):
                  held, self.remote.tenant_quota)
         return False
 
-    def _published(self, session: Session, version: int, m: Manifest) -> bool:
-        """Record that the remote tier holds snapshot `version` as manifest m; whether the session was
-        dropped meanwhile."""
+    def _published(self, session: Session, version: int, m: Manifest) -> None:
+        """Record that the remote tier holds snapshot `version` as manifest m."""
         with self._lock:
             session.remote_version, session.remote_write = m.version, m.write
             if session.snap.version == version:
                 session.remote_at = version
-            return session.dropped
 
 
 __all__ = ["PROBE_SECONDS", "Remote", "Shared"]
