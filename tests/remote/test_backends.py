@@ -48,6 +48,9 @@ class Redis:
         self.a.client.delete(self._chunks(key)[-1])
         return NotFound
 
+    def lose(self, key):
+        self.a.client.delete(self._chunks(key)[0])
+
     def garble(self, key, raw):
         self.a.client.set(f"{self.a.prefix}:{{{tag_of(key)}}}:m", raw)
 
@@ -77,6 +80,9 @@ class Files:
         path = self._data(key)
         os.truncate(path, os.path.getsize(path) - 1000)
         return DataLoss
+
+    def lose(self, key):
+        os.unlink(self._data(key))
 
     def garble(self, key, raw):
         os.makedirs(self.a.dir_of(key), exist_ok=True)
@@ -197,6 +203,23 @@ def test_a_drop_leaves_a_tombstone_and_nothing_another_node_can_resume(nodes):
     assert again.version == m.version + 2 and read(nodes.a, again) == pages
 
 
+def test_a_node_learns_which_of_its_versions_the_store_lost_and_no_other_change_is_a_loss(nodes):
+    pages, sums = snapshot(2, seed=11)
+    first = publish(nodes.a, pages, sums)
+    other = SessionKey("alice", "other")
+    m = publish(nodes.a, pages, sums, key=other)
+    asked = [(KEY, first.version, first.write, first.chunks), (other, m.version, m.write, m.chunks),
+             (SessionKey("alice", "never"), 7, "0" * 16, 1)]
+    assert nodes.b.missing(asked) == [False, False, True]
+    publish(nodes.b, pages, sums, expect=first.version)  # another node's newer version: no loss
+    nodes.b.drop(other)  # a drop: no loss either
+    assert nodes.a.missing(asked[:2]) == [False, False]
+    third = SessionKey("alice", "third")
+    m = publish(nodes.a, pages, sums, key=third)
+    nodes.lose(third)  # the store evicted part of the version
+    assert nodes.b.missing([(third, m.version, m.write, m.chunks), asked[0]]) == [True, False]
+
+
 def test_a_tenant_s_sessions_are_listed_and_counted_for_it_alone(nodes):
     a, a_sums = snapshot(2, seed=13)
     b, b_sums = snapshot(3, seed=14)
@@ -274,6 +297,9 @@ def test_a_version_older_than_the_ttl_is_gone_as_an_expired_key_is(tmp_path):
     for name in os.listdir(backend.dir_of(KEY)):  # the manifest and its bytes, written 61 s ago
         os.utime(os.path.join(backend.dir_of(KEY), name), (time.time() - 61, time.time() - 61))
     assert backend.head(KEY) == (None, 0)
+    assert backend.usage("alice", KEY.session_id) == (m.nbytes, m.nbytes)  # as listed, until a recount
+    assert backend.usage("alice", KEY.session_id, recount=True) == (0, 0) and backend.listed("alice") == []
+    assert backend.missing([(KEY, m.version, m.write, m.chunks)]) == [True]
     again = publish(backend, *snapshot(1, seed=17))  # a new history, as after a Redis key expired
     assert backend.head(KEY)[0].version == again.version
     assert [n for n in os.listdir(backend.dir_of(KEY)) if n.startswith("w")] == [f"w{again.write}"]

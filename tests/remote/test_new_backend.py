@@ -76,7 +76,11 @@ class ToyBackend:
             self.held[key] = (version + 1, None, b"")
             return True
 
-    def usage(self, tenant, session_id):
+    def missing(self, versions):
+        with self.lock:
+            return [self.held.get(key, (0, None, b""))[0] == 0 for key, *_ in versions]
+
+    def usage(self, tenant, session_id, recount=False):
         held = [(k, m) for k, (_, m, _) in self.held.items() if m is not None and k.tenant == tenant]
         return sum(m.nbytes for _, m in held), sum(m.nbytes for k, m in held if k.session_id == session_id)
 

@@ -72,8 +72,17 @@ class RemoteBackend(Protocol):
         """Tombstone the current version and reclaim its bytes; whether there
         was one."""
 
-    def usage(self, tenant: str, session_id: str) -> tuple[int, int]:
-        """Bytes of the tenant's sessions the store holds, and of this one."""
+    def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
+        """For each version a node holds a copy of (session, version number,
+        write id, chunks), whether the store lost it: nothing at the
+        session's key, or that version with any of its bytes gone. Another
+        version or a tombstone there is no loss; neither is a store that did
+        not answer plainly."""
+
+    def usage(self, tenant: str, session_id: str, recount: bool = False) -> tuple[int, int]:
+        """Bytes of the tenant's sessions the store holds, and of this one;
+        with recount, after some of the tenant's listed sessions were checked
+        against what the store holds (those gone unlisted)."""
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         """The tenant's session ids, in order, after `after`."""

@@ -682,8 +682,7 @@ class RemoteStore:
         for version, write, commands, chunks in asked:
             head = next(replies)
             there = [next(replies) for _ in range(commands)]
-            found = _HEAD.match(head) if isinstance(head, bytes) else None
-            out.append(head == b"" or (found is not None and (int(found[1]), found[2].decode()) == (version, write)
+            out.append(head == b"" or ((_version(head), _write_of(head)) == (version, write)
                                        and all(isinstance(n, int) for n in there) and sum(there) < chunks))
         return out
 
@@ -948,6 +947,12 @@ def _version(raw: Any) -> int:
     """The version number the scripts see at a manifest's key (0: none, or one they do not take as one)."""
     found = re.match(rb"(\d+) ", raw) if isinstance(raw, bytes) else None
     return int(found.group(1)) if found and int(found.group(1)) <= MAX_VERSION else 0
+
+
+def _write_of(raw: Any) -> str:
+    """The write id at the head of a manifest ('': none there, or a tombstone)."""
+    found = _HEAD.match(raw) if isinstance(raw, bytes) else None
+    return found[2].decode() if found else ""
 
 
 def _dropped_at(raw: Any) -> int:

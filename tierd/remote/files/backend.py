@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from tierd.errors import DataLoss, FailedPrecondition, NotFound
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
-from tierd.tiers.remote import (FIRST_VERSIONS, MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, _dropped_at, _owned,
-                                _version, owner_of, tag_of)
+from tierd.tiers.remote import (FIRST_VERSIONS, MAX_MANIFEST_BYTES, MAX_VERSION, RECOUNT, Manifest, _dropped_at,
+                                _owned, _version, _write_of, owner_of, tag_of)
 from tierd.types import SessionKey
 
 ORPHAN_SECONDS = 3600.0  # a version's bytes no manifest names, this old, are a dead publish's
@@ -37,7 +37,7 @@ class FileBackend:
         fsio.call("opening the directory", os.makedirs, os.path.join(self.root, "s"), exist_ok=True)
         fsio.call("opening the directory", os.makedirs, os.path.join(self.root, "t"), exist_ok=True)
         self.lists = TenantLists(os.path.join(self.root, "t"))
-        self.usage, self.listed, self.unlist = self.lists.usage, self.lists.listed, self.lists.unlist
+        self.listed, self.unlist = self.lists.listed, self.lists.unlist
 
     def close(self) -> None:
         pass
@@ -64,7 +64,8 @@ class FileBackend:
 
     def _current(self, where: str, head_only: bool = False) -> bytes | None:
         """What the manifest's file holds (None: none, or older than the TTL),
-        or with head_only its first 32 bytes (enough for a tombstone); DataLoss
+        or with head_only its first 64 bytes (a tombstone, or a version's
+        number and write id); DataLoss
         for one larger than a manifest can be, found by its size before
         anything is read."""
         try:
@@ -79,7 +80,7 @@ class FileBackend:
                 return None
             if not head_only and st.st_size > MAX_MANIFEST_BYTES:
                 raise DataLoss(f"a remote manifest does not parse ({st.st_size} bytes)", tier="remote")
-            return fsio.call("a manifest read", os.pread, fd, 32 if head_only else st.st_size, 0)
+            return fsio.call("a manifest read", os.pread, fd, 64 if head_only else st.st_size, 0)
         finally:
             os.close(fd)
 
@@ -103,6 +104,26 @@ class FileBackend:
             except DataLoss:
                 out.append(None)
         return out
+
+    def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
+        out = []
+        for key, version, write, _ in versions:
+            where = self.dir_of(key)
+            try:
+                raw = self._current(where, head_only=True)
+            except Unavailable:
+                out.append(False)  # not a plain answer
+                continue
+            out.append(raw is None or (_version(raw), _write_of(raw)) == (version, write)
+                       and not os.path.exists(os.path.join(where, f"w{write}")))
+        return out
+
+    def usage(self, tenant: str, session_id: str, recount: bool = False) -> tuple[int, int]:
+        if recount:  # sessions expired or dropped no longer count
+            heads = {i: self._current(self.dir_of(SessionKey(tenant, i)), head_only=True)
+                     for i in self.lists.sample(tenant, RECOUNT)}
+            self.unlist(tenant, [i for i, h in heads.items() if h is None or _dropped_at(h)])
+        return self.lists.usage(tenant, session_id)
 
     def tombstones(self, keys: list[SessionKey]) -> list[int]:
         return [_dropped_at(self._current(self.dir_of(key), head_only=True)) for key in keys]

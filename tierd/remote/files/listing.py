@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from collections.abc import Iterator
 
 from tierd.errors import Unavailable
@@ -58,6 +59,11 @@ class TenantLists:
             total += nbytes
             own = nbytes if sid == session_id else own
         return total, own
+
+    def sample(self, tenant: str, count: int) -> list[str]:
+        """Up to count of the tenant's listed ids, at random."""
+        ids = [sid for sid, _ in self._entries(tenant)]
+        return random.sample(ids, min(count, len(ids)))
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         return sorted(sid for sid, _ in self._entries(tenant) if sid > after)[:count]
