@@ -40,7 +40,9 @@ from tierd.errors import InvalidArgument, NotFound
 from tierd.machine import build
 from tierd.policy import PolicyConfig
 from tierd.testing import Daemon, RedisCluster
-from tierd.tiers.remote import CHUNK_BYTES, PIPELINE, READ_BATCH, READ_DEPTH, _read_into, tag_of
+from tierd.remote.manifest import tag_of
+from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE
+from tierd.remote.redis.replies import READ_BATCH, READ_DEPTH, read_values
 from tierd.transfer.copier import EngineMemory
 
 MiB = 1 << 20
@@ -124,7 +126,7 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
         def store_reader() -> None:
             """The store's own reader alone: its GETs in flight, into one buffer, nothing checked."""
             pool = a.store.remote.store._pool_of(raw_keys[0])
-            assert all(_read_into(pool, raw_keys, sinks, lambda i, found: None, lambda: False))
+            assert all(read_values(pool, raw_keys, sinks, lambda i, found: None, lambda: False))
 
         def publish() -> None:
             assert a.store.publish(KEY)

@@ -12,14 +12,14 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 from tierd.remote import registry
 from tierd.remote.files import FileBackend
-from tierd.tiers.remote import FIRST_VERSIONS, RemoteStore, connect, tag_of
+from tierd.remote.manifest import FIRST_VERSIONS, tag_of
+from tierd.remote.redis import RemoteStore, connect
 from tierd.types import SessionKey
 from tests.remote.test_remote_store import KEY, PAGE, publish, snapshot  # 1.5 MiB pages: chunks do not line up
 
@@ -208,7 +208,7 @@ def test_a_node_learns_which_of_its_versions_the_store_lost_and_no_other_change_
     first = publish(nodes.a, pages, sums)
     other = SessionKey("alice", "other")
     m = publish(nodes.a, pages, sums, key=other)
-    asked = [(KEY, first.version, first.write, first.chunks), (other, m.version, m.write, m.chunks),
+    asked = [(KEY, first.version, first.write, first.nbytes), (other, m.version, m.write, m.nbytes),
              (SessionKey("alice", "never"), 7, "0" * 16, 1)]
     assert nodes.b.missing(asked) == [False, False, True]
     publish(nodes.b, pages, sums, expect=first.version)  # another node's newer version: no loss
@@ -217,7 +217,7 @@ def test_a_node_learns_which_of_its_versions_the_store_lost_and_no_other_change_
     third = SessionKey("alice", "third")
     m = publish(nodes.a, pages, sums, key=third)
     nodes.lose(third)  # the store evicted part of the version
-    assert nodes.b.missing([(third, m.version, m.write, m.chunks), asked[0]]) == [True, False]
+    assert nodes.b.missing([(third, m.version, m.write, m.nbytes), asked[0]]) == [True, False]
 
 
 def test_a_tenant_s_sessions_are_listed_and_counted_for_it_alone(nodes):
@@ -280,7 +280,7 @@ def test_publishers_racing_from_several_processes_keep_one_whole_history(tmp_pat
 
 
 def test_a_huge_file_at_a_manifest_s_place_is_refused_by_its_size_unread(tmp_path):
-    from tierd.tiers.remote import MAX_MANIFEST_BYTES
+    from tierd.remote.manifest import MAX_MANIFEST_BYTES
 
     backend = FileBackend(str(tmp_path))
     publish(backend, *snapshot(1, seed=15))
@@ -299,7 +299,7 @@ def test_a_version_older_than_the_ttl_is_gone_as_an_expired_key_is(tmp_path):
     assert backend.head(KEY) == (None, 0)
     assert backend.usage("alice", KEY.session_id) == (m.nbytes, m.nbytes)  # as listed, until a recount
     assert backend.usage("alice", KEY.session_id, recount=True) == (0, 0) and backend.listed("alice") == []
-    assert backend.missing([(KEY, m.version, m.write, m.chunks)]) == [True]
+    assert backend.missing([(KEY, m.version, m.write, m.nbytes)]) == [True]
     again = publish(backend, *snapshot(1, seed=17))  # a new history, as after a Redis key expired
     assert backend.head(KEY)[0].version == again.version
     assert [n for n in os.listdir(backend.dir_of(KEY)) if n.startswith("w")] == [f"w{again.write}"]

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine, wait_for
 from tierd.errors import FailedPrecondition, NotFound
 from tierd.remote import registry
-from tierd.tiers.remote import FIRST_VERSIONS, Manifest, owner_of
+from tierd.remote.manifest import FIRST_VERSIONS, Manifest, owner_of
 from tierd.types import SessionKey
 
 # -- the backend's module: versions in a dict every "node" of this process reaches --

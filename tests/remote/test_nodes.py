@@ -162,7 +162,7 @@ def test_a_huge_value_at_a_manifest_key_costs_the_node_little_and_fails_that_ses
 
     from tests.security.test_memory import peak_growth
     from tierd.client import DataLoss
-    from tierd.tiers.remote import tag_of
+    from tierd.remote.manifest import tag_of
     from tierd.types import SessionKey
 
     a, b = daemons("a"), daemons("b")

@@ -18,7 +18,10 @@ from tests.helpers import wait_for
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
 from tierd.testing import RedisCluster, _free_port
-from tierd.tiers.remote import CHUNK_BYTES, FIRST_VERSIONS, Refused, RemoteStore, connect, tag_of
+from tierd.remote.backend import Refused
+from tierd.remote.manifest import FIRST_VERSIONS, tag_of
+from tierd.remote.redis import RemoteStore, connect
+from tierd.remote.redis.link import CHUNK_BYTES, chunks_of
 from tierd.types import SessionKey
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -54,12 +57,12 @@ def test_a_version_round_trips_byte_exact_under_keys_that_name_no_one(store):
     m = publish(store, pages, sums)
     assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS  # a history starts at a number of its own
     assert (m.n_pages, m.nbytes) == (3, sum(map(len, pages)))
-    got = store.manifest(KEY)
+    got = store.head(KEY)[0]
     assert got.version == m.version and got.fingerprint == "fp" and list(got.checksums) == list(sums)
     assert list(got.token_hashes) == [0, 1, 2] and got.num_tokens == 48
     assert list(store.read(KEY, got)) == pages
     names = keys_of(store)
-    assert len(names) == 1 + m.chunks and not any("alice" in n or "chat-1" in n for n in names)
+    assert len(names) == 1 + chunks_of(m.nbytes) and not any("alice" in n or "chat-1" in n for n in names)
     sizes = [store.client.strlen(n) for n in names if not n.endswith(":m")]
     assert max(sizes) == CHUNK_BYTES < 1 << 20  # below the power of two the allocator would round up to
 
@@ -87,7 +90,7 @@ def test_pieces_valid_until_the_next_are_copied_and_held_ones_sent_as_they_are(s
 
     m = store.publish(KEY, 0, {"model_id": "m"}, "fp", len(pages) * 16, PAGE, sums,
                       np.arange(len(pages), dtype=np.uint64), pieces())
-    assert m.chunks > 32 and list(store.read(KEY, m)) == pages
+    assert chunks_of(m.nbytes) > 32 and list(store.read(KEY, m)) == pages
 
 
 def test_a_new_version_replaces_the_old_whole_and_reclaims_it(store):
@@ -95,8 +98,8 @@ def test_a_new_version_replaces_the_old_whole_and_reclaims_it(store):
     first = publish(store, pages, sums)
     newer, new_sums = snapshot(4, seed=3)
     m = publish(store, newer, new_sums, expect=first.version)
-    assert m.version == first.version + 1 and list(store.read(KEY, store.manifest(KEY))) == newer
-    assert len(keys_of(store)) == 1 + m.chunks  # version 1's chunks are gone
+    assert m.version == first.version + 1 and list(store.read(KEY, store.head(KEY)[0])) == newer
+    assert len(keys_of(store)) == 1 + chunks_of(m.nbytes)  # version 1's chunks are gone
 
 
 def test_racing_writers_leave_one_whole_history(store):
@@ -119,8 +122,8 @@ def test_racing_writers_leave_one_whole_history(store):
         t.join()
     won = [n for n, o in outcomes.items() if not isinstance(o, Exception)]
     assert len(won) == 1 and isinstance(outcomes[{"a": "b", "b": "a"}[won[0]]], FailedPrecondition)
-    assert list(store.read(KEY, store.manifest(KEY))) == (a if won == ["a"] else b)
-    assert len(keys_of(store)) == 1 + outcomes[won[0]].chunks
+    assert list(store.read(KEY, store.head(KEY)[0])) == (a if won == ["a"] else b)
+    assert len(keys_of(store)) == 1 + chunks_of(outcomes[won[0]].nbytes)
 
 
 def test_a_stale_writer_is_refused_and_changes_nothing(store):
@@ -130,7 +133,7 @@ def test_a_stale_writer_is_refused_and_changes_nothing(store):
     before = keys_of(store)
     with pytest.raises(FailedPrecondition, match=f"version {second.version}"):
         publish(store, *snapshot(2, seed=7), expect=first.version)
-    assert keys_of(store) == before and list(store.read(KEY, store.manifest(KEY))) == pages
+    assert keys_of(store) == before and list(store.read(KEY, store.head(KEY)[0])) == pages
 
 
 def test_a_changed_byte_is_data_loss_and_a_lost_chunk_not_found(store):
@@ -142,7 +145,7 @@ def test_a_changed_byte_is_data_loss_and_a_lost_chunk_not_found(store):
     store.client.set(chunk, bytes(value))
     page = (CHUNK_BYTES + 12345) // PAGE  # the changed byte's page
     with pytest.raises(DataLoss, match=f"page {page} failed its checksum in the remote tier"):
-        list(store.read(KEY, store.manifest(KEY)))
+        list(store.read(KEY, store.head(KEY)[0]))
     store.client.delete(chunk)  # evicted, say
     with pytest.raises(NotFound, match="incomplete"):
         list(store.read(KEY, m))
@@ -151,28 +154,28 @@ def test_a_changed_byte_is_data_loss_and_a_lost_chunk_not_found(store):
 def test_a_chunk_of_another_size_or_type_is_read_again_through_redis_py_and_is_data_loss(store):
     pages, sums = snapshot(3, seed=12)
     publish(store, pages, sums)
-    assert list(store.read(KEY, store.manifest(KEY))) == pages and store.fallbacks == 0  # straight into memory
+    assert list(store.read(KEY, store.head(KEY)[0])) == pages and store.fetcher.fallbacks == 0  # straight into memory
     chunk = next(n for n in keys_of(store) if n.endswith(":1"))
     value = store.client.get(chunk)
     store.client.set(chunk, value + b"x")  # a byte longer than its manifest says
     with pytest.raises(DataLoss, match="bytes, not what its manifest says"):
-        list(store.read(KEY, store.manifest(KEY)))
-    assert store.fallbacks == 1
+        list(store.read(KEY, store.head(KEY)[0]))
+    assert store.fetcher.fallbacks == 1
     store.client.delete(chunk)
     store.client.rpush(chunk, b"not a value")  # a list where a chunk was
     with pytest.raises(DataLoss, match="WRONGTYPE"):
-        list(store.read(KEY, store.manifest(KEY)))
+        list(store.read(KEY, store.head(KEY)[0]))
     store.client.delete(chunk)
     store.client.set(chunk, value)
-    assert list(store.read(KEY, store.manifest(KEY))) == pages  # the connections closed on the way work again
-    assert store.fallbacks == 2
+    assert list(store.read(KEY, store.head(KEY)[0])) == pages  # the connections closed on the way work again
+    assert store.fetcher.fallbacks == 2
 
 
 def test_drop_leaves_only_a_tombstone_that_the_next_history_numbers_on_from(store):
     pages, sums = snapshot(2, seed=9)
     m = publish(store, pages, sums)
     assert store.drop(KEY)
-    assert store.manifest(KEY) is None and store.head(KEY) == (None, m.version + 1)
+    assert store.head(KEY)[0] is None and store.head(KEY) == (None, m.version + 1)
     assert keys_of(store) == [f"{store.prefix}:{{{tag_of(KEY)}}}:m"]  # the chunks are gone, the tombstone stays
     assert store.listed("alice") == [] and not store.drop(KEY)  # nothing there to drop
     assert store.head(KEY) == (None, m.version + 1) and store.tombstones([KEY, SessionKey("alice", "x")]) == \
@@ -194,42 +197,42 @@ def test_a_version_number_past_what_the_scripts_hold_exactly_is_garbage_and_repl
     assert store.version_of(KEY) == 0 and store.tombstones([KEY]) == [0]
     pages, sums = snapshot(2, seed=18)
     m = publish(store, pages, sums)  # the next store replaces it
-    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS and list(store.read(KEY, store.manifest(KEY))) == pages
+    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS and list(store.read(KEY, store.head(KEY)[0])) == pages
     store.client.set(manifest, junk)
     store.drop(KEY)
     assert store.head(KEY) == (None, 1) and store.tombstones([KEY]) == [1]  # a tombstone of its own in its place
 
 
 def test_a_history_at_the_top_of_the_numbers_starts_again_below(store):
-    from tierd.tiers.remote import MAX_VERSION
+    from tierd.remote.manifest import MAX_VERSION
 
     manifest = f"{store.prefix}:{{{tag_of(KEY)}}}:m"
     store.client.set(manifest, f"{MAX_VERSION} dropped".encode())
     assert store.head(KEY) == (None, MAX_VERSION)
     pages, sums = snapshot(2, seed=19)
     m = publish(store, pages, sums, expect=MAX_VERSION)
-    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS and store.manifest(KEY).version == m.version
+    assert FIRST_VERSIONS <= m.version < 2 * FIRST_VERSIONS and store.head(KEY)[0].version == m.version
     raw = store.client.get(manifest)
     store.client.set(manifest, str(MAX_VERSION).encode() + raw[raw.index(b" "):])  # the same, numbered at the top
-    assert store.manifest(KEY).version == MAX_VERSION
+    assert store.head(KEY)[0].version == MAX_VERSION
     store.drop(KEY)
     assert store.head(KEY) == (None, 1)  # a tombstone, not a number the scripts print as 1e+14
 
 
 def test_missing_tells_the_versions_the_store_lost_from_another_version_or_a_drop(store, monkeypatch):
-    import tierd.tiers.remote as remote
+    import tierd.remote.redis.manifests as manifests
 
-    monkeypatch.setattr(remote, "LOOK_BATCH", 5)  # a round trip for every session or two
+    monkeypatch.setattr(manifests, "LOOK_BATCH", 5)  # a round trip for every session or two
     pages, sums = snapshot(3, seed=21)  # three chunks
     keys = [SessionKey("alice", f"look{i}") for i in range(5)]
     made = [publish(store, pages, sums, key=k) for k in keys]
 
     def ask():
-        return store.missing([(k, m.version, m.write, m.chunks) for k, m in zip(keys, made)])
+        return store.missing([(k, m.version, m.write, m.nbytes) for k, m in zip(keys, made)])
 
     assert ask() == [False] * 5
-    store.client.delete(store._key(keys[0], f"w{made[0].write}", "1"))  # a chunk evicted
-    store.client.delete(store._key(keys[1], "m"))  # the manifest expired
+    store.client.delete(store.link.key(keys[0], f"w{made[0].write}", "1"))  # a chunk evicted
+    store.client.delete(store.link.key(keys[1], "m"))  # the manifest expired
     publish(store, pages, sums, expect=made[2].version, key=keys[2])  # another version: no loss
     store.drop(keys[3])  # a tombstone: no loss
     assert ask() == [True, True, False, False, False]
@@ -244,14 +247,14 @@ def test_a_version_whose_chunks_are_not_all_there_is_not_published(store):
 
     def lose_one(key, write, first, chunks):
         put(key, write, first, chunks)
-        store.client.delete(store._key(key, f"w{write}", str(first)))
+        store.client.delete(store.link.key(key, f"w{write}", str(first)))
 
     store._put = lose_one
     with pytest.raises(Refused, match="chunks written"):
         publish(store, *snapshot(3, seed=17), expect=m.version)
     store._put = put
-    assert store.manifest(KEY).write == m.write and list(store.read(KEY, m)) == pages  # the version before is served
-    assert len(keys_of(store)) == 1 + m.chunks  # the new version's chunks are gone
+    assert store.head(KEY)[0].write == m.write and list(store.read(KEY, m)) == pages  # the version before is served
+    assert len(keys_of(store)) == 1 + chunks_of(m.nbytes)  # the new version's chunks are gone
 
 
 def test_values_go_out_as_they_lie_and_replies_are_parsed_in_c(store):
@@ -282,7 +285,7 @@ def test_a_replica_serves_the_session_after_its_master_is_killed(tmp_path):
         cluster.wait_ok(30)
         store = RemoteStore(connect(f"redis://127.0.0.1:{next(p for p in cluster.ports if cluster.alive(p))}"),
                             prefix="fo")
-        assert list(store.read(KEY, store.manifest(KEY))) == pages
+        assert list(store.read(KEY, store.head(KEY)[0])) == pages
         store.close()
     finally:
         cluster.close()
@@ -316,7 +319,7 @@ def test_a_single_server_is_found_for_what_it_is(single_server):
     store = RemoteStore(client, prefix="one")
     pages, sums = snapshot(2, seed=11)
     publish(store, pages, sums)
-    assert list(store.read(KEY, store.manifest(KEY))) == pages
+    assert list(store.read(KEY, store.head(KEY)[0])) == pages
     client.close()
 
 
@@ -345,7 +348,7 @@ def test_calls_to_a_store_that_went_down_fail_fast(tmp_path):
         publish(store, *snapshot(1, seed=13))
     finally:
         cluster.close()
-    for call in (lambda: store.manifest(KEY), lambda: publish(store, *snapshot(1, seed=14), expect=1)):
+    for call in (lambda: store.head(KEY)[0], lambda: publish(store, *snapshot(1, seed=14), expect=1)):
         t0 = time.monotonic()
         with pytest.raises(Unavailable, match="the remote store did not answer"):
             call()
@@ -408,7 +411,7 @@ def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it
         store = RemoteStore(connect(f"redis://127.0.0.1:{proxy.port}"), prefix="cut")
         pages, sums = snapshot(12, seed=15)  # 17 chunks: several batches in flight at once
         publish(store, pages, sums)
-        m = store.manifest(KEY)
+        m = store.head(KEY)[0]
         proxy.cut = 6 * CHUNK_BYTES + CHUNK_BYTES // 3  # in the middle of chunk 6 (the manifest's reply is small)
         buf = bytearray(m.nbytes)
         at = 0
@@ -420,10 +423,10 @@ def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it
 
         told = list(store.read_into(KEY, m, claim))
         assert told == sorted(set(told)) and told[-1] == m.nbytes  # more each time, to the end
-        assert bytes(buf) == b"".join(pages) and store.fallbacks == 1
+        assert bytes(buf) == b"".join(pages) and store.fetcher.fallbacks == 1
         # The chunks before the cut were told to the reader (it may be placing them): not read again.
         wanted = [int(name.rsplit(b":", 1)[1]) for name in re.findall(rb"cut:\{[^}]+\}:w[^:\r]+:\d+", proxy.after)]
-        assert proxy.was_cut and wanted == list(range(6, m.chunks))
+        assert proxy.was_cut and wanted == list(range(6, chunks_of(m.nbytes)))
         store.close()
     finally:
         proxy.close()
@@ -438,13 +441,13 @@ def test_a_tenant_s_bytes_are_a_running_total_kept_with_its_list(store):
     publish(store, *snapshot(2, seed=30), key=SessionKey("bob", "u0"))  # another tenant's are its own
     assert store.usage("alice", "u1") == (sum(sizes.values()), sizes["u1"])
     pages, sums = snapshot(1, seed=31)
-    publish(store, pages, sums, expect=store.manifest(SessionKey("alice", "u0")).version, key=SessionKey("alice", "u0"))  # a new version in place of the old
+    publish(store, pages, sums, expect=store.head(SessionKey("alice", "u0"))[0].version, key=SessionKey("alice", "u0"))  # a new version in place of the old
     sizes["u0"] = len(pages[0])
     assert store.usage("alice", "u0") == (sum(sizes.values()), sizes["u0"])
     store.drop(SessionKey("alice", "u2"))
     del sizes["u2"]
     assert store.usage("alice", "nobody") == (sum(sizes.values()), 0)
-    total = store._index("alice", "u")
+    total = store.link.index("alice", "u")
     for damage in (lambda: store.client.delete(total), lambda: store.client.set(total, b"many")):
         damage()  # a store written before there was a total, or one garbled: summed again
         assert store.usage("alice", "u1") == (sum(sizes.values()), sizes["u1"])
@@ -473,18 +476,18 @@ def test_a_large_manifest_is_read_whole_once_and_one_longer_than_its_head_says_n
     def sent():
         return node.info("stats")["total_net_output_bytes"]
 
-    assert store.manifest(KEY).version == m.version
+    assert store.head(KEY)[0].version == m.version
     before = sent()
-    again = store.manifest(KEY)
+    again = store.head(KEY)[0]
     assert sent() - before < 100_000  # its head, not its 300 KB again
     assert again.version == m.version and list(again.checksums) == list(sums) and b"".join(store.read(KEY, again)) \
         == data
     newer = publish_big(expect=m.version)
-    assert store.manifest(KEY).version == newer.version  # a new version is read anew
+    assert store.head(KEY)[0].version == newer.version  # a new version is read anew
     raw = store.client.get(name)
     for wrong in (raw + b"x", raw[:-1], raw[:70_000]):
         store.client.set(name, wrong)
         before = sent()
         with pytest.raises(DataLoss, match="bytes"):
-            store.manifest(KEY)
+            store.head(KEY)[0]
         assert sent() - before < 100_000

@@ -1,5 +1,5 @@
 """The reply reader that puts GET values straight into page memory
-(tiers/remote.py), over a real socket pair: replies cut at every byte,
+(tierd/remote/redis/replies.py), over a real socket pair: replies cut at every byte,
 nils, and everything that is not the value asked for (an error, another
 length, a value longer than it says, a connection closed in the middle)
 refused before it is taken for a value."""
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from tierd.tiers.remote import _Replies, _Unexpected
+from tierd.remote.redis.replies import Replies, Unexpected
 
 
 def _served(data: bytes, step: int):
@@ -39,7 +39,7 @@ def test_values_land_in_their_buffers_whatever_the_cuts(step):
     rng = np.random.default_rng(3)
     values = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (300_000, 5, 70_000)]
     sock = _served(_bulk(values[0]) + b"$-1\r\n" + _bulk(values[1]) + _bulk(values[2]), step)
-    replies = _Replies(sock)
+    replies = Replies(sock)
     first = [np.zeros(100_000, np.uint8), np.zeros(200_000, np.uint8)]  # one value across two pages
     assert replies.value_into(first) and b"".join(a.tobytes() for a in first) == values[0]
     assert replies.value_into([np.zeros(9, np.uint8)]) is False  # nil: the buffers are left alone
@@ -60,13 +60,13 @@ def test_values_land_in_their_buffers_whatever_the_cuts(step):
 def test_anything_but_the_value_asked_for_is_refused(reply, why):
     sock = _served(reply, 3)
     out = bytearray(5)
-    with pytest.raises(_Unexpected, match=why):
-        _Replies(sock).value_into([out])
+    with pytest.raises(Unexpected, match=why):
+        Replies(sock).value_into([out])
     sock.close()
 
 
 def test_a_connection_closed_in_the_middle_of_a_value_fails():
     sock = _served(b"$10\r\nhalf", 2)
     with pytest.raises(ConnectionError):
-        _Replies(sock).value_into([bytearray(10)])
+        Replies(sock).value_into([bytearray(10)])
     sock.close()

@@ -13,8 +13,9 @@ import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, wait_for
 from tierd.errors import DataLoss, NotFound, Unavailable
+from tierd.remote.manifest import tag_of
+from tierd.remote.redis.link import chunks_of
 from tierd.testing import RedisCluster
-from tierd.tiers.remote import tag_of
 from tierd.types import SessionKey
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -105,11 +106,11 @@ def test_a_restore_of_a_remote_session_scatters_its_pages_as_they_arrive_each_ch
     assert b.stat(key).tier == "host" and b.stat(key).remote_durable  # all 640 pages fetched
     _, reader = b.get(key)
     assert b"".join(bytes(c) for c in reader) == b"".join(src.pages(range(640)))
-    assert b.remote.store.fallbacks == 0  # every reply read straight into the pages
+    assert b.remote.store.fetcher.fallbacks == 0  # every reply read straight into the pages
 
     client, store = a.remote.store.client, a.remote.store
     for k, chunk, blocks in ((bad, 0, list(range(40))), (late, 2, [0, 1, 2])):  # pages 31 (a block) and 95 (none)
-        name = store._key(k, f"w{store.manifest(k).write}", str(chunk))
+        name = store.link.key(k, f"w{store.head(k)[0].write}", str(chunk))
         value = bytearray(client.get(name))
         value[-5] ^= 1
         client.set(name, bytes(value))
@@ -194,7 +195,7 @@ def test_a_garbled_remote_manifest_leaves_local_copies_served(nodes):
     key = SessionKey("alice", "garbled")
     eng = HostEngine(seed=20)
     stored(a, key, eng, [0, 1], 32)
-    a.remote.store.client.set(a.remote.store._key(key, "m"), b"1 {not json")
+    a.remote.store.client.set(a.remote.store.link.key(key, "m"), b"1 {not json")
     dst = HostEngine(seed=21)
     a.restore(key, dst.memory, SPEC, [0, 1])
     assert dst.pages([0, 1]) == eng.pages([0, 1])
@@ -340,9 +341,9 @@ def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers
 def evict(store, key, what):
     """Delete a session's chunks, or all its keys, as Redis's eviction or TTL does."""
     remote = store.remote.store
-    m = remote.manifest(key)
-    names = [remote._key(key, f"w{m.write}", str(i)) for i in range(m.chunks)]
-    names += [remote._key(key, "m")] if what == "everything" else []
+    m = remote.head(key)[0]
+    names = [remote.link.key(key, f"w{m.write}", str(i)) for i in range(chunks_of(m.nbytes))]
+    names += [remote.link.key(key, "m")] if what == "everything" else []
     assert remote.client.delete(*names) == len(names)
 
 
@@ -429,7 +430,7 @@ def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_
     # b's append committed before it could learn of the drop (Writes.save: the store without the look first)
     Writes.save(b, key, eng.memory, SPEC, [2], 48, 32, token_ids=tokens_of(key, 48))
     wait_for(lambda: b.publish_queue() == (0, 0), what="the publisher idle")
-    assert not b.stat(key).remote_durable and a.remote.store.manifest(key) is None  # the drop stands
+    assert not b.stat(key).remote_durable and a.remote.store.head(key)[0] is None  # the drop stands
     with pytest.raises(NotFound):
         a.stat(key)
 
@@ -636,7 +637,7 @@ def test_a_garbled_manifest_is_data_loss_there_and_replaced_by_the_next_store(no
     save(a, other, eng, [2], 16)
     published(a, key)
     published(a, other)
-    a.remote.store.client.set(a.remote.store._key(key, "m"), garbage)
+    a.remote.store.client.set(a.remote.store.link.key(key, "m"), garbage)
     for verb in (lambda: b.stat(key), lambda: b.lookup(key, list(range(32))), lambda: b.get(key),
                  lambda: b.prefetch(key)):
         with pytest.raises(DataLoss):
@@ -653,7 +654,7 @@ def test_a_key_of_another_type_is_that_session_s_loss_not_the_tier_s(nodes):
     key, other = SessionKey("alice", "wrongtype"), SessionKey("alice", "neighbour")
     eng = HostEngine(seed=31)
     stored(a, other, eng, [0], 16)
-    a.remote.store.client.hset(a.remote.store._key(key, "m"), "x", "y")
+    a.remote.store.client.hset(a.remote.store.link.key(key, "m"), "x", "y")
     with pytest.raises(DataLoss):
         b.stat(key)
     assert b.stat(other).tier == "remote"  # the remote tier is not marked down by it
@@ -665,8 +666,8 @@ def test_a_manifest_key_of_another_type_is_replaced_by_the_next_store_and_the_lo
     eng = HostEngine(seed=45)
     save(a, key, eng, [0, 1], 32)
     publisher_idle(a)
-    a.remote.store.client.delete(a.remote.store._key(key, "m"))
-    a.remote.store.client.rpush(a.remote.store._key(key, "m"), b"not a manifest")
+    a.remote.store.client.delete(a.remote.store.link.key(key, "m"))
+    a.remote.store.client.rpush(a.remote.store.link.key(key, "m"), b"not a manifest")
     save(a, key, eng, [2, 3], 32)  # published over it
     publisher_idle(a)
     assert a.stat(key).state != "damaged" and a.stat(key).remote_durable
@@ -696,7 +697,7 @@ def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_ser
         key = SessionKey("alice", "local-while-hung")
         eng = HostEngine(seed=32)
         stored(s, key, eng, [0, 1], 32)
-        port = s.remote.store.client.get_node_from_key(s.remote.store._key(key, "m")).port
+        port = s.remote.store.client.get_node_from_key(s.remote.store.link.key(key, "m")).port
         os.kill(hung.procs[port].pid, signal.SIGSTOP)
         try:
             end = time.monotonic() + 4.0  # the probe asks every second: it would have flapped by now
@@ -742,8 +743,9 @@ def publisher_idle(store):
 def names_of(store, key):
     """The keys of the session's current version: its manifest and its chunks."""
     remote = store.remote.store
-    m = remote.manifest(key)
-    return [remote._key(key, "m")] + [remote._key(key, f"w{m.write}", str(i)) for i in range(m.chunks)]
+    m = remote.head(key)[0]
+    return [remote.link.key(key, "m")] + [remote.link.key(key, f"w{m.write}", str(i))
+                                          for i in range(chunks_of(m.nbytes))]
 
 
 @pytest.mark.parametrize("damage", ["total a list", "total past a count", "map a string", "list a string",
@@ -757,7 +759,7 @@ def test_a_garbled_tenant_key_is_repaired_and_no_session_s_loss(nodes, damage, c
     keys = [SessionKey("alice", f"kept{i}") for i in range(3)]
     stored(a, keys[0], eng, [0, 1], 32)
     store = a.remote.store
-    client, names = store.client, {w: store._index("alice", w) for w in "sbu"}
+    client, names = store.client, {w: store.link.index("alice", w) for w in "sbu"}
     if damage == "total a list":
         client.delete(names["u"])
         client.rpush(names["u"], b"not a count")
@@ -830,7 +832,7 @@ def test_sessions_redis_evicted_give_their_bytes_back_to_the_tenant_s_remote_quo
         assert not a.stat(keys[3]).remote_durable  # past the quota
         store, client = a.remote.store, a.remote.store.client
         names = {key: names_of(a, key) for key in keys[:3]}
-        tenant = [store._index("alice", w) for w in "sbu"]
+        tenant = [store.link.index("alice", w) for w in "sbu"]
         nodes_of = {key: client.get_node_from_key(names[key][0]).port for key in keys[:3]}
         direct = {port: redis.Redis(port=port) for port in set(nodes_of.values())}
 

@@ -26,6 +26,8 @@ import numpy as np
 from tierd.errors import Unavailable
 from tierd.types import SessionKey
 
+RECOUNT = 256  # a tenant's sessions a recount checks against what the store holds (usage(recount=True))
+
 
 class Refused(Unavailable):
     """The remote store answered, with an error (out of memory, say): the call
@@ -74,7 +76,7 @@ class RemoteBackend(Protocol):
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
         """For each version a node holds a copy of (session, version number,
-        write id, chunks), whether the store lost it: nothing at the
+        write id, bytes), whether the store lost it: nothing at the
         session's key, or that version with any of its bytes gone. Another
         version or a tombstone there is no loss; neither is a store that did
         not answer plainly."""

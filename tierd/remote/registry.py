@@ -52,6 +52,6 @@ def open_backend(url: str, options: Options) -> RemoteBackend:
     return opened
 
 
-register("redis", "tierd.tiers.remote")
-register("rediss", "tierd.tiers.remote")
+register("redis", "tierd.remote.redis")
+register("rediss", "tierd.remote.redis")
 register("file", "tierd.remote.files")

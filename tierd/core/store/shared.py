@@ -1,5 +1,6 @@
 """The remote tier in the store: sessions shared with every node through a
-remote store (tiers/remote.py), whole versions at a time.
+remote store (a backend of tierd/remote, known by its protocol alone),
+whole versions at a time.
 
 Reading. Before a call reads a session (Stat, Lookup, Restore, Get,
 BeginRestore, an append: a store from start_token > 0, Prefetch), the store
@@ -75,7 +76,8 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Una
 from tierd.layout import KVSpec
 from tierd.tiers import HOST, REMOTE, tier_rank
 from tierd.tiers.ioqueue import IOClass
-from tierd.tiers.remote import CHUNK_BYTES, PIPELINE, Manifest, Refused, RemoteStore
+from tierd.remote.backend import Refused, RemoteBackend
+from tierd.remote.manifest import Manifest
 from tierd.transfer.copier import EngineMemory
 from tierd.transfer.pages import between
 from tierd.transfer.runs import Geometry
@@ -94,7 +96,7 @@ SWEEP_BATCH = 1000  # copies a sweep asks the remote tier about in one round tri
 class Remote:
     """The remote tier as the store uses it."""
 
-    store: RemoteStore
+    store: RemoteBackend
     write: str = "through"  # through (every store), back (sessions idle on disk) or off (read only)
     idle: float = 60.0  # write "back": seconds idle on disk before a session is published
     queue: int = 256  # sessions waiting to be published, at most
@@ -255,7 +257,7 @@ class Shared(Inspection):
         """Whether a chunk of manifest m's version is gone from the remote tier (False where it does not answer)."""
         assert self.remote is not None
         try:
-            return self._call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.chunks)])[0]
+            return self._call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.nbytes)])[0]
         except Unavailable:
             return False
 
@@ -307,7 +309,7 @@ class Shared(Inspection):
         if self._down.is_set():
             return 0
         with self._lock:
-            held = [(s, s.remote_version, s.remote_write, -(-s.snap.nbytes // CHUNK_BYTES))
+            held = [(s, s.remote_version, s.remote_write, s.snap.nbytes)
                     for s in self._sessions.values() if s.remote_durable and not s.dropped]
         gone = 0
         for i in range(0, len(held), SWEEP_BATCH):
@@ -814,7 +816,8 @@ class Shared(Inspection):
             t0 = time.perf_counter()
             # A move to another tier, checked as moves are: every reader checks every page against the
             # manifest, so a page damaged here is never served from there either.
-            data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, PIPELINE * CHUNK_BYTES, handout=False)
+            data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
+                                      handout=False)
             new = self._call("publish", store.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
+from tierd.remote.backend import RECOUNT
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
-from tierd.tiers.remote import (FIRST_VERSIONS, MAX_MANIFEST_BYTES, MAX_VERSION, RECOUNT, Manifest, _dropped_at,
-                                _owned, _version, _write_of, owner_of, tag_of)
+from tierd.remote.manifest import (MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, dropped_at, next_version, owned,
+                                   owner_of, tag_of, version_at, write_at)
 from tierd.types import SessionKey
 
 ORPHAN_SECONDS = 3600.0  # a version's bytes no manifest names, this old, are a dead publish's
@@ -88,13 +89,13 @@ class FileBackend:
         raw = self._current(self.dir_of(key))
         if raw is None:
             return None, 0
-        if _dropped_at(raw):
-            return None, _dropped_at(raw)
-        m = _owned(key, Manifest.decode(raw))
+        if dropped_at(raw):
+            return None, dropped_at(raw)
+        m = owned(key, Manifest.decode(raw))
         return m, m.version
 
     def version_of(self, key: SessionKey) -> int:
-        return _version(self._current(self.dir_of(key), head_only=True))
+        return version_at(self._current(self.dir_of(key), head_only=True))
 
     def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
         out: list[Manifest | None] = []
@@ -114,7 +115,7 @@ class FileBackend:
             except Unavailable:
                 out.append(False)  # not a plain answer
                 continue
-            out.append(raw is None or (_version(raw), _write_of(raw)) == (version, write)
+            out.append(raw is None or (version_at(raw), write_at(raw)) == (version, write)
                        and not os.path.exists(os.path.join(where, f"w{write}")))
         return out
 
@@ -122,11 +123,11 @@ class FileBackend:
         if recount:  # sessions expired or dropped no longer count
             heads = {i: self._current(self.dir_of(SessionKey(tenant, i)), head_only=True)
                      for i in self.lists.sample(tenant, RECOUNT)}
-            self.unlist(tenant, [i for i, h in heads.items() if h is None or _dropped_at(h)])
+            self.unlist(tenant, [i for i, h in heads.items() if h is None or dropped_at(h)])
         return self.lists.usage(tenant, session_id)
 
     def tombstones(self, keys: list[SessionKey]) -> list[int]:
-        return [_dropped_at(self._current(self.dir_of(key), head_only=True)) for key in keys]
+        return [dropped_at(self._current(self.dir_of(key), head_only=True)) for key in keys]
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
@@ -137,14 +138,13 @@ class FileBackend:
         try:
             fsio.call("a page write", os.makedirs, where, exist_ok=True)
             nbytes = fsio.call("a page write", fsio.write_file, path, data)
-            # A history's first version is numbered at random, as in every backend (see backend.py).
-            number = expect + 1 if 0 < expect < MAX_VERSION else FIRST_VERSIONS + secrets.randbelow(FIRST_VERSIONS)
+            number = next_version(expect)
             manifest = Manifest(number, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
                                 np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(),
                                 owner_of(key))
             with self._locked(where):
                 old = self._current(where)
-                have = _version(old)
+                have = version_at(old)
                 if have != expect:
                     raise FailedPrecondition(f"another node published version {have} of this session first",
                                              version=have)
@@ -159,7 +159,7 @@ class FileBackend:
     def _reclaim(self, where: str, old: bytes | None, keep: str = "") -> None:
         """Delete the bytes of the version `old` was, and those of publishes
         that died before their switch (or that expired)."""
-        if old and not _dropped_at(old):
+        if old and not dropped_at(old):
             try:
                 fsio.unlink(os.path.join(where, f"w{Manifest.decode(old).write}"))
             except DataLoss:
@@ -205,8 +205,8 @@ class FileBackend:
         if self._current(where, head_only=True) is not None:
             with self._locked(where):
                 old = self._current(where)
-                if old is not None and not _dropped_at(old):
-                    n = _version(old) + 1
+                if old is not None and not dropped_at(old):
+                    n = version_at(old) + 1
                     fsio.call("a drop", fsio.replace, where, "m", f"{n if n <= MAX_VERSION else 1} dropped".encode())
                 else:
                     old = None

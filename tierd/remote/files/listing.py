@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from tierd.errors import Unavailable
 from tierd.remote.files import fsio
-from tierd.tiers.remote import tag_of
+from tierd.remote.manifest import tag_of
 from tierd.types import SessionKey
 
 

@@ -1,0 +1,182 @@
+"""What every remote backend stores of a session's version, whatever holds
+the bytes: the manifest (identity, sizes, page checksums, token hashes, its
+owner), how it is written and read back, checked to agree with itself, and
+the tombstone a drop leaves in its place. Plain data and functions: any
+thread.
+
+A manifest is one line `VERSION {json}` (version first, then the write id,
+so a backend reads both off its first bytes), then the pages' checksums and
+the token hashes as raw arrays. A tombstone is `VERSION dropped`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierd.errors import DataLoss
+from tierd.types import SessionKey
+
+FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
+MAX_VERSION = 10**14 - 1  # what Lua numbers (doubles, printed to 14 digits) hold exactly: Redis's scripts compare them
+HEAD_BYTES = 64 << 10  # a manifest's first line is within this many bytes
+MAX_MANIFEST_BYTES = 256 << 20  # 24 bytes a page: ten million pages
+MAX_PAGES = 10_000_000
+_TOMBSTONE = re.compile(rb"(\d+) dropped")
+_FIRST = re.compile(rb'(\d+) \{"write": "(\w+)"')  # a manifest's number and write id (Manifest.encode writes them first)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What the remote store holds of one session's current version."""
+
+    version: int
+    write: str  # the id its chunks are stored under
+    fingerprint: str  # the identity the bytes were made with (KVSpec.fingerprint)
+    spec: dict[str, Any]  # KVSpec.to_dict()
+    num_tokens: int
+    nbytes: int
+    page_bytes: int
+    checksums: np.ndarray  # uint64, one per page
+    token_hashes: np.ndarray  # one row per page where token ids were given, else empty
+    saved: float = 0.0  # when it was published (seconds since the epoch)
+    owner: str = ""  # owner_of(the session): a manifest copied under another session's keys is refused
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.checksums)
+
+    def size_of(self, page: int) -> int:
+        """Logical bytes of a page (the last may be short)."""
+        return min(self.page_bytes, self.nbytes - page * self.page_bytes)
+
+    def encode(self) -> bytes:
+        meta = {"write": self.write, "fingerprint": self.fingerprint, "spec": self.spec,
+                "num_tokens": self.num_tokens, "nbytes": self.nbytes, "page_bytes": self.page_bytes,
+                "pages": self.n_pages, "saved": self.saved, "hash_dtype": self.token_hashes.dtype.str,
+                "hash_shape": list(self.token_hashes.shape), "owner": self.owner}
+        sums = np.ascontiguousarray(self.checksums, dtype="<u8").tobytes()
+        return f"{self.version} ".encode() + json.dumps(meta).encode() + b"\n" + sums + \
+            np.ascontiguousarray(self.token_hashes).tobytes()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Manifest:
+        """The manifest in raw, checked to agree with itself (DataLoss if not):
+        whatever the store holds, what comes out of here is safe to describe
+        (and to share: its arrays are read-only)."""
+        head = Head.parse(raw)
+        if len(raw) != head.length:
+            raise DataLoss(f"a remote manifest of {len(raw)} bytes where its head says {head.length}", tier="remote")
+        try:
+            meta, n, rest = head.meta, head.pages, raw[len(head.line) + 1 :]
+            sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
+            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"])).reshape(head.hash_shape).copy()
+            if head.hash_shape and head.hash_shape[0] not in (0, n):
+                raise ValueError("its token hashes do not add up")
+            sums.flags.writeable = hashes.flags.writeable = False
+            m = cls(head.version, head.write, str(meta["fingerprint"]), dict(meta["spec"]),
+                    whole(meta["num_tokens"], 0, 1 << 40), head.nbytes, whole(meta["page_bytes"], 1, 1 << 34), sums,
+                    hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
+            if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes:
+                raise ValueError("its pages do not hold its bytes")
+            return m
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
+            raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """What a manifest's first line says: enough to know how long the whole is,
+    and which chunks hold its bytes, before reading more of it."""
+
+    line: bytes
+    version: int
+    meta: dict[str, Any]
+    write: str
+    nbytes: int
+    pages: int
+    hash_shape: tuple[int, ...]
+    length: int  # of the whole manifest
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Head:
+        """The head of the manifest that raw is, or begins with (HEAD_BYTES of
+        it); DataLoss where it does not parse."""
+        try:
+            line, found, _ = raw[:HEAD_BYTES].partition(b"\n")
+            if not found:
+                raise ValueError(f"no first line in its first {len(line)} bytes")
+            version, _, text = line.partition(b" ")
+            meta = json.loads(text)
+            if not isinstance(meta, dict) or not isinstance(meta.get("spec"), dict):
+                raise ValueError("not an object with a spec")
+            n = whole(meta["pages"], 1, MAX_PAGES)
+            shape = tuple(whole(d, 0, 1 << 20) for d in meta["hash_shape"])
+            length = len(line) + 1 + 8 * n + np.dtype(meta["hash_dtype"]).itemsize * math.prod(shape)
+            head = cls(line, whole(version.decode(), 1, MAX_VERSION), meta, str(meta["write"]),
+                       whole(meta["nbytes"], 1, 1 << 50), n, shape, length)
+            if not head.write.isalnum() or length > MAX_MANIFEST_BYTES:
+                raise ValueError(f"write {head.write[:40]!r}, {length} bytes")
+            return head
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
+            raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def whole(value: Any, low: int, high: int) -> int:
+    """An integer in [low, high] (a bool, a float or a string of digits is not one)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{str(value)[:40]!r} is not a whole number from {low} to {high}")
+    return value
+
+
+def owned(key: SessionKey, m: Manifest) -> Manifest:
+    if m.owner != owner_of(key):
+        raise DataLoss("the remote tier's manifest for this session is another session's (keys copied in the store?)",
+                       tier="remote")
+    return m
+
+
+def owner_of(key: SessionKey) -> str:
+    """Who a manifest belongs to: tenant and session id, hashed."""
+    return hashlib.sha256(f"owner\x00{key.tenant}\x00{key.session_id}".encode()).hexdigest()
+
+
+def tag_of(key: SessionKey) -> str:
+    """The hash tag of a session's keys: its tenant and id, hashed (neither is in any key)."""
+    return hashlib.sha256(f"{key.tenant}\x00{key.session_id}".encode()).hexdigest()[:24]
+
+
+def next_version(expect: int) -> int:
+    """The number of the version that replaces `expect` (0: none, or a
+    tombstone's). A history's first version is numbered at random: one that
+    ended unseen (its manifest evicted or expired, its tombstone too) has
+    numbers no later one repeats, so a node still holding one of its versions
+    never takes the new history for it. One at MAX_VERSION starts again at
+    random."""
+    return expect + 1 if 0 < expect < MAX_VERSION else FIRST_VERSIONS + secrets.randbelow(FIRST_VERSIONS)
+
+
+def version_at(raw: Any) -> int:
+    """The version number at the head of a manifest or tombstone (0: none, or none a backend takes as one)."""
+    found = re.match(rb"(\d+) ", raw) if isinstance(raw, bytes) else None
+    return int(found.group(1)) if found and int(found.group(1)) <= MAX_VERSION else 0
+
+
+def write_at(raw: Any) -> str:
+    """The write id at the head of a manifest ('': none there, or a tombstone)."""
+    found = _FIRST.match(raw) if isinstance(raw, bytes) else None
+    return found[2].decode() if found else ""
+
+
+def dropped_at(raw: Any) -> int:
+    """The version of the tombstone at a manifest's place (0: not one a backend takes as one)."""
+    return version_at(raw) if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) else 0

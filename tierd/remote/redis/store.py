@@ -1,0 +1,207 @@
+"""RemoteStore: the Redis backend's face (the package's docstring says how
+it works), built of its parts: the link (client, key names, bounded calls),
+the manifests' reader, the tenants' bookkeeping and the fetcher. Publishing
+and dropping are here. Runs on the thread that calls it (movers, RPC
+threads, the publisher); thread-safe.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from tierd.errors import DataLoss, FailedPrecondition, Unavailable
+from tierd.remote.backend import Refused
+from tierd.remote.manifest import Head, Manifest, dropped_at, next_version, owner_of
+from tierd.remote.redis import scripts
+from tierd.remote.redis.fetch import Fetcher
+from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of
+from tierd.remote.redis.manifests import Manifests
+from tierd.remote.redis.tenants import Tenants
+from tierd.types import SessionKey
+
+
+class RemoteStore:
+    """Versions of sessions in a Redis Cluster or server (RemoteBackend)."""
+
+    chunk_bytes = CHUNK_BYTES
+    publish_window = PIPELINE * CHUNK_BYTES
+
+    def __init__(self, client: Any, prefix: str = "tierd", ttl: float | None = None, hosts: str = "") -> None:
+        self.link = Link(client, prefix, ttl)
+        self.client, self.prefix = client, prefix  # (what tools and tests name keys by)
+        self.hosts = hosts  # where the store is, for the log
+        # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
+        # reads the chunks of a fetch while its caller checks and places those that have arrived.
+        self._sender = ThreadPoolExecutor(4, thread_name_prefix="tierd-remote")
+        self.reader = Manifests(self.link)
+        self.tenants = Tenants(self.link)
+        self.fetcher = Fetcher(self.link, self._sender)
+        self._cas = client.register_script(scripts.CAS)
+        self._drop = client.register_script(scripts.DROP)
+        self._spare: list[bytearray] = []  # chunk buffers between publishes
+        self._spare_lock = threading.Lock()
+        # The protocol's reads, answered by the parts.
+        self.head, self.manifests, self.version_of = self.reader.head, self.reader.manifests, self.reader.version_of
+        self.tombstones, self.missing = self.reader.tombstones, self.reader.missing
+        self.usage, self.listed, self.unlist = self.tenants.usage, self.tenants.listed, self.tenants.unlist
+        self.read_into, self.read = self.fetcher.read_into, self.fetcher.read
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=True)
+        self.link.close()
+
+    def describe(self) -> str:
+        from redis.cluster import RedisCluster
+
+        kind = "cluster" if isinstance(self.link.client, RedisCluster) else "server"
+        return f"redis {kind} at {self.hosts}" if self.hosts else f"redis {kind}"
+
+    def ping(self) -> None:
+        """Unavailable unless the store answers: every primary, for a cluster (one
+        that hangs while the others answer is not a store that is up)."""
+        from redis.cluster import RedisCluster
+
+        if isinstance(self.link.client, RedisCluster):
+            # The cluster as it is now (a replica promoted meanwhile is a primary), then each primary.
+            self.link.call("a topology read", self.link.client.nodes_manager.initialize)
+            self.link.call("a ping", self.link.client.ping, target_nodes=RedisCluster.PRIMARIES)
+        else:
+            self.link.call("a ping", self.link.client.ping)
+
+    def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
+                page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
+                data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
+        """Store a new version of the session: `data` is its logical bytes, in
+        pieces of any size, each with whether it stays valid until this
+        returns (sent as it is, no copy) or only until the next piece is asked
+        for (copied). `expect` is the version this one replaces (0: none); if
+        another writer published first, FailedPrecondition and nothing is
+        left behind."""
+        write = secrets.token_hex(8)
+        chunks = nbytes = 0
+        batch: list[memoryview] = []
+        sending: Future | None = None  # the batch before, sent by the sender thread meanwhile
+        # Two batches of buffers: one being sent while the other fills (a buffer is filled
+        # again only once the batch it went out in has been sent).
+        buffers = self._take_buffers(2 * PIPELINE)
+        try:
+            for chunk in _rechunk(data, buffers):
+                batch.append(chunk)
+                if len(batch) == PIPELINE:
+                    if sending is not None:
+                        sending.result()
+                    sending = self._sender.submit(self._put, key, write, chunks, batch)
+                    chunks, nbytes, batch = chunks + len(batch), nbytes + sum(map(len, batch)), []
+            if sending is not None:
+                sending.result()
+                sending = None
+            if batch:
+                self._put(key, write, chunks, batch)
+                chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
+            manifest = Manifest(next_version(expect), write, fingerprint,
+                                spec, num_tokens, nbytes, page_bytes, np.asarray(checksums, dtype=np.uint64),
+                                np.asarray(token_hashes), time.time(), owner_of(key))
+            # Not as a _call: the switch carries the manifest and checks every chunk (each read is bounded).
+            reply = self.link.run("the manifest switch", self._cas,
+                               keys=[self.link.key(key, "m")] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)],
+                               args=[expect, manifest.encode(), self.link.ttl_ms])
+            if not isinstance(reply, list) or len(reply) != 2:
+                raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
+            ok, old = reply
+            if ok == 2:
+                raise Refused(f"the remote store holds {old} of the {chunks} chunks written (lost in a fail-over, or "
+                              "evicted): the version is not published")
+        except BaseException:
+            if sending is not None:
+                wait([sending])
+            self._delete(key, write, chunks + len(batch))  # what may have been written
+            raise
+        finally:
+            self._give_back(buffers)  # no send is in flight here
+        if not ok:
+            self._delete(key, write, chunks)
+            raise FailedPrecondition(f"another node published version {int(old)} of this session first",
+                                     version=int(old))
+        try:  # listed for its tenant: where this fails, the session is served, only not listed
+            self.tenants.relist(key.tenant, [(key.session_id, nbytes)])
+        except Unavailable:
+            pass
+        if old:
+            try:
+                previous = Head.parse(old)
+            except DataLoss:
+                return manifest  # unreadable: its chunks go by their TTL
+            self._delete(key, previous.write, chunks_of(previous.nbytes))  # the version replaced: reclaimed
+        return manifest
+
+    def _take_buffers(self, count: int) -> list[bytearray]:
+        """Chunk buffers, the spare ones first: a new one costs a page fault per
+        4 KiB when first filled, which on a busy host takes longer than the copy."""
+        with self._spare_lock:
+            taken, self._spare = self._spare[:count], self._spare[count:]
+        return taken + [bytearray(CHUNK_BYTES) for _ in range(count - len(taken))]
+
+    def _give_back(self, buffers: list[bytearray]) -> None:
+        with self._spare_lock:  # kept for one publish at a time; the others' go back to the allocator
+            self._spare.extend(buffers[: 2 * PIPELINE - len(self._spare)])
+
+    def _put(self, key: SessionKey, write: str, first: int, chunks: list[memoryview]) -> None:
+        pipe = self.link.client.pipeline(transaction=False)
+        for i, chunk in enumerate(chunks):
+            pipe.set(self.link.key(key, f"w{write}", str(first + i)), chunk, px=self.link.ttl_ms or None)
+        self.link.run("a page write", pipe.execute)
+
+    def _delete(self, key: SessionKey, write: str, chunks: int) -> None:
+        """Delete a write's chunks (one slot: one call per 256); where the store
+        does not answer, they go by their TTL."""
+        names = [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)]
+        for i in range(0, len(names), 256):
+            try:
+                self.link.call("a reclaim", self.link.client.delete, *names[i : i + 256])
+            except Unavailable:
+                return
+
+    def drop(self, key: SessionKey) -> bool:
+        """Delete the session's current version, leaving a tombstone in its
+        manifest's place; whether there was one."""
+        old = self.link.call("a drop", self._drop, keys=[self.link.key(key, "m")], args=[self.link.ttl_ms])
+        self.tenants.unlist(key.tenant, [key.session_id])
+        if not old or dropped_at(old):
+            return False
+        try:
+            head = Head.parse(old)
+        except DataLoss:
+            return True  # unreadable: its chunks go by their TTL
+        if head.meta.get("owner", "") == owner_of(key):  # (another session's manifest names chunks of its own)
+            self._delete(key, head.write, chunks_of(head.nbytes))
+        return True
+
+
+def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[bytearray]) -> Iterator[memoryview]:
+    """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter):
+    views of a piece that stays valid where a chunk lies in it, else copies
+    into buffers in turn (a buffer is filled again len(buffers) copies later)."""
+    turn, filled = 0, 0
+    for piece, held in data:
+        piece = memoryview(piece).cast("B")
+        while len(piece):
+            if held and not filled and len(piece) >= CHUNK_BYTES:
+                yield piece[:CHUNK_BYTES]
+                piece = piece[CHUNK_BYTES:]
+                continue
+            out = buffers[turn % len(buffers)]
+            take = min(len(piece), CHUNK_BYTES - filled)
+            out[filled : filled + take] = piece[:take]
+            filled, piece = filled + take, piece[take:]
+            if filled == CHUNK_BYTES:
+                yield memoryview(out)
+                turn, filled = turn + 1, 0
+    if filled:
+        yield memoryview(buffers[turn % len(buffers)])[:filled]
