@@ -16,7 +16,6 @@ from tierd.api.context import CallContext
 from tierd.api.gate import CALLER, Call, parse, unary
 from tierd.core.store import make_key
 from tierd.errors import InvalidArgument
-from tierd.tiers import HOST
 from tierd.v1 import tierd_pb2 as pb
 from tierd.wire.convert import info_to_pb
 
@@ -33,7 +32,7 @@ class ControlCalls:
         if req.deadline_seconds < 0:
             raise InvalidArgument("deadline_seconds must not be negative", field="deadline_seconds")
         deadline = self.ctx.store.clock.now() + req.deadline_seconds if req.deadline_seconds else None
-        status = self.ctx.store.prefetch(key, req.tier or HOST, req.priority, deadline)
+        status = self.ctx.store.prefetch(key, req.tier or None, req.priority, deadline)
         return pb.PrefetchResponse(status=status)
 
     async def WaitReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.WaitReadyResponse:
@@ -49,7 +48,7 @@ class ControlCalls:
             end = loop.time() + req.timeout_seconds
             while True:
                 changed = self.ctx.changes.future()  # taken before the check: a change after it wakes this call
-                ready, tier = self.ctx.store.ready(key, req.tier or HOST)
+                ready, tier = self.ctx.store.ready(key, req.tier or None)
                 left = end - loop.time()
                 if ready or left <= 0:
                     return pb.WaitReadyResponse(ready=ready, tier=tier or "")

@@ -31,7 +31,7 @@ from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
-from tierd.tiers import DISK, durable_tier, tier_order, tier_rank
+from tierd.tiers import durable_tier, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
@@ -337,10 +337,12 @@ class Placement:
             session.snap.placement.clear()
         self.retire(session, [(t, p) for t, pieces in placement.items() for p in pieces])
 
-    def io_failed(self, op: str, exc: OSError, key: SessionKey, tier: str = DISK) -> Unavailable:
-        """A tier's I/O (the disk's, mostly) failed while moving or serving a
-        session: counted, logged, and retryable (nothing was served or changed;
-        the old copies stay authoritative)."""
+    def io_failed(self, op: str, exc: OSError, key: SessionKey, tier: str | None = None) -> Unavailable:
+        """A tier's I/O (None: the durable tier's, the one that does I/O)
+        failed while moving or serving a session: counted, logged, and
+        retryable (nothing was served or changed; the old copies stay
+        authoritative)."""
+        tier = tier or self.durable or "tier"
         self.events.disk_error(op)
         log.error("%s %s for %s/%s failed: %s", tier, op, key.tenant, key.session_id, exc)
         return Unavailable(f"a {tier} {op} for session {shown(key.session_id)} failed ({exc.strerror or exc}); "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from tierd.tiers import DEVICE, HOST, durable_tier, tier_order
+from tierd.tiers import ENGINE_LANDING, LANDING, durable_tier, is_tier, kind_of, tier_order
 from tierd.types import Advice, SessionKey
 
 DROP = "drop"
@@ -43,10 +43,12 @@ class PolicyConfig:
 
     def idle(self, tier: str) -> float | None:
         """Seconds idle before a session leaves `tier` for the next lower one
-        (None: it leaves only to make room)."""
-        if tier == DEVICE:
+        (None: it leaves only to make room). The engine landing tier (VRAM)
+        and the landing tier (host) have fields of their own."""
+        role = kind_of(tier).role if is_tier(tier) else ""
+        if role == ENGINE_LANDING:
             return self.device_idle
-        if tier == HOST:
+        if role == LANDING:
             return self.host_idle
         return next((seconds for name, seconds in self.tier_idle if name == tier), None)
 

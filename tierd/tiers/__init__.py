@@ -26,6 +26,11 @@ from tierd.tiers.allocator import Piece
 
 MEMORY = "memory"  # bytes reached as views: the host arena, VRAM
 FILE = "file"  # bytes reached by reads and writes at offsets: the disk slabs
+VERSIONS = "versions"  # whole sessions by version, in a store every node reaches (tierd/remote)
+
+# Roles a kind of tier may take (one kind each): the core and policy ask for a role, never a name.
+LANDING = "landing"  # where Puts, leases, fetches and the saves of engines in host memory land
+ENGINE_LANDING = "engine landing"  # where the saves of engines in device memory land (LANDING where absent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,7 @@ class TierKind:
     medium: str  # MEMORY or FILE (or a medium of a new tier's own, with routes registered for it)
     durable: bool = False  # survives restarts: holds the pages the disk index records
     bandwidth: float = 1e9  # bytes/s assumed for restore advice until a copy out of it is measured
+    role: str = ""  # LANDING, ENGINE_LANDING or none
 
 
 _KINDS: dict[str, TierKind] = {}
@@ -50,6 +56,10 @@ def register(kind: TierKind) -> str:
         raise ValueError(f"rank {kind.rank} is taken: {kind.name!r} needs a place of its own in the order")
     if kind.durable and any(k.durable for k in _KINDS.values()):
         raise ValueError(f"{kind.name!r}: one durable tier is registered already")
+    if kind.role and any(k.role == kind.role for k in _KINDS.values()):
+        raise ValueError(f"{kind.name!r}: the {kind.role} role is taken")
+    if kind.medium == VERSIONS and any(k.medium == VERSIONS for k in _KINDS.values()):
+        raise ValueError(f"{kind.name!r}: one tier of versions is registered already")
     _KINDS[kind.name] = kind
     _RANKS[kind.name] = kind.rank
     return kind.name
@@ -86,12 +96,22 @@ def durable_tier(names: Iterable[str]) -> str | None:
     return next((n for n in names if kind_of(n).durable), None)
 
 
-DEVICE = register(TierKind("device", 10, MEMORY, bandwidth=200e9))  # VRAM
-HOST = register(TierKind("host", 20, MEMORY, bandwidth=10e9))  # the shared arena: Puts and leases land here
+def with_role(role: str, names: Iterable[str] | None = None) -> str | None:
+    """The tier of this role among these names (default: every registered one), if any."""
+    return next((n for n in (_KINDS if names is None else names) if kind_of(n).role == role), None)
+
+
+def versions_tier() -> str | None:
+    """The registered tier of whole versions every node reaches (its name labels what it holds)."""
+    return next((n for n, k in _KINDS.items() if k.medium == VERSIONS), None)
+
+
+DEVICE = register(TierKind("device", 10, MEMORY, bandwidth=200e9, role=ENGINE_LANDING))  # VRAM
+HOST = register(TierKind("host", 20, MEMORY, bandwidth=10e9, role=LANDING))  # the shared arena
 DISK = register(TierKind("disk", 30, FILE, durable=True, bandwidth=1e9))  # slab files under the index
-# The store every node reaches (tiers/remote.py): whole sessions by version, not extents, so it has no
-# Tier object and no routes; the store fetches a session from it into the host tier (core/store/shared.py).
-REMOTE = register(TierKind("remote", 40, "versions", bandwidth=0.5e9))
+# The store every node reaches (tierd/remote): whole sessions by version, not extents, so it has no
+# Tier object and no routes; the core fetches a session from it into the landing tier.
+REMOTE = register(TierKind("remote", 40, VERSIONS, bandwidth=0.5e9))
 
 
 class Tier(Protocol):
@@ -176,6 +196,6 @@ class DurableTier(FileTier, Protocol):
         ...
 
 
-__all__ = ["DEVICE", "DISK", "FILE", "HOST", "MEMORY", "REMOTE", "DurableTier", "FileTier", "MemoryTier", "Piece",
+__all__ = ["DEVICE", "DISK", "ENGINE_LANDING", "FILE", "HOST", "LANDING", "MEMORY", "REMOTE", "VERSIONS", "DurableTier", "FileTier", "MemoryTier", "Piece",
            "Tier", "TierKind",
-           "durable_tier", "is_tier", "kind_of", "register", "tier_order", "tier_rank"]
+           "durable_tier", "is_tier", "kind_of", "register", "tier_order", "tier_rank", "versions_tier", "with_role"]

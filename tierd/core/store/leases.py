@@ -39,7 +39,7 @@ from tierd.errors import (
     shown,
 )
 from tierd.layout import KVSpec
-from tierd.tiers import HOST, shm, tier_rank
+from tierd.tiers import shm, tier_rank
 from tierd.transfer.runs import Geometry
 from tierd.types import Lease, SessionInfo, SessionKey, Slot
 
@@ -110,7 +110,7 @@ class Leases(Reads):
         """A lease's end: its segment is kept for the tenant's next lease (its
         pages resident: a fresh segment cost ~0.6 ms per MiB in page faults),
         up to the tenant's lease bytes, or goes."""
-        keep = self.policy.tenant_lease_bytes or self.tiers[HOST].budget // 4
+        keep = self.policy.tenant_lease_bytes or self.tiers[self.roles.landing].budget // 4
         with self._lock:
             spares = self._spares.setdefault(tenant, [])
             if segment is not None and not self._closed and sum(seg.size for seg, _ in spares) + segment.size <= keep:
@@ -159,7 +159,7 @@ class Leases(Reads):
         first_page = check_blocks_range(spec, start_token, num_tokens)
         tok = token_hashes(spec, token_ids, num_tokens, salt)
         n_pages = spec.pages_for_tokens(num_tokens)
-        w = self._begin_write(key, spec, HOST, first_page, num_tokens, n_pages * spec.page_bytes,
+        w = self._begin_write(key, spec, self.roles.landing, first_page, num_tokens, n_pages * spec.page_bytes,
                               Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
         count = n_pages - w.write_from
         nbytes = max(count * spec.page_bytes, 1)  # (every page held already: a segment the engine never reads)

@@ -23,7 +23,7 @@ from tierd.errors import (
     shown,
 )
 from tierd.policy.rules import DROP, retry_delay
-from tierd.tiers import DISK, HOST, MEMORY, is_tier, kind_of, tier_order, tier_rank
+from tierd.tiers import MEMORY, is_tier, kind_of, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionInfo, SessionKey
@@ -80,10 +80,12 @@ class Lifecycle(Leases):
             self.events.evicted(t, reason)
         self._notify()
 
-    def prefetch(self, key: SessionKey, tier: str = HOST, priority: int = 0,
+    def prefetch(self, key: SessionKey, tier: str | None = None, priority: int = 0,
                  deadline: float | None = None) -> str:
-        """Start promoting the session toward `tier` (a memory tier); returns
-        "ready" if it is there already, else "queued". Never waits for the move."""
+        """Start promoting the session toward `tier` (a memory tier; None: the
+        landing tier); returns "ready" if it is there already, else "queued".
+        Never waits for the move."""
+        tier = tier or self.roles.landing
         check_priority(priority)
         self.check_prefetch_target(tier)
         session = self._get(key)
@@ -117,8 +119,10 @@ class Lifecycle(Leases):
                 self._schedule(session)  # promoted: an earlier threshold may apply
         return now
 
-    def ready(self, key: SessionKey, tier: str = HOST) -> tuple[bool, str | None]:
-        """Whether the whole session is in `tier` or faster, and the tier it is in; never waits."""
+    def ready(self, key: SessionKey, tier: str | None = None) -> tuple[bool, str | None]:
+        """Whether the whole session is in `tier` (None: the landing tier) or
+        faster, and the tier it is in; never waits."""
+        tier = tier or self.roles.landing
         if not is_tier(tier):
             raise InvalidArgument(f"unknown tier {shown(tier)}", field="tier", value=tier)
         with self._lock:
@@ -128,7 +132,7 @@ class Lifecycle(Leases):
             where = session.snap.slowest_tier()
         return where is not None and tier_rank(where) <= tier_rank(tier), where
 
-    def wait_ready(self, key: SessionKey, tier: str = HOST, timeout: float = 30.0) -> tuple[bool, str | None]:
+    def wait_ready(self, key: SessionKey, tier: str | None = None, timeout: float = 30.0) -> tuple[bool, str | None]:
         """Wait until the whole session is in `tier` or faster; returns
         (ready, the tier it is in). (The API waits on its event loop instead, through ready() and subscribe().)"""
         end = time.monotonic() + max(0.0, timeout)
@@ -219,11 +223,12 @@ class Lifecycle(Leases):
             log.info("dropping %s/%s: no lower tier has room", *session.key)
         self._forget(session, reason)
 
-    def demote(self, key: SessionKey, tier: str = DISK, reason: str = "request") -> SessionInfo:
-        """Move the session down to `tier` now (its faster copies go), under its
-        lock, as an idle demotion would; what the tests and benches use to
-        put a session in a tier."""
-        if tier not in self.tiers:
+    def demote(self, key: SessionKey, tier: str | None = None, reason: str = "request") -> SessionInfo:
+        """Move the session down to `tier` (None: the durable tier) now (its
+        faster copies go), under its lock, as an idle demotion would; what the
+        tests and benches use to put a session in a tier."""
+        tier = tier or self.roles.durable
+        if tier is None or tier not in self.tiers:
             raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier")
         with self._held(key) as session:
             self.placement.demote(session, tier, IOClass.DEMOTION, reason)

@@ -18,7 +18,7 @@ from tierd.core.store.checks import check_blocks, check_identity, check_readable
 from tierd.core.store.writes import Writes
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, shown
 from tierd.layout import KVSpec
-from tierd.tiers import HOST, tier_rank
+from tierd.tiers import tier_rank
 from tierd.transfer.copier import EngineMemory
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
@@ -113,7 +113,7 @@ class Reads(Writes):
             raise self.placement.io_failed("read", exc, session.key) from None
         with self._lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
-        self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else HOST, geom.nbytes,
+        self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else self.roles.landing, geom.nbytes,
                              time.perf_counter() - t0)
 
     def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
@@ -198,7 +198,7 @@ class Reads(Writes):
             return None
         try:
             self._check_append(key, session, spec, 0)
-            session = self._publish(key, lock, session, spec, 0, [], HOST, sums, min(upto * bt, len(request)),
+            session = self._publish(key, lock, session, spec, 0, [], self.roles.landing, sums, min(upto * bt, len(request)),
                                     upto * spec.page_bytes, None, hashes[:upto], lent)
         except BaseException:
             self._let_go(lent)

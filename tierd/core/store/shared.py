@@ -74,7 +74,7 @@ from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, WouldBlock, shown
 from tierd.layout import KVSpec
-from tierd.tiers import HOST, REMOTE, tier_rank
+from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
 from tierd.remote.backend import Refused, RemoteBackend
 from tierd.remote.manifest import Manifest
@@ -387,8 +387,7 @@ class Shared(Inspection):
                 self._changed.notify_all()
             done.set()
 
-    @staticmethod
-    def _spec_of(key: SessionKey, m: Manifest) -> KVSpec:
+    def _spec_of(self, key: SessionKey, m: Manifest) -> KVSpec:
         """The manifest's spec, checked against what the manifest says of its
         pages (DataLoss if they disagree): the manifest is then safe to serve
         from (Stat, Lookup, List) and to fetch."""
@@ -396,14 +395,14 @@ class Shared(Inspection):
             spec = KVSpec.from_dict(m.spec)
         except Exception as exc:  # noqa: BLE001 - whatever the store holds
             raise DataLoss(f"the remote copy of session {shown(key.session_id)} has a spec that does not parse "
-                           f"({type(exc).__name__})", tier=REMOTE) from None
+                           f"({type(exc).__name__})", tier=self.roles.versions) from None
         form = tokens.empty(0)
         if spec.fingerprint != m.fingerprint or m.page_bytes != spec.page_bytes or \
                 (not spec.is_opaque and spec.pages_for_tokens(m.num_tokens) != m.n_pages) or \
                 (len(m.token_hashes) and (m.token_hashes.dtype != form.dtype or
                                           m.token_hashes.shape[1:] != form.shape[1:])):
             raise DataLoss(f"the remote copy of session {shown(key.session_id)} does not agree with itself "
-                           "(identity, page size, tokens or token hashes)", tier=REMOTE)
+                           "(identity, page size, tokens or token hashes)", tier=self.roles.versions)
         return spec
 
     def _adopt(self, key: SessionKey, m: Manifest, into: _Into | None = None) -> None:
@@ -414,7 +413,7 @@ class Shared(Inspection):
         hashes = m.token_hashes if len(m.token_hashes) else None
         t0 = time.perf_counter()
         # Every page of the manifest is read into pages of its own (the fetch writes them all as they come).
-        w = self._begin_write(key, spec, HOST, 0, m.num_tokens, m.nbytes, geom, hashes, None, share=False)
+        w = self._begin_write(key, spec, self.roles.landing, 0, m.num_tokens, m.nbytes, geom, hashes, None, share=False)
         try:
             writer = self.copier.page_writer(w.spans, geom)
             want = into.ids.size if into is not None else 0
@@ -431,14 +430,14 @@ class Shared(Inspection):
             bad = np.flatnonzero(sums != m.checksums)
             if bad.size:
                 raise DataLoss(f"page {int(bad[0])} of session {shown(key.session_id)} failed its checksum in the "
-                               "remote tier", page=int(bad[0]), tier=REMOTE)
+                               "remote tier", page=int(bad[0]), tier=self.roles.versions)
         except Unavailable:
             self.abort_write(w)
             self._went_down("fetch")
             raise
         except DataLoss:
             self.abort_write(w)
-            self.events.checksum_failed(REMOTE)
+            self.events.checksum_failed(self.roles.versions)
             raise
         except BaseException:
             self.abort_write(w)
@@ -449,7 +448,7 @@ class Shared(Inspection):
             if session is not None and not session.damaged and (not session.remote_durable or fetched):
                 self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
-            session = self._publish(key, lock, session, spec, 0, w.pieces, HOST, sums, m.num_tokens, m.nbytes, None,
+            session = self._publish(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums, m.num_tokens, m.nbytes, None,
                                     hashes)
             w.pieces = []
             if into is not None:
@@ -462,8 +461,8 @@ class Shared(Inspection):
         finally:
             lock.release()
         seconds = time.perf_counter() - t0
-        self.copier.record(f"{REMOTE}->{HOST}", m.nbytes, seconds)
-        self.events.moved(REMOTE, HOST, "fetch", m.nbytes, seconds)
+        self.copier.record(f"{self.roles.versions}->{self.roles.landing}", m.nbytes, seconds)
+        self.events.moved(self.roles.versions, self.roles.landing, "fetch", m.nbytes, seconds)
 
     def _scatter_fetched(self, key: SessionKey, spans: list, geom: Geometry, sums: np.ndarray, into: _Into,
                          start: int, stop: int) -> None:
@@ -475,7 +474,7 @@ class Shared(Inspection):
         except DataLoss as exc:
             page = exc.details.get("page", start)
             raise DataLoss(f"page {page} of session {shown(key.session_id)} failed its checksum in the remote tier",
-                           page=page, tier=REMOTE) from None
+                           page=page, tier=self.roles.versions) from None
 
     # -- the calls that reach the remote tier ---------------------------------------------------
 
@@ -492,8 +491,9 @@ class Shared(Inspection):
 
     def _remote_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
         spec = self._spec_of(key, m)
-        return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=REMOTE, tier_bytes={REMOTE: m.nbytes},
-                           state=REMOTE, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
+        versions = self.roles.versions
+        return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=versions, tier_bytes={versions: m.nbytes},
+                           state=versions, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
                            durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
                            model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True)
 
@@ -510,7 +510,7 @@ class Shared(Inspection):
         request = tokens.check_ids(token_ids)
         pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request,
                                                                    tokens.check_salt(salt))
-        return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, REMOTE if pages else None)
+        return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, self.roles.versions if pages else None)
 
     def list(self, tenant: str | None = None, after: str = "", limit: int = 100) -> tuple[list[SessionInfo], str]:
         """The store's list, and for one tenant the sessions only the remote tier
@@ -561,7 +561,7 @@ class Shared(Inspection):
             t0 = time.perf_counter()
             self._fetch(key, m, into)
             if into is not None and into.session is not None:
-                return self._restored(into.session, fetched, m.num_tokens, int(ids.size), REMOTE,
+                return self._restored(into.session, fetched, m.num_tokens, int(ids.size), self.roles.versions,
                                       time.perf_counter() - t0)
         return super().restore(key, engine, spec, block_ids, *args, **kw)
 
@@ -592,7 +592,9 @@ class Shared(Inspection):
             self._bring(key)
         return super().begin_save(key, spec, num_tokens, start_token, *args, **kw)
 
-    def prefetch(self, key: SessionKey, tier: str = HOST, priority: int = 0, deadline: float | None = None) -> str:
+    def prefetch(self, key: SessionKey, tier: str | None = None, priority: int = 0,
+                 deadline: float | None = None) -> str:
+        tier = tier or self.roles.landing
         check_priority(priority)
         self.check_prefetch_target(tier)
         m = self._stale(key)
@@ -604,10 +606,10 @@ class Shared(Inspection):
         self.moves.submit(Job(key, tier, "fetch", IOClass.PREFETCH, priority, deadline), merge_prefetch)
         return "queued"
 
-    def ready(self, key: SessionKey, tier: str = HOST) -> tuple[bool, str | None]:
+    def ready(self, key: SessionKey, tier: str | None = None) -> tuple[bool, str | None]:
         with self._lock:
             if key in self._fetches:
-                return False, REMOTE
+                return False, self.roles.versions
             failed = self._failed.get(key) if key not in self._sessions else None
         if failed is not None:
             raise failed  # the prefetch's fetch failed: why, rather than "not found"
@@ -634,7 +636,7 @@ class Shared(Inspection):
             if not found:
                 self.events.prefetch_outcome("missed")
                 return
-            if tier_rank(job.target) < tier_rank(HOST):
+            if tier_rank(job.target) < tier_rank(self.roles.landing):
                 super()._run_job(Job(job.key, job.target, "prefetch", job.io_class, job.priority, job.deadline))
                 return
             with self._lock:
@@ -822,8 +824,8 @@ class Shared(Inspection):
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)
             seconds = time.perf_counter() - t0
-            self.copier.record(f"{HOST}->{REMOTE}", geom.nbytes, seconds)
-            self.events.moved(max((s.tier for s in spans), key=tier_rank), REMOTE, "publish", geom.nbytes, seconds)
+            self.copier.record(f"{self.roles.landing}->{self.roles.versions}", geom.nbytes, seconds)
+            self.events.moved(max((s.tier for s in spans), key=tier_rank), self.roles.versions, "publish", geom.nbytes, seconds)
             self.events.remote_op("publish", "ok")
             self._published(session, version, new)
         except FailedPrecondition as exc:

@@ -16,7 +16,7 @@ from tierd.core.rows import Problem
 from tierd.core.store.shared import Remote, Shared
 from tierd.errors import TierdError
 from tierd.policy import PolicyConfig
-from tierd.tiers import HOST, durable_tier
+from tierd.tiers import durable_tier
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
 
@@ -28,8 +28,6 @@ class Store(Shared):
                  clock: Clock | None = None, policy: PolicyConfig | None = None,
                  events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None,
                  remote: Remote | None = None) -> None:
-        if HOST not in tiers:
-            raise ValueError("the host tier is required")
         if (index is None) != (durable_tier(tiers) is None):
             raise ValueError("a durable (disk) tier and its index come together")
         super().__init__(tiers, copier, index, clock, policy, events, shm_prefix)

@@ -18,6 +18,7 @@ from tierd.core.events import NullEvents, StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.model import Session, Snapshot
 from tierd.core.placement import Placement
+from tierd.core.roles import TierRoles
 from tierd.errors import NotFound, shown
 from tierd.policy import PolicyConfig, SessionView, idle_due
 from tierd.transfer.copier import CopyEngine
@@ -28,6 +29,7 @@ class SessionTable:
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, clock: Clock | None,
                  policy: PolicyConfig | None, events: StoreEvents | None) -> None:
         self.tiers = tiers
+        self.roles = TierRoles.of(tiers)  # ValueError without a landing tier
         self.copier = copier
         self.index = index
         self.clock = clock or SystemClock()

@@ -26,7 +26,7 @@ from tierd.policy import (
     plan_eviction,
     pressure_moves,
 )
-from tierd.tiers import HOST, kind_of
+from tierd.tiers import kind_of
 from tierd.tiers.ioqueue import IOClass
 from tierd.types import BudgetResult, SessionKey
 
@@ -161,7 +161,7 @@ class Upkeep(Lifecycle):
         session = self._get(key)
         with self._lock:
             snap = session.snap
-            source = snap.slowest_tier() or HOST
+            source = snap.slowest_tier() or self.roles.landing
             nbytes, tokens = snap.nbytes, snap.num_tokens
         # Until a copy out of the tier has been measured, its kind's nominal figure.
         bandwidth = self.copier.bandwidth.get(f"{source}->engine", kind_of(source).bandwidth)

@@ -36,7 +36,7 @@ from tierd.errors import (
     shown,
 )
 from tierd.layout import KVSpec
-from tierd.tiers import DEVICE, HOST, MEMORY, tier_order
+from tierd.tiers import MEMORY, tier_order
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import EngineMemory, PageWriter
@@ -85,11 +85,10 @@ class PendingWrite:
 
 class Writes(Sharing):
     def _landing(self, engine: EngineMemory | None) -> str:
-        """Where a save's pages land by default: VRAM for GPU engines where
-        there is a device tier, else the host arena."""
-        if engine is not None and engine.on_device and DEVICE in self.tiers:
-            return DEVICE
-        return HOST
+        """Where a save's pages land by default: the engine landing tier (VRAM)
+        for engines in device memory, where there is one, else the landing
+        tier (the host arena)."""
+        return self.roles.saves_land(engine is not None and engine.on_device)
 
     def _check_append(self, key: SessionKey, session: Session | None, spec: KVSpec, start_token: int,
                       hashes: np.ndarray | None = None) -> None:
@@ -352,7 +351,7 @@ class Writes(Sharing):
                     f"for this spec, not {nbytes}", field="size", want=want, got=nbytes)
             last = spec.page_bytes
         tok = token_hashes(spec, token_ids, num_tokens, salt)
-        tier_budget = self.tiers[HOST].budget
+        tier_budget = self.tiers[self.roles.landing].budget
         if nbytes > tier_budget:
             raise ResourceExhausted(f"{nbytes} bytes do not fit the host tier's budget of {tier_budget} bytes",
                                     need=nbytes, budget=tier_budget)
@@ -360,7 +359,7 @@ class Writes(Sharing):
         streaming = (n_pages - first_page) * geom.stride
         self._start_stream(key, streaming)
         try:
-            w = self._begin_write(key, spec, HOST, first_page, num_tokens, first_page * spec.page_bytes + nbytes,
+            w = self._begin_write(key, spec, self.roles.landing, first_page, num_tokens, first_page * spec.page_bytes + nbytes,
                                   geom, tok, priority)
         except BaseException:
             self._stream_ended(key.tenant, streaming)
