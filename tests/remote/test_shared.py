@@ -304,7 +304,10 @@ def test_a_drop_the_remote_tier_does_not_take_fails_and_changes_nothing(nodes, c
         marked_down(a)
         with pytest.raises(Unavailable, match="not dropped.*nothing was changed"):
             a.drop(key)
-        assert read(a, key) == b"".join(eng.pages([0, 1]))  # still held, and served
+        with pytest.raises(Unavailable, match="served once the tier answers"):
+            read(a, key)  # held, but not served while no one can say another node did not drop it
+    wait_for(lambda: a.stat(key).remote_durable, what="the tier answering again")
+    assert read(a, key) == b"".join(eng.pages([0, 1]))  # the failed drop changed nothing
 
     def dropped():
         try:
@@ -317,6 +320,73 @@ def test_a_drop_the_remote_tier_does_not_take_fails_and_changes_nothing(nodes, c
     for store in (a, b):
         with pytest.raises(NotFound):
             store.get(key)
+
+
+def test_a_drop_is_never_undone_by_a_node_that_did_not_hear_of_it(nodes, cluster):
+    """Once Drop answered OK, no node serves the dropped version again: not
+    one whose remote tier stopped answering right after the drop (its copy
+    is not served while it cannot ask), and not one that stored a turn onto
+    it while the tier was down (that turn continued the dropped
+    conversation: forgotten with it)."""
+    a, b, c = nodes("a").store, nodes("b").store, nodes("c").store
+    key, turned = SessionKey("alice", "dropped-then-blip"), SessionKey("alice", "turn-then-drop")
+    eng = HostEngine(seed=43)
+    stored(a, key, eng, [0, 1], 32)
+    stored(a, turned, eng, [2, 3], 32)
+    assert read(b, key) == b"".join(eng.pages([0, 1])) and read(c, turned) == b"".join(eng.pages([2, 3]))
+    a.drop(key)
+    with masters_stopped(cluster):
+        marked_down(b)
+        for call in (lambda: read(b, key), lambda: b.lookup(key, tokens_of(key, 32)),
+                     lambda: b.begin_restore(key, SPEC, 2)):
+            with pytest.raises(Unavailable):
+                call()  # b holds the dropped version and cannot ask: not served
+        assert not b.stat(key).remote_durable
+        marked_down(c)
+        save(c, turned, eng, [4], 48, start_token=32)  # a turn onto c's copy, published once the tier answers
+
+    def dropped():
+        try:
+            a.drop(turned)  # ... and dropped on a before c could publish it
+        except Unavailable:
+            return False
+        return True
+
+    wait_for(dropped, what="the drop taken once the tier answers")
+
+    def gone(store, k):
+        try:
+            store.stat(k)
+        except NotFound:
+            return True
+        except Unavailable:
+            return False  # until its probe finds the tier answering
+        return False
+
+    wait_for(lambda: gone(b, key), what="b forgetting the session dropped while it could not ask")
+    wait_for(lambda: gone(c, turned), what="c forgetting the turn it stored onto the dropped version")
+    for store, k in ((b, key), (c, turned), (a, turned)):
+        with pytest.raises(NotFound):
+            read(store, k)
+    assert a.remote.store.head(turned)[0] is None  # c's turn was not published over the tombstone
+
+
+def test_a_node_never_serves_a_version_older_than_one_it_reported(nodes, cluster):
+    """b held a copy, then said the session is a's newer version (Stat from
+    the manifest): while the tier is down b does not serve its older copy."""
+    a, b = nodes("a").store, nodes("b").store
+    key = SessionKey("alice", "newer-elsewhere")
+    eng = HostEngine(seed=44)
+    stored(a, key, eng, [0, 1], 32)
+    assert read(b, key) == b"".join(eng.pages([0, 1]))
+    save(a, key, eng, [2], 48, start_token=32)
+    wait_for(lambda: b.stat(key).num_tokens == 48, what="b seeing a's newer version")
+    with masters_stopped(cluster):
+        marked_down(b)
+        with pytest.raises(Unavailable):
+            read(b, key)
+    wait_for(lambda: b.stat(key).remote_durable, what="the tier answering again")
+    assert read(b, key) == b"".join(eng.pages([0, 1, 2]))
 
 
 def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers(nodes, cluster):
@@ -417,7 +487,7 @@ def test_a_lost_publish_whose_number_another_node_took_gives_way_to_that_node_s_
     assert b"".join(bytes(x) for x in reader) == b"".join(eng.pages([0, 1, 5]))  # A's turn stands
 
 
-def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_tombstone(nodes):
+def test_a_copy_stored_onto_before_its_drop_was_known_is_forgotten_not_published_over_the_tombstone(nodes):
     from tierd.core.store.writes import Writes
 
     a, b = nodes("a").store, nodes("b").store
@@ -430,9 +500,10 @@ def test_a_copy_stored_onto_before_its_drop_was_known_is_not_published_over_the_
     # b's append committed before it could learn of the drop (Writes.save: the store without the look first)
     Writes.save(b, key, eng.memory, SPEC, [2], 48, 32, token_ids=tokens_of(key, 48))
     wait_for(lambda: b.publish_queue() == (0, 0), what="the publisher idle")
-    assert not b.stat(key).remote_durable and a.remote.store.head(key)[0] is None  # the drop stands
-    with pytest.raises(NotFound):
-        a.stat(key)
+    assert a.remote.store.head(key)[0] is None  # the drop stands
+    for store in (a, b):  # b's turn continued the dropped conversation: gone with it
+        with pytest.raises(NotFound):
+            store.stat(key)
 
 
 def test_wait_ready_after_a_failed_fetch_says_why(nodes):
@@ -676,7 +747,7 @@ def test_a_manifest_key_of_another_type_is_replaced_by_the_next_store_and_the_lo
     assert dst.pages([0, 1]) == eng.pages([2, 3])
 
 
-def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_serve(tmp_path):
+def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_this_node_s_own_sessions_serve(tmp_path):
     import os
     import signal
 
@@ -694,7 +765,7 @@ def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_ser
     h = Harness(str(tmp_path / "n"), remote=hung.url, events=ups)
     try:
         s = h.open()
-        key = SessionKey("alice", "local-while-hung")
+        key, own = SessionKey("alice", "published-before-hung"), SessionKey("alice", "own-while-hung")
         eng = HostEngine(seed=32)
         stored(s, key, eng, [0, 1], 32)
         port = s.remote.store.client.get_node_from_key(s.remote.store.link.key(key, "m")).port
@@ -702,16 +773,24 @@ def test_a_hung_master_keeps_the_tier_down_until_it_answers_and_local_copies_ser
         try:
             end = time.monotonic() + 4.0  # the probe asks every second: it would have flapped by now
             reads = 0
+            with pytest.raises(NotFound):
+                s.stat(SessionKey("alice", "elsewhere"))  # waits out the timeout: the tier is down
+            save(s, own, eng, [2, 3], 32)  # this node's own history, stored while the tier is down
             while time.monotonic() < end:
                 dst = HostEngine(seed=33)
-                s.restore(key, dst.memory, SPEC, [0, 1])  # the first waits out the timeout; then none waits
-                assert dst.pages([0, 1]) == eng.pages([0, 1])
+                s.restore(own, dst.memory, SPEC, [0, 1])  # served, none waits
+                assert dst.pages([0, 1]) == eng.pages([2, 3])
+                with pytest.raises(Unavailable):  # one other nodes may have dropped: not served while none can say
+                    s.restore(key, dst.memory, SPEC, [0, 1])
                 reads += 1
             assert reads > 20 and ups.seen.count(False) == 1 and True not in ups.seen[ups.seen.index(False):]
         finally:
             os.kill(hung.procs[port].pid, signal.SIGCONT)
         wait_for(lambda: ups.seen[-1] is True, what="the probe finds every primary answering")
         assert s.stat(key).remote_durable
+        dst = HostEngine(seed=34)
+        s.restore(key, dst.memory, SPEC, [0, 1])
+        assert dst.pages([0, 1]) == eng.pages([0, 1])
     finally:
         h.close()
         hung.close()

@@ -386,3 +386,36 @@ def test_a_metrics_port_taken_first_is_a_clear_start_up_error(tmp_path):
         with pytest.raises(RuntimeError, match=f"cannot serve metrics on 127.0.0.1:{port}: Address already in use"):
             d.start()
         assert d.proc.wait(10) == 1 and "Traceback" not in d.log()
+
+
+def test_the_descriptors_of_a_ticket_never_taken_are_closed_when_it_expires(tmp_path, monkeypatch):
+    """They were closed only at the next hand-over: with no more traffic, a
+    daemon held every expired ticket's descriptors (892, 75 s on)."""
+    import asyncio
+
+    from tierd.api import intake as intake_module
+    from tierd.api.intake import FdIntake
+    from tierd.wire.fds import hand_over
+
+    monkeypatch.setattr(intake_module, "TICKET_SECONDS", 0.3)
+    intake = FdIntake(str(tmp_path / "d.sock.fds"), identify=lambda token: "alice", own=lambda st: False)
+    loop = asyncio.new_event_loop()
+    fds = [sealed_memfd(f"r{i}", 1 << 16) for i in range(8)]
+    try:
+        intake.start(loop)
+        before = len(os.listdir("/proc/self/fd"))
+        loop.run_until_complete(loop.run_in_executor(None, hand_over, str(tmp_path / "d.sock.fds"), fds, "t"))
+        assert len(os.listdir("/proc/self/fd")) >= before + len(fds)  # the ticket holds its copies open
+
+        async def closed():
+            end = loop.time() + 10
+            while len(os.listdir("/proc/self/fd")) > before and loop.time() < end:
+                await asyncio.sleep(0.05)
+            return len(os.listdir("/proc/self/fd"))
+
+        assert loop.run_until_complete(closed()) <= before
+    finally:
+        intake.close()
+        loop.close()
+        for fd in fds:
+            os.close(fd)

@@ -239,6 +239,8 @@ class FdIntake:
                 raise FailedPrecondition(f"descriptor {i} is {why}", field="regions")
         ticket_id = secrets.token_hex(16)
         self._tickets[ticket_id] = Ticket(tenant, fds, pid, time.monotonic() + TICKET_SECONDS)
+        if self._loop is not None:  # its descriptors closed when it expires, whatever comes next
+            self._loop.call_later(TICKET_SECONDS, self._expire)
         return ticket_id
 
 

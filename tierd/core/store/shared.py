@@ -6,12 +6,16 @@ Reading. Before a call reads a session (Stat, Lookup, Restore, Get,
 BeginRestore, an append: a store from start_token > 0, Prefetch), the store
 asks the remote tier for the session's manifest: where this node holds no
 copy, or a copy of an older version with nothing stored here since, the
-remote version is the session. Stat and Lookup answer from the manifest;
+remote version is the session; where the tier holds a tombstone past the
+version this node's copy builds on, the copy is forgotten, with any stores
+made onto it here (they continued the conversation that was dropped). Stat
+and Lookup answer from the manifest;
 the others fetch it into the host tier first, every page checked, and then
 serve it as any other; a Restore scatters each window of pages into the
 engine's blocks as soon as it is in (checked on its way out, as every page
 is), while the next chunks are fetched. A local copy with stores not yet
-published is this node's and is served as it is. Drop removes the remote
+published is this node's and is served as it is, once the tier said its
+base was not dropped. Drop removes the remote
 copy first, leaving a tombstone, then this node's; one the remote tier does
 not take fails and changes nothing (taken here alone, it would be undone
 once the tier answers). A fetch or publish of the session on this node ends
@@ -41,8 +45,13 @@ node's newer history, which wins: this node's copy is not published.
 Faults. A remote call that fails marks the remote tier down; until a probe
 thread finds it answering again (every PROBE_SECONDS), no call waits on it:
 sessions this node does not hold are NOT_FOUND at once (the engine
-recomputes), local copies are served as they are, a Drop is UNAVAILABLE
-(the engine tries again) and publishes wait in the queue.
+recomputes); copies of this node's own histories (never in the remote tier,
+or stored from token 0 here since) are served as they are; a copy built on
+a version the remote tier holds is UNAVAILABLE for reads (another node may
+have dropped it: a drop is never undone by a node that did not hear of it)
+and takes appends, published once the tier answers; Stat answers what this
+node holds, not remote-durable; a Drop is UNAVAILABLE (the engine tries
+again) and publishes wait in the queue.
 
 Where the code runs: manifests, fetches and drops on the RPC thread of the
 call that needs them, or on a mover for a Prefetch; publishes on the
@@ -56,6 +65,7 @@ released meanwhile), holding no op lock.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -227,19 +237,27 @@ class Shared(Inspection):
         another version) is forgotten here: the session was dropped on
         another node. A remote-durable copy whose version the remote tier no
         longer holds (nothing at its key; with whole, a chunk gone too) is
-        remote-durable no more, and published again."""
+        remote-durable no more, and published again. A copy built on a version
+        the remote tier holds (fetched or published, stores made here since
+        or not) is served only once the remote tier said it was not dropped:
+        while it does not answer, Unavailable."""
         if self.remote is None:
             return None
         with self._lock:
             session = self._sessions.get(key)
-            if session is not None and not session.remote_durable and not session.damaged:
-                return None  # stores not published yet: this node's copy is the session
+            if session is not None and not session.damaged and not _from_remote(session):
+                return None  # this node's own history: the session, whatever the remote tier holds
             version = -1 if session is None or session.damaged else session.remote_version
             write = "" if session is None else session.remote_write
         try:
             m, at = self._call("manifest", self.remote.store.head, key)
         except Unavailable:
-            return None
+            if session is None or session.damaged:
+                return None
+            raise Unavailable(f"the remote tier does not answer, and this node's copy of session "
+                              f"{shown(key.session_id)} builds on a version other nodes hold: it is served once the "
+                              "tier answers (another node may have dropped it meanwhile)", session_id=key.session_id,
+                              tier=self.roles.versions) from None
         except DataLoss:
             if session is None:
                 raise
@@ -341,12 +359,13 @@ class Shared(Inspection):
 
     def _dropped_elsewhere(self, session: Session, version: int) -> bool:
         """Forget this node's copy of a session another node dropped (of remote
-        version `version`, the one that was found dropped), unless it was
-        stored here or fetched again meanwhile."""
+        version `version`, the one that was found dropped), with the stores
+        made here onto that version since (they continued the conversation
+        that was dropped), unless it was stored from token 0 here (a new
+        history) or fetched again meanwhile."""
         lock, now = self._acquire(session.key)
         try:
-            if now is session and (session.remote_durable or session.damaged) and \
-                    (session.damaged or session.remote_version == version):
+            if now is session and (session.damaged or session.remote_version == version and _from_remote(session)):
                 log.info("%s/%s was dropped on another node: this node's copy is forgotten", *session.key)
                 self._forget(session, "drop")
                 return True
@@ -354,10 +373,18 @@ class Shared(Inspection):
         finally:
             lock.release()
 
-    def _bring(self, key: SessionKey) -> None:
+    def _bring(self, key: SessionKey, appending: bool = False) -> None:
         """Make this node's copy the session's current version, fetching it
-        into the host tier where the remote tier holds a newer one."""
-        m = self._stale(key)
+        into the host tier where the remote tier holds a newer one. For an
+        append, a tier that does not answer leaves this node's copy to store
+        onto: the store is published once it answers (or gives way to a drop
+        or another node's history found then)."""
+        try:
+            m = self._stale(key)
+        except Unavailable:
+            if appending:
+                return
+            raise
         if m is not None:
             self._fetch(key, m)
 
@@ -479,7 +506,10 @@ class Shared(Inspection):
     # -- the calls that reach the remote tier ---------------------------------------------------
 
     def stat(self, key: SessionKey) -> SessionInfo:
-        m = self._stale(key, whole=True)  # remote_durable: whether the remote tier holds every chunk of this copy
+        try:
+            m = self._stale(key, whole=True)  # remote_durable: whether the remote tier holds every chunk of this copy
+        except Unavailable:  # what this node holds, not remote-durable while no node can fetch it
+            return dataclasses.replace(super().stat(key), remote_durable=False)
         return self._remote_info(key, m) if m is not None else super().stat(key)
 
     def prompt_limit(self, key: SessionKey) -> int:
@@ -576,20 +606,20 @@ class Shared(Inspection):
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
              num_tokens: int, start_token: int = 0, *args: Any, **kw: Any) -> SessionInfo:
         if start_token:
-            self._bring(key)  # an append onto a session another node stored
+            self._bring(key, appending=True)  # an append onto a session another node stored
         return super().save(key, engine, spec, block_ids, num_tokens, start_token, *args, **kw)
 
     def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int, priority: int | None = None,
                   start_token: int = 0, token_ids: Iterable[int] | None = None,
                   salt: str = ""):  # type: ignore[override]
         if start_token:
-            self._bring(key)
+            self._bring(key, appending=True)
         return super().begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt)
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    *args: Any, **kw: Any):  # type: ignore[override]
         if start_token:
-            self._bring(key)
+            self._bring(key, appending=True)
         return super().begin_save(key, spec, num_tokens, start_token, *args, **kw)
 
     def prefetch(self, key: SessionKey, tier: str | None = None, priority: int = 0,
@@ -805,6 +835,7 @@ class Shared(Inspection):
                 self.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
                          "again)", *key)
+                self._dropped_elsewhere(session, base)
                 return
             if m is not None and (m.version != base or (base_write and m.write != base_write)) and not fresh:
                 if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
@@ -865,6 +896,13 @@ class Shared(Inspection):
             session.remote_version, session.remote_write = m.version, m.write
             if session.snap.version == version:
                 session.remote_at = version
+
+
+def _from_remote(session: Session) -> bool:
+    """Whether the session's content builds on a version the remote tier
+    holds (fetched or published here, stores made since or not), rather
+    than on none or on a store from token 0 made here since."""
+    return session.remote_version > 0 and session.remote_fresh <= session.remote_at
 
 
 __all__ = ["PROBE_SECONDS", "Remote", "Shared"]
