@@ -18,7 +18,14 @@ import numpy as np
 
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable
 from tierd.remote.backend import Refused
-from tierd.remote.manifest import Head, Manifest, check_bounds, dropped_at, next_version, owner_of
+from tierd.remote.manifest import (
+    Head,
+    Manifest,
+    check_bounds,
+    dropped_at,
+    next_version,
+    owner_of,
+)
 from tierd.remote.redis import scripts
 from tierd.remote.redis.fetch import Fetcher
 from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of
