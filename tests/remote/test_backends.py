@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from tierd.checksum import page_checksum
@@ -345,3 +346,20 @@ def test_a_session_saved_on_a_node_resumes_on_another_through_a_shared_directory
     finally:
         for d in (a, b, c):
             d.close()
+
+
+def test_a_session_past_what_a_manifest_holds_is_refused_before_a_byte_is_written(nodes):
+    """Readers take a manifest of MAX_PAGES pages at most (sessions of millions
+    of tokens): a longer session is never published, nothing of it written."""
+    from tierd.remote.backend import Refused
+    from tierd.remote.manifest import MAX_PAGES
+
+    def data():
+        raise AssertionError("a byte of it was asked for")
+        yield
+
+    n = MAX_PAGES + 1
+    with pytest.raises(Refused, match=f"{MAX_PAGES} pages"):
+        nodes.a.publish(KEY, 0, {"model_id": "m"}, "fp", 16 * n, 1, np.zeros(n, np.uint64),
+                        np.zeros((n, 16), np.uint8), data())
+    assert nodes.a.head(KEY) == (None, 0) and nodes.a.listed("alice") == []

@@ -491,3 +491,73 @@ def test_a_large_manifest_is_read_whole_once_and_one_longer_than_its_head_says_n
         with pytest.raises(DataLoss, match="bytes"):
             store.head(KEY)[0]
         assert sent() - before < 100_000
+
+
+@pytest.mark.parametrize("damage", ["a wrong count", "a ghost in the map"])
+def test_a_tenant_s_total_that_is_wrong_is_summed_again_at_its_first_recount(store, damage):
+    """A total that reads as a count but is not the sum of the tenant's
+    sessions (set so, or summed with an entry no session has) would refuse
+    the tenant for ever: a recount sums it again from what the store holds."""
+    sizes = {}
+    for i, n in enumerate((2, 1)):
+        pages, sums = snapshot(n, seed=40 + i)
+        publish(store, pages, sums, key=SessionKey("alice", f"u{i}"))
+        sizes[f"u{i}"] = sum(map(len, pages))
+    names = {w: store.link.index("alice", w) for w in "sbu"}
+    if damage == "a wrong count":
+        store.client.set(names["u"], b"999999999999999")
+    else:
+        store.client.hset(names["b"], "ghost", b"999999999999999")
+        store.client.delete(names["u"])
+    assert store.usage("alice", "u1", recount=True) == (sum(sizes.values()), sizes["u1"])
+    assert int(store.client.get(names["u"])) == sum(sizes.values())
+    assert sorted(k.decode() for k in store.client.hkeys(names["b"])) == ["u0", "u1"]
+
+
+@pytest.mark.parametrize("lost", ["list", "map"])
+def test_sessions_gone_after_their_tenant_s_list_or_map_was_evicted_no_longer_count(store, lost):
+    """allkeys-lru may evict any key, a tenant's list or map of bytes too; the
+    sessions that expire afterwards give their bytes back at the next recount,
+    and the list names the sessions the store holds."""
+    sizes = {}
+    for i in range(4):
+        if i == 3:  # evicted before the last publish, then two sessions expire
+            store.client.delete(store.link.index("alice", "s" if lost == "list" else "b"))
+            for gone in (SessionKey("alice", "u0"), SessionKey("alice", "u1")):
+                m = store.head(gone)[0]
+                store.client.delete(store.link.key(gone, "m"), *[store.link.key(gone, f"w{m.write}", str(i))
+                                                                for i in range(chunks_of(m.nbytes))])
+        pages, sums = snapshot(1, seed=50 + i)
+        publish(store, pages, sums, key=SessionKey("alice", f"u{i}"))
+        sizes[f"u{i}"] = len(pages[0])
+    assert store.usage("alice", "u3", recount=True) == (sizes["u2"] + sizes["u3"], sizes["u3"])
+    assert store.listed("alice") == ["u2", "u3"]
+    assert store.usage("alice", "u2") == (sizes["u2"] + sizes["u3"], sizes["u2"])
+
+
+def test_a_manifest_longer_than_a_session_needs_is_refused_by_its_head_unread(store):
+    """A value at a manifest's key that agrees with itself but is past what a
+    manifest may be (one page and 72 MiB of token hashes: more than the kept
+    manifests hold) is DataLoss from its head alone, however often asked for."""
+    import redis
+
+    from tierd.remote.manifest import Manifest, owner_of
+
+    raw = Manifest(FIRST_VERSIONS, "ab12", "fp", {"model_id": "m"}, 16, 1, 1, np.zeros(1, np.uint64),
+                   np.zeros((1, 1024, 72 << 10), np.uint8), 0.0, owner_of(KEY)).encode()
+    name = f"{store.prefix}:{{{tag_of(KEY)}}}:m"
+    store.client.set(name, raw)
+    del raw
+    node = redis.Redis(port=store.client.get_node_from_key(name).port)
+
+    def sent():  # to clients (its replica is sent the value meanwhile)
+        stats = node.info("stats")
+        return stats["total_net_output_bytes"] - stats["total_net_repl_output_bytes"]
+
+    for _ in range(3):
+        before = sent()
+        with pytest.raises(DataLoss, match="does not parse"):
+            store.head(KEY)
+        assert store.manifests([KEY]) == [None]
+        assert sent() - before < 1 << 20
+    store.client.delete(name)

@@ -893,6 +893,40 @@ def test_sessions_that_expired_give_their_bytes_back_to_the_tenant_s_remote_quot
     assert [i.session_id for i in nodes("b").store.list("alice")[0]] == ["exp1", "exp2", "exp3"]
 
 
+@pytest.mark.parametrize("damage", ["a total of a wrong count", "a ghost in the map", "the list evicted",
+                                    "the map evicted"])
+def test_broken_bookkeeping_of_a_tenant_never_costs_it_its_remote_quota(nodes, damage, caplog):
+    """The tenant's total reads as a count but is wrong, or its list or map of
+    bytes was evicted, and then two of its sessions expire: the next publishes
+    past the total recount it from what the store holds (with a log line), and
+    the tenant stores up to its quota again."""
+    a = nodes("a", remote_quota=8 * PAGE).store
+    eng = HostEngine(seed=44)
+    keys = [SessionKey("alice", f"bk{i}") for i in range(5)]
+    for i, key in enumerate(keys[:3]):
+        stored(a, key, eng, [2 * i, 2 * i + 1], 32)
+    store, client = a.remote.store, a.remote.store.client
+    names = {w: store.link.index("alice", w) for w in "sbu"}
+    if damage == "a total of a wrong count":
+        client.set(names["u"], b"999999999999999")
+    elif damage == "a ghost in the map":
+        client.hset(names["b"], "ghost", b"999999999999999")
+        client.delete(names["u"])
+    else:
+        client.delete(names["s" if damage == "the list evicted" else "b"])
+    for key in keys[:2]:
+        client.delete(*names_of(a, key))  # expired
+    caplog.set_level("INFO", "tierd.remote.redis")
+    caplog.clear()
+    for i, key in enumerate(keys[3:], 3):
+        save(a, key, eng, [2 * i, 2 * i + 1], 32)
+        publisher_idle(a)
+        assert a.stat(key).remote_durable, key
+    assert store.usage("alice", "bk4") == (6 * PAGE, 2 * PAGE)
+    assert [i.session_id for i in nodes("b").store.list("alice")[0]] == ["bk2", "bk3", "bk4"]
+    assert any(r.name == "tierd.remote.redis" for r in caplog.records)
+
+
 def test_sessions_redis_evicted_give_their_bytes_back_to_the_tenant_s_remote_quota(tmp_path):
     """maxmemory with allkeys-lru, as the operations guide says: Redis evicts
     the least recently used keys, chunks and manifests of old sessions."""

@@ -26,12 +26,14 @@ import numpy as np
 from tierd.errors import Unavailable
 from tierd.types import SessionKey
 
-RECOUNT = 256  # a tenant's sessions a recount checks against what the store holds (usage(recount=True))
+RECOUNT = 256  # a tenant's sessions a recount checks against what the store holds (usage(recount=True)), of each
+# record a backend keeps of them (the Redis backend's list and map of bytes)
 
 
 class Refused(Unavailable):
-    """The remote store answered, with an error (out of memory, say): the call
-    failed, the store is not down."""
+    """The remote store answered, with an error (out of memory, say), or the
+    backend refused the call (a session past what a manifest may be): the
+    call failed, the store is not down."""
 
 
 class RemoteBackend(Protocol):
@@ -63,7 +65,9 @@ class RemoteBackend(Protocol):
         """A new version replacing `expect` (0: none); data is the logical
         bytes in pieces, each with whether it stays valid until this returns.
         FailedPrecondition (with the version found) where another writer got
-        there first: nothing is left behind."""
+        there first: nothing is left behind. Refused, before anything is
+        written, for a session past what a manifest may be
+        (manifest.check_bounds)."""
 
     def read_into(self, key: SessionKey, manifest: Any, claim: Callable[[int], list[Any]]) -> Iterator[int]:
         """Read the version into the memory claim(n) gives for each next n

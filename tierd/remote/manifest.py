@@ -22,13 +22,16 @@ from typing import Any
 import numpy as np
 
 from tierd.errors import DataLoss
+from tierd.remote.backend import Refused
 from tierd.types import SessionKey
 
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
 MAX_VERSION = 10**14 - 1  # what Lua numbers (doubles, printed to 14 digits) hold exactly: Redis's scripts compare them
 HEAD_BYTES = 64 << 10  # a manifest's first line is within this many bytes
-MAX_MANIFEST_BYTES = 256 << 20  # 24 bytes a page: ten million pages
-MAX_PAGES = 10_000_000
+# What a manifest may be, writers and readers alike: a session of millions of tokens (24 bytes a page), well within
+# what a backend keeps of the large ones it read, so that none is read whole again on every call.
+MAX_PAGES = 500_000
+MAX_MANIFEST_BYTES = 16 << 20
 _TOMBSTONE = re.compile(rb"(\d+) dropped")
 _FIRST = re.compile(rb'(\d+) \{"write": "(\w+)"')  # a manifest's number and write id (Manifest.encode writes them first)
 
@@ -127,6 +130,16 @@ class Head:
             return head
         except Exception as exc:  # noqa: BLE001 - whatever the store holds: ValueError, RecursionError, ...
             raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def check_bounds(n_pages: int, token_hashes: np.ndarray) -> None:
+    """Refused where a manifest of n_pages and these token hashes would be past
+    what readers take (MAX_PAGES, MAX_MANIFEST_BYTES): known before a byte of
+    the version is written; the session stays in the node's own tiers."""
+    length = HEAD_BYTES + 8 * n_pages + token_hashes.nbytes  # its first line within HEAD_BYTES
+    if n_pages > MAX_PAGES or length > MAX_MANIFEST_BYTES:
+        raise Refused(f"a session of {n_pages} pages ({length >> 20} MiB of manifest) is past what the remote tier "
+                      f"takes ({MAX_PAGES} pages, {MAX_MANIFEST_BYTES >> 20} MiB): it stays in this node's tiers")
 
 
 def whole(value: Any, low: int, high: int) -> int:

@@ -18,8 +18,8 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 from tierd.remote.backend import RECOUNT
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
-from tierd.remote.manifest import (MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, dropped_at, next_version, owned,
-                                   owner_of, tag_of, version_at, write_at)
+from tierd.remote.manifest import (MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, check_bounds, dropped_at, next_version,
+                                   owned, owner_of, tag_of, version_at, write_at)
 from tierd.types import SessionKey
 
 ORPHAN_SECONDS = 3600.0  # a version's bytes no manifest names, this old, are a dead publish's
@@ -132,6 +132,7 @@ class FileBackend:
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
                 data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
+        check_bounds(len(checksums), np.asarray(token_hashes))
         where = self.dir_of(key)
         write = secrets.token_hex(8)
         path = os.path.join(where, f"w{write}")

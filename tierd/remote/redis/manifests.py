@@ -28,7 +28,7 @@ from tierd.remote.redis import scripts
 from tierd.remote.redis.link import Link, chunks_of
 from tierd.types import SessionKey
 
-MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not read again
+MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not read again (4 of the largest)
 LOOK_BATCH = 8192  # keys missing() asks about in one round trip (a version's keys go together)
 
 

@@ -58,12 +58,14 @@ return {n, redis.call('GETRANGE', KEYS[1], 0, HEAD - 1)}
 """
 
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
-# a session id (''), how many ids to sample, then pairs of session id and bytes (-1: unlisted). A key of another
-# type is deleted first (a list deleted is made again from the map's ids); the total is kept equal to the map's
-# sum (summed again where it is no count: none, garbled, or the map deleted). Returns the total, the session's
-# bytes, up to that many of the tenant's ids at random, and the names of the keys deleted.
+# a session id (''), how many ids to sample, whether to sum the total again from the map (a recount's last step:
+# '1'), then pairs of session id and bytes (-1: unlisted). A key of another type is deleted first; a list gone
+# (deleted so, or evicted) is made again from the map's ids; the total is kept equal to the map's sum (summed
+# again where it is no count: none, garbled, or the map deleted). Returns the total, the session's bytes, up to
+# that many ids at random from the list and as many from the map, the names of the keys deleted, and those of
+# the keys made again from the map (the list made again, the total summed again to another count).
 LIST = """
-local kinds, lost, reset = {'zset', 'hash', 'string'}, {}, {}
+local kinds, lost, reset, remade = {'zset', 'hash', 'string'}, {}, {}, {}
 for i, k in ipairs(KEYS) do
   local kind = redis.call('TYPE', k)['ok']
   if kind ~= 'none' and kind ~= kinds[i] then
@@ -72,21 +74,24 @@ for i, k in ipairs(KEYS) do
     reset[#reset + 1] = k
   end
 end
-if lost[1] then
-  for _, id in ipairs(redis.call('HKEYS', KEYS[2])) do redis.call('ZADD', KEYS[1], 0, id) end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  local ids = redis.call('HKEYS', KEYS[2])
+  for _, id in ipairs(ids) do redis.call('ZADD', KEYS[1], 0, id) end
+  if #ids > 0 and not lost[1] then remade[#remade + 1] = KEYS[1] end
 end
 local function count(v)  -- a count of bytes, or false
   if v and #v < 16 and string.match(v, '^%d+$') then return tonumber(v) end
   return false
 end
+local function sum()
+  local n = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do n = n + (count(v) or 0) end
+  return n
+end
 local stored = redis.call('GET', KEYS[3])
 local was = not lost[2] and count(stored)
-local total = was
-if not total then
-  total = 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do total = total + (count(v) or 0) end
-end
-for i = 4, #ARGV, 2 do
+local total = was or sum()
+for i = 5, #ARGV, 2 do
   local id, new = ARGV[i], tonumber(ARGV[i + 1])
   total = total - (count(redis.call('HGET', KEYS[2], id)) or 0)
   if new < 0 then
@@ -99,12 +104,24 @@ for i = 4, #ARGV, 2 do
   end
 end
 if total < 0 then total = 0 end
+if ARGV[4] == '1' then
+  local summed = sum()
+  if summed ~= total and was then remade[#remade + 1] = KEYS[3] end
+  total = summed
+end
 if total ~= was and (stored or total > 0) then redis.call('SET', KEYS[3], string.format('%.0f', total)) end
-if tonumber(ARGV[1]) > 0 and (#ARGV > 3 or #reset > 0 or total ~= was) then
+if tonumber(ARGV[1]) > 0 and (#ARGV > 4 or #reset > 0 or #remade > 0 or total ~= was) then
   for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, ARGV[1]) end
 end
 local own = ARGV[2] ~= '' and count(redis.call('HGET', KEYS[2], ARGV[2])) or 0
 local sample = {}
-if tonumber(ARGV[3]) > 0 then sample = redis.call('ZRANDMEMBER', KEYS[1], ARGV[3]) end
-return {total, own, sample, reset}
+if tonumber(ARGV[3]) > 0 then
+  local seen = {}
+  for _, ids in ipairs({redis.call('ZRANDMEMBER', KEYS[1], ARGV[3]), redis.call('HRANDFIELD', KEYS[2], ARGV[3])}) do
+    for _, id in ipairs(ids) do
+      if not seen[id] then seen[id] = true; sample[#sample + 1] = id end
+    end
+  end
+end
+return {total, own, sample, reset, remade}
 """

@@ -18,7 +18,14 @@ import numpy as np
 
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable
 from tierd.remote.backend import Refused
-from tierd.remote.manifest import Head, Manifest, dropped_at, next_version, owner_of
+from tierd.remote.manifest import (
+    Head,
+    Manifest,
+    check_bounds,
+    dropped_at,
+    next_version,
+    owner_of,
+)
 from tierd.remote.redis import scripts
 from tierd.remote.redis.fetch import Fetcher
 from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of
@@ -83,7 +90,9 @@ class RemoteStore:
         returns (sent as it is, no copy) or only until the next piece is asked
         for (copied). `expect` is the version this one replaces (0: none); if
         another writer published first, FailedPrecondition and nothing is
-        left behind."""
+        left behind. Refused, before anything is written, for a session past
+        what a manifest may be (check_bounds)."""
+        check_bounds(len(checksums), np.asarray(token_hashes))
         write = secrets.token_hex(8)
         chunks = nbytes = 0
         batch: list[memoryview] = []

@@ -1,9 +1,13 @@
 """Each tenant's bookkeeping in the Redis store: its sorted set of session
 ids (List), the map of each session's bytes and their total (the remote
-quota), kept by the LIST script; a key of another type is reset with a log
-line, never taken for a session's damage. A recount checks listed sessions
-against what the store holds (Redis expires and evicts sessions without
-telling anyone). Runs on the thread that calls it.
+quota), kept by the LIST script; a key of another type is reset, and a list
+gone (Redis evicts any key under allkeys-lru) made again from the map, each
+with a log line, never taken for a session's damage. A recount checks
+sessions of the list and of the map against what the store holds (Redis
+expires and evicts sessions without telling anyone), then sums the total
+again from the map: a total that is wrong, or counts sessions the map no
+longer names, costs the tenant nothing past its first recount. Runs on the
+thread that calls it.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ class Tenants:
         return total, own
 
     def _recount(self, tenant: str) -> None:
-        """Check up to RECOUNT of the tenant's sessions, at random, against what
-        the store holds: one whose manifest or any chunk is gone (expired,
-        evicted) is unlisted, and its bytes no longer count; one that is there
-        counts the bytes its manifest says. Two round trips of one command a
-        session. (A session published again meanwhile is listed again: its
-        publish lists it after its switch, or the second look finds it.)"""
+        """Check up to RECOUNT of the tenant's listed sessions and as many of
+        its map's, at random, against what the store holds: one whose manifest
+        or any chunk is gone (expired, evicted) is unlisted, and its bytes no
+        longer count; one that is there counts the bytes its manifest says.
+        Then the total is summed again from the map (the script reads the
+        tenant's map whole: one recount, on a publish the total refuses).
+        Two round trips of one command a session. (A session published again
+        meanwhile is listed again: its publish lists it after its switch, or
+        the second look finds it.)"""
         ids = self.relist(tenant, [], sample=RECOUNT)[2]
         held = self._held(tenant, ids)
         gone = [i for i, n in held.items() if not n]
@@ -51,7 +58,7 @@ class Tenants:
                      "bytes no longer count", len(gone), shown(tenant))
             self.unlist(tenant, gone)
             held.update(self._held(tenant, gone))
-        self.relist(tenant, [(i, n) for i, n in held.items() if n])
+        self.relist(tenant, [(i, n) for i, n in held.items() if n], resum=True)
 
     def _held(self, tenant: str, ids: list[str]) -> dict[str, int]:
         """The bytes of each session that the store holds whole (0: none, a
@@ -82,18 +89,23 @@ class Tenants:
         return held
 
     def relist(self, tenant: str, entries: list[tuple[str, int]], own: str = "",
-                sample: int = 0) -> tuple[int, int, list[str]]:
-        """List or (bytes -1) unlist the tenant's sessions, keeping the total,
-        each of the tenant's keys that holds something else reset first (one
-        log line); the total, the bytes of session `own`, and up to `sample`
-        of the tenant's ids at random."""
-        args = [self.link.ttl_ms, own, sample] + [x for entry in entries for x in entry]
-        total, mine, ids, reset = self.link.call("a list entry", self._list,
-                                             keys=[self.link.index(tenant, w) for w in ("s", "b", "u")], args=args)
+                sample: int = 0, resum: bool = False) -> tuple[int, int, list[str]]:
+        """List or (bytes -1) unlist the tenant's sessions, keeping the total
+        (with resum, summed again from the map of bytes), each of the tenant's
+        keys that holds something else reset first and a list gone made again
+        (one log line each); the total, the bytes of session `own`, and up to
+        `sample` of the tenant's listed ids at random, and as many of its map's."""
+        args = [self.link.ttl_ms, own, sample, int(resum)] + [x for entry in entries for x in entry]
+        total, mine, ids, reset, remade = self.link.call(
+            "a list entry", self._list, keys=[self.link.index(tenant, w) for w in ("s", "b", "u")], args=args)
+        what = {"s": "list of sessions", "b": "bytes per session", "u": "total of bytes"}
         if reset:
-            what = {"s": "list of sessions", "b": "bytes per session", "u": "total of bytes"}
             log.warning("remote tier: tenant %s's %s held something else than tierd writes there; reset",
                         shown(tenant), ", ".join(what[k.decode()[-1]] for k in reset))
+        if remade:
+            log.warning("remote tier: tenant %s's %s did not agree with its bytes per session (evicted, or changed "
+                        "in the store); made again from them", shown(tenant),
+                        ", ".join(what[k.decode()[-1]] for k in remade))
         return int(total), int(mine), [i.decode() for i in ids]
 
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
