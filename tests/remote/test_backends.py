@@ -52,6 +52,11 @@ class Redis:
     def lose(self, key):
         self.a.client.delete(self._chunks(key)[0])
 
+    def shorten(self, key):
+        """A chunk of the version of another length than the version needs."""
+        name = self._chunks(key)[0]
+        self.a.client.set(name, self.a.client.get(name)[:-1000])
+
     def garble(self, key, raw):
         self.a.client.set(f"{self.a.prefix}:{{{tag_of(key)}}}:m", raw)
 
@@ -84,6 +89,10 @@ class Files:
 
     def lose(self, key):
         os.unlink(self._data(key))
+
+    def shorten(self, key):
+        """The version's file of another length than the version needs."""
+        self.cut(key)
 
     def garble(self, key, raw):
         os.makedirs(self.a.dir_of(key), exist_ok=True)
@@ -219,6 +228,33 @@ def test_a_node_learns_which_of_its_versions_the_store_lost_and_no_other_change_
     m = publish(nodes.a, pages, sums, key=third)
     nodes.lose(third)  # the store evicted part of the version
     assert nodes.b.missing([(third, m.version, m.write, m.nbytes), asked[0]]) == [True, False]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "a manifest cut short", "another session's manifest",
+                                    "the version's bytes cut short"])
+def test_a_version_no_node_can_resume_is_missing_whatever_damaged_it(nodes, damage):
+    """missing() is true exactly where a node that holds no copy cannot
+    resume the version from the store: the manifest's key holds bytes that
+    are no manifest (nor a tombstone), a manifest whose first line is there
+    but not the rest, another session's manifest, or the version's bytes are
+    of another length than it needs."""
+    pages, sums = snapshot(3, seed=15)
+    m = publish(nodes.a, pages, sums)
+    asked = [(KEY, m.version, m.write, m.nbytes)]
+    assert nodes.b.missing(asked) == [False]
+    if damage == "garbage":
+        nodes.garble(KEY, b"not a manifest")
+    elif damage == "a manifest cut short":
+        raw = m.encode()
+        nodes.garble(KEY, raw[: raw.index(b"\n") + 9])  # its version and write id still at its head
+    elif damage == "another session's manifest":
+        other = SessionKey("alice", "chat-2")
+        nodes.garble(KEY, publish(nodes.a, pages, sums, key=other).encode())
+    else:
+        nodes.shorten(KEY)
+    with pytest.raises((DataLoss, NotFound)):
+        read(nodes.b, nodes.b.head(KEY)[0])  # no node resumes it
+    assert nodes.b.missing(asked) == [True]
 
 
 def test_a_tenant_s_sessions_are_listed_and_counted_for_it_alone(nodes):

@@ -440,6 +440,37 @@ def test_a_copy_the_remote_tier_evicted_is_not_remote_durable_and_is_published_a
              missing_ok=True, what="published again, on its own")
 
 
+@pytest.mark.parametrize("what", ["garbage", "foreign", "cut"])
+def test_a_copy_no_node_can_resume_from_the_remote_tier_is_not_remote_durable(nodes, what):
+    """What the remote tier holds at the session's keys resumes it on no node:
+    bytes that are no manifest, another session's manifest copied in, or a
+    chunk cut short. The copy is remote-durable no more (the sweep sees it),
+    and is still served here."""
+    quiet, b = nodes("quiet", remote_write="off").store, nodes("b").store  # quiet: when asked
+    key, donor = SessionKey("alice", f"damaged-{what}"), SessionKey("alice", f"donor-{what}")
+    eng = HostEngine(seed=44)
+    for k, blocks in ((key, [0, 1]), (donor, [2, 3])):
+        save(quiet, k, eng, blocks, 32)
+        assert quiet.publish(k)
+    remote = quiet.remote.store
+    client, manifest = remote.client, remote.link.key(key, "m")
+    if what == "garbage":
+        client.set(manifest, b"not a manifest")
+    elif what == "foreign":
+        client.set(manifest, client.get(remote.link.key(donor, "m")))
+    else:
+        chunk = remote.link.key(key, f"w{remote.head(key)[0].write}", "0")
+        client.set(chunk, client.get(chunk)[:-1000])
+        assert not quiet.stat(key).remote_durable  # Stat looks
+    with pytest.raises((DataLoss, NotFound)):
+        b.get(key)  # no other node can serve it
+    assert quiet._sweep() == 0
+    assert not quiet.stat(key).remote_durable and quiet.stat(donor).remote_durable
+    assert read(quiet, key) == b"".join(eng.pages([0, 1]))  # the local copy is still good
+    if what != "foreign":  # over another session's manifest, a publish takes its number for a tombstone's
+        assert quiet.publish(key) and read(b, key) == b"".join(eng.pages([0, 1]))
+
+
 @pytest.mark.parametrize("over", ["version", "tombstone"])
 def test_a_publish_the_store_lost_in_a_fail_over_leaves_the_node_s_copy_served_and_published_again(nodes, over):
     """A master lost before its replica had a publish: the promoted replica

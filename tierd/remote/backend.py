@@ -80,10 +80,15 @@ class RemoteBackend(Protocol):
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
         """For each version a node holds a copy of (session, version number,
-        write id, bytes), whether the store lost it: nothing at the
-        session's key, or that version with any of its bytes gone. Another
-        version or a tombstone there is no loss; neither is a store that did
-        not answer plainly."""
+        write id, bytes), whether the store lost it, so that no node resumes
+        it: nothing at the session's key, or nothing that resumes it there
+        (bytes that are no manifest, a manifest of another length than its
+        first line says, another session's), or that version with any of its
+        bytes gone or of another length. Another version or a tombstone there
+        is no loss; neither is a store that did not answer plainly. Read off
+        the manifest's first line and the bytes' lengths: a byte changed in
+        place is found by reading the pages against their checksums, not
+        here."""
 
     def usage(self, tenant: str, session_id: str, recount: bool = False) -> tuple[int, int]:
         """Bytes of the tenant's sessions the store holds, and of this one;

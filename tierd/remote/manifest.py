@@ -4,9 +4,10 @@ owner), how it is written and read back, checked to agree with itself, and
 the tombstone a drop leaves in its place. Plain data and functions: any
 thread.
 
-A manifest is one line `VERSION {json}` (version first, then the write id,
-so a backend reads both off its first bytes), then the pages' checksums and
-the token hashes as raw arrays. A tombstone is `VERSION dropped`.
+A manifest is one line `VERSION {json}` (version first, so a backend reads
+it off its first bytes), then the pages' checksums and the token hashes as
+raw arrays. A tombstone is `VERSION dropped`. What a manifest's key holds
+is known by its first line and length alone (held_at: what missing() asks).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ HEAD_BYTES = 64 << 10  # a manifest's first line is within this many bytes
 MAX_PAGES = 500_000
 MAX_MANIFEST_BYTES = 16 << 20
 _TOMBSTONE = re.compile(rb"(\d+) dropped")
-_FIRST = re.compile(rb'(\d+) \{"write": "(\w+)"')  # a manifest's number and write id (Manifest.encode writes them first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +184,24 @@ def version_at(raw: Any) -> int:
     return int(found.group(1)) if found and int(found.group(1)) <= MAX_VERSION else 0
 
 
-def write_at(raw: Any) -> str:
-    """The write id at the head of a manifest ('': none there, or a tombstone)."""
-    found = _FIRST.match(raw) if isinstance(raw, bytes) else None
-    return found[2].decode() if found else ""
+def held_at(key: SessionKey, line: bytes | None, length: int) -> tuple[int, str] | None:
+    """What a session's manifest key holds, by its first line (`line`: up to
+    its newline, or more) and its length in bytes: the version number and
+    write id there (a tombstone: its number and ''), or None where nothing
+    there resumes the session: none, bytes that are no manifest nor
+    tombstone, a manifest of another length than its head says, or another
+    session's."""
+    if not line:
+        return None
+    if dropped_at(line):
+        return dropped_at(line), ""
+    try:
+        head = Head.parse(line)
+    except DataLoss:
+        return None
+    if head.length != length or str(head.meta.get("owner", "")) != owner_of(key):
+        return None
+    return head.version, head.write
 
 
 def dropped_at(raw: Any) -> int:

@@ -18,10 +18,11 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 from tierd.remote.backend import RECOUNT
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
-from tierd.remote.manifest import (MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, check_bounds, dropped_at, next_version,
-                                   owned, owner_of, tag_of, version_at, write_at)
+from tierd.remote.manifest import (HEAD_BYTES, MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, check_bounds, dropped_at,
+                                   held_at, next_version, owned, owner_of, tag_of, version_at)
 from tierd.types import SessionKey
 
+LINE_BYTES = 4096  # of a manifest missing() reads first: its first line, unless its spec's text is long
 ORPHAN_SECONDS = 3600.0  # a version's bytes no manifest names, this old, are a dead publish's
 # Record locks are the process's, whichever file descriptor took them: threads (and backends) of one
 # process take one of these first.
@@ -63,12 +64,9 @@ class FileBackend:
             finally:
                 os.close(fd)  # the record lock goes with it
 
-    def _current(self, where: str, head_only: bool = False) -> bytes | None:
-        """What the manifest's file holds (None: none, or older than the TTL),
-        or with head_only its first 64 bytes (a tombstone, or a version's
-        number and write id); DataLoss
-        for one larger than a manifest can be, found by its size before
-        anything is read."""
+    def _open(self, where: str) -> tuple[int, int] | None:
+        """The manifest's file, open (the caller closes it), and its size;
+        None for none, or one older than the TTL."""
         try:
             fd = os.open(os.path.join(where, "m"), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -77,11 +75,45 @@ class FileBackend:
             fsio.call("a manifest read", _raise, exc)
         try:
             st = os.fstat(fd)
-            if self.ttl and time.time() - st.st_mtime > self.ttl:
-                return None
-            if not head_only and st.st_size > MAX_MANIFEST_BYTES:
-                raise DataLoss(f"a remote manifest does not parse ({st.st_size} bytes)", tier="remote")
-            return fsio.call("a manifest read", os.pread, fd, 64 if head_only else st.st_size, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.ttl and time.time() - st.st_mtime > self.ttl:
+            os.close(fd)
+            return None
+        return fd, st.st_size
+
+    def _current(self, where: str, head_only: bool = False) -> bytes | None:
+        """What the manifest's file holds (None: none, or older than the TTL),
+        or with head_only its first 64 bytes (a tombstone, or a version's
+        number and write id); DataLoss
+        for one larger than a manifest can be, found by its size before
+        anything is read."""
+        opened = self._open(where)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            if not head_only and size > MAX_MANIFEST_BYTES:
+                raise DataLoss(f"a remote manifest does not parse ({size} bytes)", tier="remote")
+            return fsio.call("a manifest read", os.pread, fd, 64 if head_only else size, 0)
+        finally:
+            os.close(fd)
+
+    def _line(self, where: str) -> tuple[bytes | None, int]:
+        """The manifest's first line (to its newline, HEAD_BYTES at most; None
+        for none, or older than the TTL) and the file's size: LINE_BYTES
+        read, more only where the line is longer."""
+        opened = self._open(where)
+        if opened is None:
+            return None, 0
+        fd, size = opened
+        try:
+            raw = fsio.call("a manifest read", os.pread, fd, LINE_BYTES, 0)
+            if b"\n" not in raw and size > LINE_BYTES:
+                raw = fsio.call("a manifest read", os.pread, fd, HEAD_BYTES, 0)
+            line, newline, _ = raw.partition(b"\n")
+            return line + newline, size
         finally:
             os.close(fd)
 
@@ -107,17 +139,17 @@ class FileBackend:
         return out
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
-        out = []
-        for key, version, write, _ in versions:
-            where = self.dir_of(key)
-            try:
-                raw = self._current(where, head_only=True)
-            except Unavailable:
-                out.append(False)  # not a plain answer
-                continue
-            out.append(raw is None or (version_at(raw), write_at(raw)) == (version, write)
-                       and not os.path.exists(os.path.join(where, f"w{write}")))
-        return out
+        return [self._lost(key, *rest) for key, *rest in versions]
+
+    def _lost(self, key: SessionKey, version: int, write: str, nbytes: int) -> bool:
+        where = self.dir_of(key)
+        try:
+            at = held_at(key, *self._line(where))
+            return at is None or at == (version, write) and os.stat(os.path.join(where, f"w{write}")).st_size != nbytes
+        except FileNotFoundError:
+            return True  # the version's bytes are gone
+        except (OSError, Unavailable):
+            return False  # not a plain answer
 
     def usage(self, tenant: str, session_id: str, recount: bool = False) -> tuple[int, int]:
         if recount:  # sessions expired or dropped no longer count

@@ -2,9 +2,10 @@
 to HEAD_BYTES, else its head, whose first line says how long the whole is
 (a value of another length is DataLoss before more of it is read); a large
 manifest is read whole once per version (kept, by key and first line, up to
-MANIFESTS_KEPT bytes), one at a time. Tombstones, versions and losses are
-read off the head of a manifest's key alone. Runs on the thread that calls
-it; thread-safe.
+MANIFESTS_KEPT bytes), one at a time. Tombstones and versions are read off
+the head of a manifest's key alone; losses off its first line and the
+lengths of the version's chunks (a script, LOOK). Runs on the thread that
+calls it; thread-safe.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from tierd.remote.manifest import (
     Head,
     Manifest,
     dropped_at,
+    held_at,
     owned,
     version_at,
-    write_at,
 )
 from tierd.remote.redis import scripts
-from tierd.remote.redis.link import Link, chunks_of
+from tierd.remote.redis.link import CHUNK_BYTES, Link, chunks_of
 from tierd.types import SessionKey
 
 MANIFESTS_KEPT = 64 << 20  # bytes of large manifests kept so that they are not read again (4 of the largest)
@@ -127,33 +128,37 @@ class Manifests:
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
         """For each version of a session (its number, write id and bytes),
-        whether the store lost it: its manifest's key holds nothing, or that
-        version with a chunk gone (evicted, expired, lost in a fail-over).
-        Another version or a tombstone there is no loss (another node's store,
-        or a drop), nor is anything the store did not answer plainly."""
+        whether the store lost it: its manifest's key holds nothing that
+        resumes the session (nothing, bytes that are no manifest, another
+        session's), or that version with a chunk gone or of another length
+        (evicted, expired, lost in a fail-over, cut short). Another version or
+        a tombstone there is no loss (another node's store, or a drop), nor is
+        anything the store did not answer plainly. One LOOK a session: its
+        manifest's first line back, and a count of its chunks."""
         out: list[bool] = []
         pipe, asked, keys = self.link.client.pipeline(transaction=False), [], 0
         for key, version, write, nbytes in versions:
             chunks = chunks_of(nbytes)
-            pipe.getrange(self.link.key(key, "m"), 0, 63)
-            names = [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)]
-            for i in range(0, len(names), 1000):  # one slot: a command for 1000 keys
-                pipe.exists(*names[i : i + 1000])
-            asked.append((version, write, -(-chunks // 1000), chunks))
-            keys += chunks + 1
+            names = [self.link.key(key, "m")] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)]
+            pipe.execute_command("EVAL", scripts.LOOK, len(names), *names, CHUNK_BYTES,
+                                 nbytes - (chunks - 1) * CHUNK_BYTES)
+            asked.append((key, version, write, chunks))
+            keys += len(names)
             if keys >= LOOK_BATCH:
                 out += self._missing(pipe, asked)
                 pipe, asked, keys = self.link.client.pipeline(transaction=False), [], 0
         return out + self._missing(pipe, asked)
 
-    def _missing(self, pipe: Any, asked: list[tuple[int, str, int, int]]) -> list[bool]:
+    def _missing(self, pipe: Any, asked: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
         if not asked:
             return []
-        replies = iter(self.link.call("a manifest read", pipe.execute, raise_on_error=False))
+        replies = self.link.call("a manifest read", pipe.execute, raise_on_error=False)
         out = []
-        for version, write, commands, chunks in asked:
-            head = next(replies)
-            there = [next(replies) for _ in range(commands)]
-            out.append(head == b"" or ((version_at(head), write_at(head)) == (version, write)
-                                       and all(isinstance(n, int) for n in there) and sum(there) < chunks))
+        for (key, version, write, chunks), reply in zip(asked, replies):
+            if isinstance(reply, Exception):
+                out.append(False)  # not a plain answer
+                continue
+            line, length, whole = reply
+            at = held_at(key, line, length)
+            out.append(at is None or at == (version, write) and whole < chunks)
         return out

@@ -1,7 +1,7 @@
 """The Lua scripts the Redis backend runs on the store, each on one slot:
 the manifest's compare-and-set (CAS), the drop that leaves a tombstone
-(DROP), the bounded read of a manifest (READ), and a tenant's bookkeeping
-(LIST). Plain text, loaded by the parts that run them.
+(DROP), the bounded read of a manifest (READ), the look at what is left of
+a version (LOOK), and a tenant's bookkeeping (LIST). Plain text, loaded by the parts that run them.
 """
 
 from tierd.remote.manifest import HEAD_BYTES
@@ -55,6 +55,20 @@ READ = f"local HEAD = {HEAD_BYTES}\n" + """
 local n = redis.call('STRLEN', KEYS[1])
 if n <= HEAD or n == tonumber(ARGV[1]) then return {n, redis.call('GET', KEYS[1])} end
 return {n, redis.call('GETRANGE', KEYS[1], 0, HEAD - 1)}
+"""
+
+# KEYS[1]: a manifest, KEYS[2..]: a version's chunks. ARGV: the bytes of each chunk but the last, of the last.
+# Returns the manifest's first line (to its newline, HEAD bytes at most; '' for none, or a key of another type),
+# its length, and how many of the chunks hold the bytes they should (one of another type holds none).
+LOOK = _VERSION + """
+local line = head(KEYS[1])
+local newline = string.find(line, '\\n', 1, true)
+if newline then line = string.sub(line, 1, newline) end
+local whole = 0
+for i = 2, #KEYS do
+  if redis.pcall('STRLEN', KEYS[i]) == tonumber(ARGV[i == #KEYS and 2 or 1]) then whole = whole + 1 end
+end
+return {line, line ~= '' and redis.call('STRLEN', KEYS[1]) or 0, whole}
 """
 
 # KEYS: the tenant's sorted set of ids, its map of bytes per session, their total. ARGV: a TTL in ms (0: none),
