@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import stat
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -169,7 +168,6 @@ async def _serve(cfg: Config, store: Store, servicer: TierdServicer, stop: async
             raise StartupError(f"cannot listen on {cfg.listen}")
     await server.start()
     loop = asyncio.get_running_loop()
-    store.loop_thread = threading.get_ident()  # no remote call waits here: such calls move to the RPC threads
     if servicer.ctx.fds is not None:
         servicer.ctx.fds.start(loop)
     for name in ("", SERVICE):

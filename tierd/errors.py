@@ -98,9 +98,3 @@ ALL_ERRORS: dict[str, type[TierdError]] = {
         DeadlineExceeded,
     )
 }
-
-
-class WouldBlock(Exception):
-    """A store call made on the event loop would have to wait on the network
-    (the remote tier): the API runs it again on an RPC thread. Not a status:
-    it never reaches a client."""

@@ -213,3 +213,40 @@ def test_a_huge_value_at_a_manifest_key_costs_the_node_little_and_fails_that_ses
     assert growth < 32 << 20, f"{growth / (1 << 20):.0f} MiB for eight Stats"
     with b.client() as cb:
         assert cb.stat("fine").tier == "remote" and cb.get("fine") == data  # the others are served
+
+
+def reads(cluster) -> int:
+    """Manifest reads, summed over the cluster's masters (INFO commandstats):
+    each is one run of a script (READ, or LOOK for a loss), whose GET and
+    STRLEN inside it count as commands of their own."""
+    import redis
+
+    total = 0
+    for port, role in cluster.nodes():
+        if role == "master":
+            stats = redis.Redis(port=port).info("commandstats")
+            total += sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+    return total
+
+
+def test_each_call_reads_a_local_published_session_s_manifest_once_at_most(daemons, cluster):
+    """Lookup, BeginRestore and Prefetch read the remote manifest twice, even
+    for a session this node holds and published (the prompt's limit, then
+    the call): once now, counted by the cluster itself."""
+    a = daemons("a")
+    tokens = list(range(5000, 5000 + 48))
+    with a.client() as ca:
+        ca.put("here", os.urandom(3 * SPEC.page_bytes), SPEC, 48, token_ids=tokens)
+        wait_for(lambda: ca.stat("here").remote_durable, what="the session published")
+        calls = {
+            "Lookup": lambda: ca.lookup("here", tokens, SPEC),
+            "Lookup without a spec": lambda: ca.lookup("here", tokens),
+            "BeginRestore": lambda: ca.end_restore(ca.begin_restore("here", SPEC, 3, token_ids=tokens).lease_id),
+            "Prefetch": lambda: ca.prefetch("here"),
+        }
+        counted = {}
+        for name, call in calls.items():
+            before = reads(cluster)
+            call()
+            counted[name] = reads(cluster) - before
+    assert counted == dict.fromkeys(calls, 1)

@@ -444,8 +444,9 @@ def test_a_copy_the_remote_tier_evicted_is_not_remote_durable_and_is_published_a
 def test_a_copy_no_node_can_resume_from_the_remote_tier_is_not_remote_durable(nodes, what):
     """What the remote tier holds at the session's keys resumes it on no node:
     bytes that are no manifest, another session's manifest copied in, or a
-    chunk cut short. The copy is remote-durable no more (the sweep sees it),
-    and is still served here."""
+    chunk cut short. The copy is remote-durable no more (Stat and the sweep
+    see it), is still served here, and is published again over what is
+    there."""
     quiet, b = nodes("quiet", remote_write="off").store, nodes("b").store  # quiet: when asked
     key, donor = SessionKey("alice", f"damaged-{what}"), SessionKey("alice", f"donor-{what}")
     eng = HostEngine(seed=44)
@@ -461,14 +462,13 @@ def test_a_copy_no_node_can_resume_from_the_remote_tier_is_not_remote_durable(no
     else:
         chunk = remote.link.key(key, f"w{remote.head(key)[0].write}", "0")
         client.set(chunk, client.get(chunk)[:-1000])
-        assert not quiet.stat(key).remote_durable  # Stat looks
+    assert not quiet.stat(key).remote_durable  # Stat looks
     with pytest.raises((DataLoss, NotFound)):
         b.get(key)  # no other node can serve it
     assert quiet._sweep() == 0
     assert not quiet.stat(key).remote_durable and quiet.stat(donor).remote_durable
     assert read(quiet, key) == b"".join(eng.pages([0, 1]))  # the local copy is still good
-    if what != "foreign":  # over another session's manifest, a publish takes its number for a tombstone's
-        assert quiet.publish(key) and read(b, key) == b"".join(eng.pages([0, 1]))
+    assert quiet.publish(key) and read(b, key) == b"".join(eng.pages([0, 1]))  # and published over what is there
 
 
 @pytest.mark.parametrize("over", ["version", "tombstone"])

@@ -78,13 +78,18 @@ class CallContext:
         """fn(*args) on an RPC thread, once one of the tenant's slots is free.
         If the call is cancelled while fn runs, fn still finishes; `undo`
         then gets its result (a write nobody will commit, say)."""
-        job = await self.limits.submit(tenant, self.executor, fn, *args)
+        job = await self.limits.submit(tenant, self.executor, self._one_read, fn, *args)
         try:
             return await asyncio.wrap_future(job)
         except asyncio.CancelledError:
             if undo is not None:
                 job.add_done_callback(functools.partial(_undo, undo))
             raise
+
+    def _one_read(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args), reading each session's remote manifest once at most."""
+        with self.store.one_read():
+            return fn(*args)
 
     async def read(self, context: grpc.aio.ServicerContext, what: str = "the Put stream") -> Any:
         """The call's next message (raw bytes, or EOF), within the idle deadline."""

@@ -26,7 +26,7 @@ class ControlCalls:
     def __init__(self, ctx: CallContext) -> None:
         self.ctx = ctx
 
-    @unary()
+    @unary(remote=True)
     def Prefetch(self, req: Any, caller: Caller) -> pb.PrefetchResponse:
         key = make_key(caller.tenant, req.session_id)
         if req.deadline_seconds < 0:
@@ -78,7 +78,7 @@ class ControlCalls:
         self.ctx.store.drop(make_key(caller.tenant, req.session_id))
         return pb.Empty()
 
-    @unary()
+    @unary(remote=True)
     def Stat(self, req: Any, caller: Caller) -> pb.SessionInfo:
         return info_to_pb(self.ctx.store.stat(make_key(caller.tenant, req.session_id)))
 

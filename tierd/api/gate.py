@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from grpc._cython import cygrpc
 
 from tierd.api.auth import Caller
-from tierd.errors import DeadlineExceeded, InvalidArgument, TierdError, WouldBlock
+from tierd.errors import DeadlineExceeded, InvalidArgument, TierdError
 from tierd.metrics import Metrics
 from tierd.v1 import tierd_pb2 as pb
 from tierd.wire import packed
@@ -93,10 +93,12 @@ def parse(cls: type, raw: bytes | memoryview) -> packed.Request:
                               "(malformed protobuf, or a string that is not UTF-8)") from None
 
 
-def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
+def unary(blocking: bool = False, remote: bool = False,
+          undo: Callable[[Any, Caller, Any], None] | None = None) -> Callable:
     """Wrap fn(self, request, caller) -> response as a timed async handler that
     parses the request (the gate has checked the caller); blocking ones run on
-    the RPC threads. If the call is cancelled while fn runs, or ends without
+    the RPC threads, and so do those that ask the remote tier (remote) where
+    the store has one (known when it is built). If the call is cancelled while fn runs, or ends without
     its answer reaching the client (its deadline passed as the answer went
     out), undo(self, caller, response) takes back what fn made for a client
     that will never hear of it (on an RPC thread)."""
@@ -110,7 +112,7 @@ def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | Non
             try:
                 caller = CALLER.get()
                 req = parse(cls, raw)
-                if blocking:
+                if blocking or remote and self.ctx.store.reaches_remote:
                     take_back = undo and functools.partial(undo, self, caller)
                     response = await self.ctx.blocking(caller.tenant, fn, self, req, caller, undo=take_back)
                     if take_back is not None:
@@ -124,10 +126,7 @@ def unary(blocking: bool = False, undo: Callable[[Any, Caller, Any], None] | Non
                         context.add_done_callback(
                             lambda done: done.cancelled() and self.ctx.executor.submit(_take_back, take_back, response))
                     return response
-                try:
-                    return fn(self, req, caller)
-                except WouldBlock:  # it has to ask the remote tier: not on the event loop
-                    return await self.ctx.blocking(caller.tenant, fn, self, req, caller, undo=None)
+                return fn(self, req, caller)
             except Exception as exc:
                 await call.fail(context, exc)
             finally:

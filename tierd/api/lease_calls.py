@@ -64,4 +64,4 @@ class LeaseCalls:
         without a spec only the snapshot's own pages answer (NOT_FOUND if
         there is none); with one, the tenant's shared pages may answer too,
         as far as the most tokens one of its sessions holds."""
-        return self.ctx.store.prompt_limit(key) if spec is not None else self.ctx.store.stat(key).num_tokens
+        return self.ctx.store.prompt_limit(key) if spec is not None else self.ctx.store.own_tokens(key)

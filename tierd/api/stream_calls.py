@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from tierd.api.context import CallContext, token_ids
 from tierd.api.gate import CALLER, Call, parse
 from tierd.core.store import PendingWrite, SnapshotReader, make_key
-from tierd.errors import DataLoss, InvalidArgument, WouldBlock
+from tierd.errors import DataLoss, InvalidArgument
 from tierd.tiers import MEMORY, kind_of
 from tierd.types import SessionInfo, SessionKey
 from tierd.v1 import tierd_pb2 as pb
@@ -71,13 +71,11 @@ class StreamCalls:
             call.count(None)
 
     async def _open_reader(self, tenant: str, key: SessionKey, chunk: int) -> tuple[SessionInfo, SnapshotReader]:
-        """store.get on the loop; for a session only the remote tier holds, on an
-        RPC thread (it is fetched first). A reader opened for a call that left
-        meanwhile is closed."""
-        try:
+        """store.get on the loop; where the store has a remote tier, on an RPC
+        thread (it asks the remote tier first, and may fetch). A reader opened
+        for a call that left meanwhile is closed."""
+        if not self.ctx.store.reaches_remote:
             return self.ctx.store.get(key, chunk)
-        except WouldBlock:
-            pass
         job = await self.ctx.limits.submit(tenant, self.ctx.executor, self.ctx.store.get, key, chunk)
         try:
             return await asyncio.shield(asyncio.wrap_future(job))

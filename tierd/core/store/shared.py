@@ -56,9 +56,9 @@ again) and publishes wait in the queue.
 Where the code runs: manifests, fetches and drops on the RPC thread of the
 call that needs them, or on a mover for a Prefetch; publishes on the
 publisher thread (or the RPC thread of publish()); the probe on a thread of
-its own while the tier is down; the sweep on its own thread. A call on
-the event loop that would have to ask the remote store raises WouldBlock,
-and the API runs it again on an RPC thread. A drop, fetch or publish that
+its own while the tier is down; the sweep on its own thread; never on the
+event loop (the API runs every call that reads sessions on its RPC threads
+where there is a remote tier: reaches_remote). A drop, fetch or publish that
 waits for another of its key waits on the store lock's condition (the lock
 released meanwhile), holding no op lock.
 """
@@ -70,7 +70,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +83,7 @@ from tierd.core.move_queue import Job
 from tierd.core.store.checks import check_blocks, check_identity, check_priority
 from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
-from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, WouldBlock, shown
+from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, shown
 from tierd.layout import KVSpec
 from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
@@ -128,11 +129,17 @@ class _Into:
 
 class Shared(Inspection):
     remote: Remote | None = None
-    loop_thread: int | None = None  # the event loop's thread, where no remote call may wait
+
+    @property
+    def reaches_remote(self) -> bool:
+        """Whether calls that read sessions may wait on the remote tier: the
+        API runs them on its RPC threads then, never on the event loop."""
+        return self.remote is not None
 
     def _start_remote(self, remote: Remote | None) -> None:
         self.remote = remote
         self._down = threading.Event()  # set while the remote tier is down (the probe clears it)
+        self._heads = threading.local()  # what one_read found, per thread
         self._fetches: set[SessionKey] = set()  # queued or running fetches (Prefetch), under the store lock
         # Why the last fetch of a key failed (DataLoss, NotFound), for WaitReady; the latest FAILED_KEPT.
         self._failed: OrderedDict[SessionKey, TierdError] = OrderedDict()
@@ -180,8 +187,6 @@ class Shared(Inspection):
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """A remote call, failing at once while the remote tier is down."""
         assert self.remote is not None
-        if threading.get_ident() == self.loop_thread:
-            raise WouldBlock(what)
         if self._down.is_set():
             raise Unavailable("the remote tier is unreachable (a probe retries it every second)")
         try:
@@ -250,7 +255,7 @@ class Shared(Inspection):
             version = -1 if session is None or session.damaged else session.remote_version
             write = "" if session is None else session.remote_write
         try:
-            m, at = self._call("manifest", self.remote.store.head, key)
+            m, at = self._head(key)
         except Unavailable:
             if session is None or session.damaged:
                 return None
@@ -262,6 +267,8 @@ class Shared(Inspection):
             if session is None:
                 raise
             log.warning("%s/%s: the remote tier's manifest does not parse; this node's copy is served", *key)
+            if version > 0:
+                self._gone(session, version, write)  # no node resumes it from there: published again
             return None
         if session is not None and self._settle(session, version, m, at) == "kept":
             return None
@@ -270,6 +277,29 @@ class Shared(Inspection):
         if session is not None and version > 0 and (not at or m is not None and whole and self._lost(key, m)):
             self._gone(session, version, write)
         return None
+
+    @contextmanager
+    def one_read(self) -> Iterator[None]:
+        """Within this, on this thread (one API call), each session's remote
+        manifest is read once at most: the call's steps (a prompt's limit,
+        then the lookup, say) share what the first read found."""
+        self._heads.found = {}
+        try:
+            yield
+        finally:
+            self._heads.found = None
+
+    def _head(self, key: SessionKey) -> tuple[Manifest | None, int]:
+        """The session's remote manifest and the version at its key (see
+        RemoteBackend.head), read once per one_read."""
+        assert self.remote is not None
+        found = getattr(self._heads, "found", None)
+        if found is not None and key in found:
+            return found[key]
+        head = self._call("manifest", self.remote.store.head, key)
+        if found is not None:
+            found[key] = head
+        return head
 
     def _lost(self, key: SessionKey, m: Manifest) -> bool:
         """Whether a chunk of manifest m's version is gone from the remote tier (False where it does not answer)."""
@@ -513,11 +543,12 @@ class Shared(Inspection):
         return self._remote_info(key, m) if m is not None else super().stat(key)
 
     def prompt_limit(self, key: SessionKey) -> int:
-        limit = super().prompt_limit(key)
-        try:
-            return max(limit, self.stat(key).num_tokens)  # the remote tier's copy too
-        except NotFound:
-            return limit
+        m = self._stale(key)  # the remote tier's copy too
+        return max(super().prompt_limit(key), m.num_tokens if m is not None else 0)
+
+    def own_tokens(self, key: SessionKey) -> int:
+        m = self._stale(key)
+        return m.num_tokens if m is not None else super().own_tokens(key)
 
     def _remote_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
         spec = self._spec_of(key, m)
@@ -691,8 +722,6 @@ class Shared(Inspection):
         if self.remote is None or self.remote.write == "off":
             held = self._drop_here(key)
         else:
-            if threading.get_ident() == self.loop_thread:
-                raise WouldBlock("drop")
             with self._changed:
                 self._changed.wait_for(lambda: key not in self._dropping and key not in self._pubs
                                        and key not in self._fetching)
@@ -827,11 +856,12 @@ class Shared(Inspection):
             base_write = session.remote_write
             session.readers += 1
         try:
+            unusable = False
             try:
                 m, expect = self._call("manifest", store.head, key)
             except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
-                m, expect = None, self._call("manifest", store.version_of, key)
-            if m is None and expect and expect != base and not fresh:  # a tombstone
+                m, expect, unusable = None, self._call("manifest", store.version_of, key), True
+            if m is None and expect and expect != base and not fresh and not unusable:  # a tombstone
                 self.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
                          "again)", *key)

@@ -91,6 +91,11 @@ class Sharing(SessionTable):
         if not session.snap.spec.is_opaque:
             self._prefixes.remove(session.key, *self._entry(session.snap))
 
+    def own_tokens(self, key: SessionKey) -> int:
+        """The tokens the session's own snapshot holds (NotFound without one)."""
+        with self._lock:
+            return self._get(key).snap.num_tokens
+
     def prompt_limit(self, key: SessionKey) -> int:
         """How many of a request's token ids can match anything the tenant
         holds (the caller decodes no more of a prompt): the most tokens one
