@@ -78,6 +78,23 @@ def test_pressure_demotes_from_high_to_low_watermark():
     assert pressure_moves(views, "host", 90, 100, cfg, ALL, 0) == []
     moves = pressure_moves(views, "host", 95, 100, cfg, ALL, 0)
     assert [m.key.session_id for m in moves] == ["0", "1", "2", "3", "4"]  # 95 - 50 = 45 bytes: five sessions
+    assert all(m.evict for m in moves)  # evictions: room in the disk tier may be made for them
+
+
+def test_pressure_on_the_lowest_tier_drops_only_what_is_over_its_budget():
+    cfg = PolicyConfig(high_watermark=0.9, low_watermark=0.5)
+    views = [view(str(i), {"disk": 10}, last=i) for i in range(12)]
+    assert pressure_moves(views, "disk", 100, 100, cfg, ALL, 0) == []  # full, but nothing needs its room
+    moves = pressure_moves(views, "disk", 120, 100, cfg, ALL, 0)  # over a budget lowered across a restart
+    assert [(m.key.session_id, m.target) for m in moves] == [("0", "drop"), ("1", "drop")]
+
+
+def test_room_made_for_a_move_that_evicts_nothing_drops_nothing():
+    views = [view("a", {"host": 40}, last=1), view("d", {"disk": 40})]
+    assert [(m.target, m.evict) for m in plan_eviction(views, "host", 10, ALL, CFG, drop=False)] == [("disk", False)]
+    assert plan_eviction(views, "disk", 10, ALL, CFG, drop=False) is None
+    assert plan_eviction(views, "disk", 0, ALL, CFG, drop=False) == []
+    assert [(m.target, m.evict) for m in plan_eviction(views, "disk", 10, ALL, CFG)] == [("drop", True)]
 
 
 def test_advise_compares_transfer_with_prefill():

@@ -34,6 +34,7 @@ class Job:
     priority: int = 0
     deadline: float | None = None
     keep: bool = False  # write a disk copy, keep the faster ones
+    evict: bool = False  # room in the target may be made by eviction (pressure); else only free room is taken
     seq: int = 0
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)

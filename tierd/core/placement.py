@@ -39,7 +39,7 @@ from tierd.transfer.runs import Span
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
-MakeRoom = Callable[[str, int, SessionKey, IOClass, "str | None"], bool]
+MakeRoom = Callable[[str, int, SessionKey, IOClass, "str | None", bool], bool]
 Borrow = Callable[[Session, str, list[tuple[int, int]]], tuple[list[Piece], list[tuple[int, int]]]]
 
 
@@ -52,7 +52,7 @@ class Placement:
         self.index = index
         self.events = events
         self.lock = lock
-        self.make_room: MakeRoom = lambda tier, need, protect, io_class, tenant: False
+        self.make_room: MakeRoom = lambda tier, need, protect, io_class, tenant, evict: False
         self.quota: Callable[[str], int | None] = lambda tier: None
         # Pieces of pages in these ranges that other snapshots hold in a tier, held (hold) for the session,
         # and the ranges still missing.
@@ -68,9 +68,9 @@ class Placement:
     # -- allocation ------------------------------------------------------------
 
     def alloc(self, tier: str, ranges: list[tuple[int, int]], stride: int, protect: SessionKey,
-              io_class: IOClass) -> list[Piece]:
+              io_class: IOClass, evict: bool) -> list[Piece]:
         """Pieces in `tier` for page ranges [(first, count)], making room if
-        needed. All or nothing; raises ResourceExhausted."""
+        needed (as make_room, with evict). All or nothing; raises ResourceExhausted."""
         t = self.tiers[tier]
         total = sum(t.allocator.round(n * stride) for _, n in ranges)
         tenant = protect.tenant
@@ -78,7 +78,7 @@ class Placement:
         if quota is not None and t.used_by(tenant) + total > quota:
             # Over the tenant's quota: only the tenant's own sessions make room.
             over = t.used_by(tenant) + total - quota
-            if total > quota or not self.make_room(tier, over, protect, io_class, tenant) or \
+            if total > quota or not self.make_room(tier, over, protect, io_class, tenant, evict) or \
                     t.used_by(tenant) + total > quota:
                 raise ResourceExhausted(
                     f"tenant {shown(tenant)} may hold {quota} bytes of the {tier} tier; it holds {t.used_by(tenant)} "
@@ -104,7 +104,7 @@ class Placement:
                                   "frees", tier=tier)
             # First ask for what the budget lacks; if fragmentation still bites, for all of it.
             need = max(total - (t.budget - t.used), stride) if attempt == 0 else total
-            if total > t.budget or not self.make_room(tier, need, protect, io_class, None):
+            if total > t.budget or not self.make_room(tier, need, protect, io_class, None, evict):
                 break
         raise ResourceExhausted(  # bytes used are every tenant's: in the details, not the caller's message
             f"the {tier} tier has no room for {total} bytes (budget {t.budget})",
@@ -179,21 +179,21 @@ class Placement:
         missing = snap.missing([t for t in self.tiers if tier_rank(t) <= tier_rank(target)])
         if not missing:
             return 0
-        return self.copy_in(session, target, missing, io_class, "prefetch")
+        return self.copy_in(session, target, missing, io_class, "prefetch", True)
 
-    def demote(self, session: Session, target: str, io_class: IOClass, reason: str) -> None:
+    def demote(self, session: Session, target: str, io_class: IOClass, reason: str, evict: bool) -> None:
         """Leave no page faster than `target`: copy the faster pages that
-        `target` lacks into it (to disk: every page), then free the faster pieces."""
+        `target` lacks into it (to disk: every page; evict: as alloc), then free the faster pieces."""
         snap = session.snap
         faster = [t for t in tier_order(self.tiers) if tier_rank(t) < tier_rank(target) and snap.pieces(t)]
         if not faster:
             return
         if target == self.durable:
-            self.write_durable(session, io_class, reason)
+            self.write_durable(session, io_class, reason, evict)
         else:
             missing = snap.missing([target], among=faster)
             if missing:
-                self.copy_in(session, target, missing, io_class, reason)
+                self.copy_in(session, target, missing, io_class, reason, evict)
         with self.lock:
             dropped = {t: snap.remove_tier(t) for t in faster}
         self.retire(session, [(t, p) for t, pieces in dropped.items() for p in pieces])
@@ -201,9 +201,9 @@ class Placement:
             self.events.evicted(t, reason)
 
     def copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], io_class: IOClass,
-                 reason: str) -> int:
+                 reason: str, evict: bool) -> int:
         with self._one_copy(session, target, missing):
-            return self._copy_in(session, target, missing, io_class, reason)
+            return self._copy_in(session, target, missing, io_class, reason, evict)
 
     @contextmanager
     def _one_copy(self, session: Session, tier: str, ranges: list[tuple[int, int]]) -> Iterator[None]:
@@ -213,12 +213,12 @@ class Placement:
             yield
 
     def _copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], io_class: IOClass,
-                 reason: str) -> int:
+                 reason: str, evict: bool) -> int:
         snap = session.snap
         geom = snap.geometry
         borrowed, missing = self.borrow(session, target, missing)
         try:
-            pieces = self.alloc(target, missing, geom.stride, session.key, io_class) if missing else []
+            pieces = self.alloc(target, missing, geom.stride, session.key, io_class, evict) if missing else []
         except BaseException:
             self.free(target, borrowed)
             raise
@@ -242,8 +242,8 @@ class Placement:
         self.events.moved(source, target, reason, moved, time.perf_counter() - t0)
         return moved
 
-    def write_durable(self, session: Session, io_class: IOClass, reason: str = "writeback") -> None:
-        """Give every page a copy in the durable tier and record the session as durable."""
+    def write_durable(self, session: Session, io_class: IOClass, reason: str, evict: bool) -> None:
+        """Give every page a copy in the durable tier (evict: as alloc) and record the session as durable."""
         durable = self.durable
         if self.index is None or durable is None:
             raise ResourceExhausted("there is no disk tier")
@@ -252,10 +252,10 @@ class Placement:
             return
         missing = snap.missing([durable])
         with self._one_copy(session, durable, missing):
-            self._write_durable(session, missing, io_class, reason)
+            self._write_durable(session, missing, io_class, reason, evict)
 
     def _write_durable(self, session: Session, missing: list[tuple[int, int]], io_class: IOClass,
-                       reason: str) -> None:
+                       reason: str, evict: bool) -> None:
         durable = self.durable
         assert self.index is not None and durable is not None
         snap = session.snap
@@ -264,7 +264,7 @@ class Placement:
         if missing:
             geom = snap.geometry
             try:
-                pieces = self.alloc(durable, missing, geom.stride, session.key, io_class)
+                pieces = self.alloc(durable, missing, geom.stride, session.key, io_class, evict)
             except BaseException:
                 self.free(durable, borrowed)
                 raise

@@ -6,9 +6,12 @@ Pure functions over what policy may know of sessions (SessionView) and the
 tiers present, called by the store from the policy tick and from the calls
 that need room. Tiers are known by their registered order (tiers.tier_order):
 a session leaving a tier goes to the next lower tier present; write-backs go
-to the durable one. A move that failed (a full disk, say) leaves the
-session where it was; policy moves it again after retry_delay, doubling with
-each failure in a row: only eviction for room (plan_eviction) takes it sooner.
+to the durable one. Idle demotions and write-backs take only room a tier
+has free; evictions (pressure, room for a store: plan_eviction) may drop the
+least valuable sessions to make more, never while their tier has room. A
+move that failed (a full disk, say) leaves the session where it was; policy
+moves it again after retry_delay, doubling with each failure in a row: only
+eviction for room takes it sooner.
 """
 
 from __future__ import annotations
@@ -87,12 +90,16 @@ class SessionView:
 @dataclass(frozen=True, slots=True)
 class Move:
     """Make `key` live no faster than `target` (a tier name), keep a copy in
-    the durable tier (target that tier with keep=True), or drop it (target DROP)."""
+    the durable tier (target that tier with keep=True), or drop it (target
+    DROP). An eviction (evict=True) may make room in the target by evicting
+    its least valuable sessions, down to dropping them; any other move takes
+    only room the target has free, or stays where it is."""
 
     key: SessionKey
     target: str
     reason: str
     keep: bool = False
+    evict: bool = False
 
 
 def retry_delay(failures: int) -> float:
@@ -124,14 +131,16 @@ def eviction_order(views: Iterable[SessionView], tier: str, cfg: PolicyConfig) -
 
 
 def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: Iterable[str],
-                  cfg: PolicyConfig, reason: str = "capacity") -> list[Move] | None:
-    """Moves that free at least `need` bytes of `tier`, or None if no set can."""
-    present = list(present)
+                  cfg: PolicyConfig, reason: str = "capacity", drop: bool = True) -> list[Move] | None:
+    """Moves that free at least `need` bytes of `tier`, or None if no set
+    can: evictions, or with drop False, moves that evict nothing (none out
+    of the lowest tier: its sessions would be dropped)."""
+    target = _next_lower(tier, present)
     moves, freed = [], 0
-    for v in eviction_order(views, tier, cfg):
+    for v in eviction_order(views, tier, cfg) if drop or target != DROP else ():
         if freed >= need:
             break
-        moves.append(Move(v.key, _next_lower(tier, present), reason))
+        moves.append(Move(v.key, target, reason, evict=drop))
         freed += v.tier_bytes[tier]
     return moves if freed >= need else None
 
@@ -187,18 +196,21 @@ def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: i
                    present: Iterable[str], now: float) -> list[Move]:
     """Above the high watermark, demote least valuable sessions until the
     tier would be at the low watermark (as far as movable sessions allow).
-    A session held off after a failed move is left, its bytes counted as if
-    moved: more valuable sessions do not go in its place."""
-    if budget <= 0 or used <= cfg.high_watermark * budget:
+    Out of the lowest tier they would be dropped: there, only what is over
+    the budget goes (a budget lowered across a restart), never while the
+    tier has room. A session held off after a failed move is left, its
+    bytes counted as if moved: more valuable sessions do not go in its place."""
+    target = _next_lower(tier, present)
+    high, low = (1.0, 1.0) if target == DROP else (cfg.high_watermark, cfg.low_watermark)
+    if budget <= 0 or used <= high * budget:
         return []
-    need = used - int(cfg.low_watermark * budget)
-    present = list(present)
+    need = used - int(low * budget)
     moves, freed = [], 0
     for v in eviction_order(views, tier, cfg):
         if freed >= need:
             break
         if not _held_off(v, now):
-            moves.append(Move(v.key, _next_lower(tier, present), "pressure"))
+            moves.append(Move(v.key, target, "pressure", evict=True))
         freed += v.tier_bytes[tier]
     return moves
 

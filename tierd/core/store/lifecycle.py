@@ -170,9 +170,9 @@ class Lifecycle(Leases):
             elif job.target == DROP:
                 self._forget(session, job.reason)
             elif job.keep:
-                self.placement.write_durable(session, job.io_class, job.reason)
+                self.placement.write_durable(session, job.io_class, job.reason, job.evict)
             else:
-                self._demote(session, job.target, job.io_class, job.reason)
+                self._demote(session, job.target, job.io_class, job.reason, evict=job.evict)
         except TierdError as exc:
             if job.reason == "prefetch":
                 self.events.prefetch_outcome("missed")
@@ -205,18 +205,21 @@ class Lifecycle(Leases):
         with self._lock:
             session.retry_at, session.failures = None, 0
 
-    def _demote(self, session: Session, target: str, io_class: IOClass, reason: str, evict: bool = False) -> None:
-        """Demote toward target, or further down where target cannot take it.
-        Where no lower tier can, an eviction (evict: its room is needed now)
-        drops the session (it is a cache); any other demotion raises, and the
-        session stays where it is."""
+    def _demote(self, session: Session, target: str, io_class: IOClass, reason: str, evict: bool,
+                drop: bool = False) -> None:
+        """Demote toward target, or further down where target cannot take it:
+        with evict (pressure, room for a store), a lower tier makes room by
+        evicting its least valuable sessions; without (an idle demotion), the
+        session takes only room a lower tier has free. Where no lower tier can
+        take it, drop (its room is needed now) drops the session (it is a
+        cache); otherwise this raises, and the session stays where it is."""
         lower = [] if target == DROP else [t for t in tier_order(self.tiers) if tier_rank(t) >= tier_rank(target)]
         for tier in lower:
             try:
-                self.placement.demote(session, tier, io_class, reason)
+                self.placement.demote(session, tier, io_class, reason, evict)
                 return
             except ResourceExhausted as exc:
-                if not evict and tier == lower[-1]:
+                if not drop and tier == lower[-1]:
                     raise
                 log.info("cannot demote %s/%s to %s: %s", *session.key, tier, exc)
         if lower:
@@ -225,20 +228,21 @@ class Lifecycle(Leases):
 
     def demote(self, key: SessionKey, tier: str | None = None, reason: str = "request") -> SessionInfo:
         """Move the session down to `tier` (None: the durable tier) now (its
-        faster copies go), under its lock, as an idle demotion would; what the
-        tests and benches use to put a session in a tier."""
+        faster copies go), under its lock, making room there by eviction as a
+        store does; what the tests and benches use to put a session in a tier."""
         tier = tier or self.roles.durable
         if tier is None or tier not in self.tiers:
             raise InvalidArgument(f"no {shown(tier)} tier here; tiers are {sorted(self.tiers)}", field="tier")
         with self._held(key) as session:
-            self.placement.demote(session, tier, IOClass.DEMOTION, reason)
+            self.placement.demote(session, tier, IOClass.DEMOTION, reason, True)
             with self._lock:
                 return self._info(session)
 
     def write_back(self, key: SessionKey) -> SessionInfo:
-        """Give every page of the session a copy in the durable tier (disk) now, keeping the faster ones."""
+        """Give every page of the session a copy in the durable tier (disk) now,
+        keeping the faster ones, making room there by eviction as a store does."""
         with self._held(key) as session:
-            self.placement.write_durable(session, IOClass.WRITEBACK)
+            self.placement.write_durable(session, IOClass.WRITEBACK, "writeback", True)
             with self._lock:
                 return self._info(session)
 

@@ -71,7 +71,8 @@ class Store(Shared):
                     if session.dropped or session.durable or session.damaged:
                         continue
                     try:
-                        self.placement.write_durable(session, IOClass.WRITEBACK, "shutdown")
+                        # The memory tiers are emptied for good: their sessions leave them as evictions do.
+                        self.placement.write_durable(session, IOClass.WRITEBACK, "shutdown", True)
                     except (TierdError, OSError) as exc:
                         log.warning("shutdown: %s/%s not flushed: %s", *session.key, exc)
         for tier in self.tiers.values():

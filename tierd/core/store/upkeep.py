@@ -1,6 +1,6 @@
 """Policy applied: the tick (on the policy thread) looks only at sessions
 whose idle check is due and queues their moves; room is made on demand for a
-store that needs it (on the caller's thread); budgets change at run time;
+store or a move that needs it (on its thread); budgets change at run time;
 advice on restore against recompute. The decisions are tierd.policy's,
 pure functions of SessionViews; this layer gathers the views and carries
 the moves out."""
@@ -70,7 +70,7 @@ class Upkeep(Lifecycle):
                 continue
             try:
                 if not session.dropped:
-                    self._demote(session, mv.target, io_class, mv.reason, evict=True)
+                    self._demote(session, mv.target, io_class, mv.reason, evict=mv.evict, drop=mv.evict)
                     self._move_done(session)
                     done += 1
             except TierdError as exc:
@@ -81,13 +81,17 @@ class Upkeep(Lifecycle):
                 session.op.release()
         return done, failed
 
-    def _make_room(self, tier: str, need: int, protect: SessionKey, io_class: IOClass, tenant: str | None) -> bool:
+    def _make_room(self, tier: str, need: int, protect: SessionKey, io_class: IOClass, tenant: str | None,
+                   evict: bool) -> bool:
         """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
-        bytes are free. False when no set of movable sessions holds that much."""
+        bytes are free: with evict, least valuable first, dropped where no lower
+        tier can take them; without, only into room the lower tiers have free
+        (none out of the lowest tier). False when no set of movable sessions
+        holds that much."""
         for _ in range(REPLANS):
             views = [v for v in self._views(exclude=protect, queued_busy=False)
                      if tenant is None or v.key.tenant == tenant]
-            plan = plan_eviction(views, tier, need, self.tiers, self.policy)
+            plan = plan_eviction(views, tier, need, self.tiers, self.policy, drop=evict)
             if plan is None:
                 return False
             done, failed = self._execute(plan, io_class)
@@ -133,7 +137,8 @@ class Upkeep(Lifecycle):
                 continue
             seen.add(mv.key)
             io_class = IOClass.WRITEBACK if mv.keep else IOClass.DEMOTION
-            self.moves.submit(Job(mv.key, mv.target, mv.reason, io_class, keep=mv.keep), lambda old, new: False)
+            self.moves.submit(Job(mv.key, mv.target, mv.reason, io_class, keep=mv.keep, evict=mv.evict),
+                              lambda old, new: False)
         return moves
 
     def set_budget(self, tier: str, nbytes: int) -> BudgetResult:

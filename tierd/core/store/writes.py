@@ -183,7 +183,7 @@ class Writes(Sharing):
                                                          geom.n_pages)
             try:
                 pieces = self.placement.alloc(tier, [(write_from, geom.n_pages - write_from)], geom.stride, key,
-                                              IOClass.DEMAND) if write_from < geom.n_pages else []
+                                              IOClass.DEMAND, True) if write_from < geom.n_pages else []
             except BaseException:
                 self._let_go(lent)
                 raise
