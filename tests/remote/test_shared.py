@@ -190,17 +190,21 @@ def test_host_memory_damaged_before_a_publish_is_never_served_from_the_remote_ti
         a.restore(key, HostEngine().memory, SPEC, [0, 1, 2])
 
 
-def test_a_garbled_remote_manifest_leaves_local_copies_served(nodes):
-    a, b = nodes("a").store, nodes("b").store
+def test_a_garbled_remote_manifest_leaves_local_copies_served_and_published_again(nodes):
+    a, b = nodes("a", remote_write="off").store, nodes("b").store  # a publishes when asked
     key = SessionKey("alice", "garbled")
     eng = HostEngine(seed=20)
-    stored(a, key, eng, [0, 1], 32)
+    save(a, key, eng, [0, 1], 32)
+    assert a.publish(key)
     a.remote.store.client.set(a.remote.store.link.key(key, "m"), b"1 {not json")
     dst = HostEngine(seed=21)
     a.restore(key, dst.memory, SPEC, [0, 1])
-    assert dst.pages([0, 1]) == eng.pages([0, 1])
+    assert dst.pages([0, 1]) == eng.pages([0, 1]) and not a.stat(key).remote_durable
     with pytest.raises(DataLoss):
         b.restore(key, dst.memory, SPEC, [0, 1])
+    assert a.publish(key)  # over what is there, whatever its version
+    b.restore(key, dst.memory, SPEC, [0, 1])
+    assert dst.pages([0, 1]) == eng.pages([0, 1])
 
 
 def test_racing_fresh_histories_leave_one_whole_one(nodes):

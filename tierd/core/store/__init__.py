@@ -12,6 +12,7 @@ extends the one below it and calls nothing above it:
     upkeep      the policy tick, making room, budgets, advice
     inspection  list, stats, the integrity scan and the accounting check
     shared      the remote tier: sessions other nodes stored, found, fetched and published
+                (the publish queue and its thread: publisher.py, a component it holds)
     store       Store: assembled, recovered from the index at start, closed
 
 Where the code runs. In the daemon, the API calls the store from its RPC
@@ -20,7 +21,7 @@ the event loop (a Put's chunks go through PendingWrite.write on the loop;
 WaitReady polls ready() there, woken by subscribe()); the policy tick runs
 on a thread of its own; queued moves (prefetch, demotion, write-back, a
 fetch from the remote tier) run on the mover's threads; publishes to the
-remote tier run on the publisher thread (shared.py); the engine's process only reads and writes the lease
+remote tier run on the publisher thread (publisher.py); the engine's process only reads and writes the lease
 segments and its own memory, never the store. Tests and benches call it
 directly from any thread.
 

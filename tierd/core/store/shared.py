@@ -55,7 +55,7 @@ again) and publishes wait in the queue.
 
 Where the code runs: manifests, fetches and drops on the RPC thread of the
 call that needs them, or on a mover for a Prefetch; publishes on the
-publisher thread (or the RPC thread of publish()); the probe on a thread of
+publisher's thread (publisher.py; or the RPC thread of publish()); the probe on a thread of
 its own while the tier is down; the sweep on its own thread; never on the
 event loop (the API runs every call that reads sessions on its RPC threads
 where there is a remote tier: reaches_remote). A drop, fetch or publish that
@@ -83,6 +83,7 @@ from tierd.core.move_queue import Job
 from tierd.core.store.checks import check_blocks, check_identity, check_priority
 from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
+from tierd.core.store.publisher import Publisher
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, shown
 from tierd.layout import KVSpec
 from tierd.tiers import tier_rank
@@ -148,34 +149,20 @@ class Shared(Inspection):
         # waits for the fetch and publish of its key in flight, and none starts until it is done.
         self._dropping: set[SessionKey] = set()
         self._pubs: set[SessionKey] = set()
-        self._pub_cv = threading.Condition()
-        self._pub_queue: OrderedDict[SessionKey, None] = OrderedDict()
-        self._pub_stop = False
-        self._publishing = 0  # 1 while the publisher works on a session
-        self._publisher: threading.Thread | None = None
-        if remote is not None and remote.write != "off":
-            self._publisher = threading.Thread(target=self._publish_loop, name="tierd-publisher", daemon=True)
-            self._publisher.start()
+        self.publisher = Publisher(self, remote) if remote is not None else None
         self._sweep_stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if remote is not None:
             self._sweeper = threading.Thread(target=self._sweep_loop, name="tierd-remote-sweep", daemon=True)
             self._sweeper.start()
 
-    def _stop_publisher(self, flush: bool, timeout: float = 10.0) -> None:
-        """Stop the publisher; with flush, after what is queued is published (within timeout)."""
-        end = time.monotonic() + timeout
-        with self._pub_cv:
-            while flush and (self._pub_queue or self._publishing) and time.monotonic() < end \
-                    and not self._down.is_set():
-                self._pub_cv.wait(max(0.0, end - time.monotonic()))
-        with self._pub_cv:
-            self._pub_stop = True
-            self._pub_cv.notify_all()
+    def _stop_publisher(self, flush: bool) -> None:
+        """Stop the publisher (with flush, after what is queued is published) and the sweep."""
+        if self.publisher is not None:
+            self.publisher.close(flush)
         self._sweep_stop.set()
-        for thread in (self._publisher, self._sweeper):
-            if thread is not None:
-                thread.join(timeout=30)
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=30)
 
     def _close_remote(self) -> None:
         """Close the connections to the remote tier (once nothing runs that uses them)."""
@@ -221,8 +208,8 @@ class Shared(Inspection):
             self._down.clear()
             log.warning("remote tier: answering again")
             self.events.remote_up(True)
-            with self._pub_cv:
-                self._pub_cv.notify_all()
+            if self.publisher is not None:
+                self.publisher.wake()
             return
 
     def _has(self, key: SessionKey) -> bool:
@@ -321,7 +308,7 @@ class Shared(Inspection):
             session.remote_write = m.write if m is not None else ""
         log.warning("%s/%s: the remote tier lost this node's last publish (a fail-over?); it is published again",
                     *session.key)
-        self._queue_publish(session.key)
+        self.publisher.queue(session.key)
 
     def _gone(self, session: Session, version: int, write: str) -> None:
         """The remote tier no longer holds this node's copy of remote version
@@ -336,7 +323,7 @@ class Shared(Inspection):
             session.remote_at = session.remote_fresh = -1
         log.info("%s/%s: the remote tier no longer holds this node's copy (evicted or expired); it is published again",
                  *session.key)
-        self._queue_publish(session.key)
+        self.publisher.queue(session.key)
 
     def _sweep_loop(self) -> None:
         assert self.remote is not None
@@ -505,8 +492,8 @@ class Shared(Inspection):
             if session is not None and not session.damaged and (not session.remote_durable or fetched):
                 self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
-            session = self._publish(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums, m.num_tokens, m.nbytes, None,
-                                    hashes)
+            session = self._publish(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums, m.num_tokens,
+                                    m.nbytes, None, hashes)
             w.pieces = []
             if into is not None:
                 into.session = session
@@ -763,170 +750,23 @@ class Shared(Inspection):
                 if session is not None and w.first_page == 0:
                     session.remote_fresh = session.snap.version
             if session is not None and self.remote.write == "through":
-                self._queue_publish(w.key)
+                self.publisher.queue(w.key)
         return info
-
-    def _queue_publish(self, key: SessionKey) -> bool:
-        """Queue the session for the publisher (none with write "off": publish() alone publishes); whether it is."""
-        assert self.remote is not None
-        if self._publisher is None:
-            return False
-        with self._pub_cv:
-            if key in self._pub_queue:
-                return True
-            if len(self._pub_queue) >= self.remote.queue:
-                self.events.remote_op("publish", "queue_full")
-                return False
-            self._pub_queue[key] = None
-            self._pub_cv.notify()
-            return True
 
     def publish(self, key: SessionKey) -> bool:
         """Publish the session to the remote tier now, on this thread, as the
         publisher would; whether the remote tier then holds its content."""
         if self.remote is None:
             raise FailedPrecondition("there is no remote tier: start with --remote")
+        assert self.publisher is not None
         session = self._get(key)
-        self._publish_one(key)
+        self.publisher.publish_one(key)
         with self._lock:
             return session.remote_durable and not session.dropped
 
     def publish_queue(self) -> tuple[int, int]:
         """Sessions waiting for the publisher, and being published (0 or 1)."""
-        with self._pub_cv:
-            return len(self._pub_queue), self._publishing
-
-    def _publish_loop(self) -> None:
-        assert self.remote is not None
-        scan_every = max(0.5, min(self.remote.idle / 4, 10.0))
-        next_scan = time.monotonic() + scan_every
-        while True:
-            with self._pub_cv:
-                # While the tier is down, what is queued waits (the probe wakes this once it answers).
-                while (not self._pub_queue or self._down.is_set()) and not self._pub_stop:
-                    left = next_scan - time.monotonic()
-                    if self.remote.write == "back" and left <= 0 and not self._down.is_set():
-                        break
-                    self._pub_cv.wait(left if self.remote.write == "back" and not self._down.is_set() else None)
-                if self._pub_stop:
-                    return
-                key = self._pub_queue.popitem(last=False)[0] if self._pub_queue else None
-                self._publishing = int(key is not None)
-            if key is None:
-                self._queue_idle()
-                next_scan = time.monotonic() + scan_every
-                continue
-            try:
-                self._publish_one(key)
-            except Exception:  # noqa: BLE001 - the publisher outlives any one session
-                log.exception("publishing %s/%s to the remote tier failed", *key)
-            finally:
-                with self._pub_cv:
-                    self._publishing = 0
-                    self._pub_cv.notify_all()
-
-    def _queue_idle(self) -> None:
-        """Write back: queue the sessions idle on disk long enough and not yet remote-durable."""
-        assert self.remote is not None
-        now = self.clock.now()
-        with self._lock:
-            due = [s.key for s in self._sessions.values()
-                   if s.durable and not s.remote_durable and not s.damaged and s.released_at is not None
-                   and now - s.released_at >= self.remote.idle]
-        for key in due:
-            if not self._queue_publish(key):
-                return
-
-    def _publish_one(self, key: SessionKey) -> None:
-        assert self.remote is not None
-        store = self.remote.store
-        if self._down.is_set():
-            self._queue_publish(key)  # published once the tier answers
-            return
-        with self._changed:
-            self._changed.wait_for(lambda: key not in self._dropping and key not in self._pubs)
-            session = self._sessions.get(key)
-            if session is None or session.dropped or session.damaged or session.remote_durable:
-                return
-            self._pubs.add(key)
-            snap = session.snap
-            version, spec, sums, hashes = snap.version, snap.spec, snap.checksums, snap.token_hashes
-            num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
-            base, fresh = session.remote_version, session.remote_fresh > session.remote_at
-            base_write = session.remote_write
-            session.readers += 1
-        try:
-            unusable = False
-            try:
-                m, expect = self._call("manifest", store.head, key)
-            except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
-                m, expect, unusable = None, self._call("manifest", store.version_of, key), True
-            if m is None and expect and expect != base and not fresh and not unusable:  # a tombstone
-                self.events.remote_op("publish", "conflict")
-                log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
-                         "again)", *key)
-                self._dropped_elsewhere(session, base)
-                return
-            if m is not None and (m.version != base or (base_write and m.write != base_write)) and not fresh:
-                if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
-                    self._published(session, version, m)  # the same content is there already
-                    return
-                self.events.remote_op("publish", "conflict")
-                log.info("%s/%s not published: another node stored a newer version (%d) of it", *key, m.version)
-                return
-            if self.remote.tenant_quota and not self._within_quota(key, geom.nbytes):
-                return
-            t0 = time.perf_counter()
-            # A move to another tier, checked as moves are: every reader checks every page against the
-            # manifest, so a page damaged here is never served from there either.
-            data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
-                                      handout=False)
-            new = self._call("publish", store.publish, key, expect, spec.to_dict(),
-                             spec.fingerprint, num_tokens, spec.page_bytes, sums,
-                             hashes if tokens.known(hashes) else tokens.empty(0), data)
-            seconds = time.perf_counter() - t0
-            self.copier.record(f"{self.roles.landing}->{self.roles.versions}", geom.nbytes, seconds)
-            self.events.moved(max((s.tier for s in spans), key=tier_rank), self.roles.versions, "publish", geom.nbytes, seconds)
-            self.events.remote_op("publish", "ok")
-            self._published(session, version, new)
-        except FailedPrecondition as exc:
-            self.events.remote_op("publish", "conflict")
-            log.info("%s/%s not published: %s", *key, exc)
-        except DataLoss as exc:
-            self.placement.mark_damaged(session, exc)
-        except Unavailable as exc:
-            if self._down.is_set():  # not Refused (the store answered): published once the tier answers
-                self._queue_publish(key)
-            log.info("%s/%s not published: %s", *key, exc)
-        finally:
-            self.placement.end_read(session)
-            with self._changed:
-                self._pubs.discard(key)
-                self._changed.notify_all()
-
-    def _within_quota(self, key: SessionKey, nbytes: int) -> bool:
-        """Whether a version of nbytes fits the tenant's remote quota (in place of
-        the session's last). Checked before each publish: nodes publishing at
-        the same moment may each take one session past it."""
-        assert self.remote is not None
-        total, own = self._call("quota", self.remote.store.usage, key.tenant, key.session_id)
-        if total - own + nbytes > self.remote.tenant_quota:  # the total may count sessions expired or evicted since
-            total, own = self._call("quota", self.remote.store.usage, key.tenant, key.session_id, True)
-        held = total - own
-        if held + nbytes <= self.remote.tenant_quota:
-            return True
-        self.events.remote_op("publish", "quota")
-        log.info("%s/%s not published: tenant %s holds %d bytes of its %d in the remote tier", *key, shown(key.tenant),
-                 held, self.remote.tenant_quota)
-        return False
-
-    def _published(self, session: Session, version: int, m: Manifest) -> None:
-        """Record that the remote tier holds snapshot `version` as manifest m."""
-        with self._lock:
-            session.remote_version, session.remote_write = m.version, m.write
-            if session.snap.version == version:
-                session.remote_at = version
-
+        return self.publisher.queued() if self.publisher is not None else (0, 0)
 
 def _from_remote(session: Session) -> bool:
     """Whether the session's content builds on a version the remote tier

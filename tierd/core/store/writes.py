@@ -359,8 +359,8 @@ class Writes(Sharing):
         streaming = (n_pages - first_page) * geom.stride
         self._start_stream(key, streaming)
         try:
-            w = self._begin_write(key, spec, self.roles.landing, first_page, num_tokens, first_page * spec.page_bytes + nbytes,
-                                  geom, tok, priority)
+            w = self._begin_write(key, spec, self.roles.landing, first_page, num_tokens,
+                                  first_page * spec.page_bytes + nbytes, geom, tok, priority)
         except BaseException:
             self._stream_ended(key.tenant, streaming)
             raise

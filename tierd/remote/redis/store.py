@@ -119,7 +119,8 @@ class RemoteStore:
                                 np.asarray(token_hashes), time.time(), owner_of(key))
             # Not as a _call: the switch carries the manifest and checks every chunk (each read is bounded).
             reply = self.link.run("the manifest switch", self._cas,
-                               keys=[self.link.key(key, "m")] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)],
+                               keys=[self.link.key(key, "m")] + [self.link.key(key, f"w{write}", str(i))
+                                                                 for i in range(chunks)],
                                args=[expect, manifest.encode(), self.link.ttl_ms])
             if not isinstance(reply, list) or len(reply) != 2:
                 raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")

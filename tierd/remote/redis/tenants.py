@@ -111,8 +111,8 @@ class Tenants:
     def listed(self, tenant: str, after: str = "", count: int = 100) -> list[str]:
         """The tenant's session ids in the store's index, in order, after `after`."""
         def ids() -> list[bytes]:
-            return self.link.call("a list", self.link.client.zrangebylex, self.link.index(tenant), f"({after}" if after else "-",
-                              "+", start=0, num=count)
+            return self.link.call("a list", self.link.client.zrangebylex, self.link.index(tenant),
+                                  f"({after}" if after else "-", "+", start=0, num=count)
 
         try:
             raw = ids()
