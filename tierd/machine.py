@@ -23,7 +23,7 @@ from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.store import Store
-from tierd.core.store.shared import Remote
+from tierd.core.store.remote import Remote
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
 from tierd.tiers import DEVICE, DISK, FILE, HOST, durable_tier, shm, tier_order

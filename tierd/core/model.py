@@ -179,7 +179,7 @@ class Session:
     op: threading.Lock = field(default_factory=threading.Lock)
     readers: int = 0  # Get streams reading pages without the op lock
     deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done
-    # The remote tier (core/store/shared.py): the manifest version this content builds on (0: none known)
+    # The remote tier (core/store/remote.py): the manifest version this content builds on (0: none known)
     # and that version's write id ("": not known; after a publish lost in a fail-over, another node's
     # publish may take the same number), the snapshot version the remote tier holds (-1: none), and the
     # snapshot version of the last store from token 0 on this node (-1: none): past remote_at, a new

@@ -11,7 +11,7 @@ extends the one below it and calls nothing above it:
     lifecycle   release, pin, drop, prefetch, wait_ready, the mover's jobs
     upkeep      the policy tick, making room, budgets, advice
     inspection  list, stats, the integrity scan and the accounting check
-    shared      the remote tier: sessions other nodes stored, found, fetched and published
+    remote      the remote tier: sessions other nodes stored, found, fetched and published
                 (the publish queue and its thread: publisher.py, a component it holds)
     store       Store: assembled, recovered from the index at start, closed
 

@@ -1,6 +1,7 @@
 """What operators and tests look at: List and Stats (read under the store
-lock, counted without it), where a session's pages lie, the integrity scan
-of the disk tier (`tierd scan`) and the accounting invariant. Any thread."""
+lock, counted without it), where a session's pages lie, and, for tests and
+benches, the integrity scan of the durable tier and the accounting
+invariant. Any thread."""
 
 from __future__ import annotations
 

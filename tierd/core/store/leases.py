@@ -175,7 +175,7 @@ class Leases(Reads):
         return Lease(lease.lease_id, slots, spec.page_bytes, spec.page_bytes, w.write_from, count, num_tokens, ttl)
 
     def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
-        """Copy the leased pages into the host tier, taking their checksums, and publish them."""
+        """Copy the leased pages into the host tier, taking their checksums, and commit them."""
         lease = self._take_lease(tenant, lease_id, _SaveLease)
         w = lease.write
         try:

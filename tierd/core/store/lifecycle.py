@@ -256,7 +256,7 @@ class Lifecycle(Leases):
         return self.moves.drain(timeout)
 
 
-PREFETCHES = ("prefetch", "fetch")  # fetch: a prefetch that first brings the remote tier's version (shared.py)
+PREFETCHES = ("prefetch", "fetch")  # fetch: a prefetch that first brings the remote tier's version (remote.py)
 
 
 def merge_prefetch(old: Job, new: Job) -> bool:

@@ -1,5 +1,5 @@
 """The publisher: the queue of sessions to publish to the remote tier, and
-the thread that publishes them (the module docstring of shared.py says
+the thread that publishes them (the module docstring of remote.py says
 when a session is queued and what a publish replaces). It hears of every
 store through queue(), and reaches the sessions, their locks and the
 remote link through the store it serves. Runs on its own thread, or on

@@ -198,7 +198,7 @@ class Reads(Writes):
             return None
         try:
             self._check_append(key, session, spec, 0)
-            session = self._publish(key, lock, session, spec, 0, [], self.roles.landing, sums,
+            session = self._install(key, lock, session, spec, 0, [], self.roles.landing, sums,
                                     min(upto * bt, len(request)), upto * spec.page_bytes, None, hashes[:upto], lent)
         except BaseException:
             self._let_go(lent)

@@ -12,7 +12,7 @@ taken are lent, so a piece always starts where its allocation starts.
 
 The prefix table (core/prefixes.py) follows every change of a session's
 token hashes: _share is called under the store lock wherever they change
-(a store's publish, a drop, recovery). A damaged page damages every session
+(a store's commit, a drop, recovery). A damaged page damages every session
 holding its allocation, and damaged sessions lend nothing: the next store of
 those tokens keeps a good copy of its own. Runs on whichever thread stores,
 restores or moves the session; all of it under the store lock.

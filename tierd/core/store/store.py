@@ -13,7 +13,7 @@ from tierd.core.index import DiskIndex
 from tierd.core.model import Session, Snapshot
 from tierd.core.move_queue import MoveQueue
 from tierd.core.rows import Problem
-from tierd.core.store.shared import Remote, Shared
+from tierd.core.store.remote import Remote, RemoteLayer
 from tierd.errors import TierdError
 from tierd.policy import PolicyConfig
 from tierd.tiers import durable_tier
@@ -23,7 +23,7 @@ from tierd.transfer.copier import CopyEngine
 log = logging.getLogger("tierd.core.store")
 
 
-class Store(Shared):
+class Store(RemoteLayer):
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *,
                  clock: Clock | None = None, policy: PolicyConfig | None = None,
                  events: StoreEvents | None = None, movers: int = 2, shm_prefix: str | None = None,

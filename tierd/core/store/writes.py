@@ -1,6 +1,6 @@
 """The write path: Save (engine blocks gathered into pages), Put (a byte
 stream) and save leases (commit_save, in leases.py) all allocate through
-_begin_write, are written by their caller, and publish through
+_begin_write, are written by their caller, and are installed through
 _commit_write, which checks the append again under the session's lock. A
 Put's chunks are written on the event loop with no lock held; Save runs on
 an RPC thread. A little over 300 lines: the three paths' checks and the
@@ -115,7 +115,7 @@ class Writes(Sharing):
             raise FailedPrecondition(f"session {shown(key.session_id)} holds other tokens before start_token "
                                      f"{start_token}: store it from token 0", field="token_ids")
 
-    def _publish(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
+    def _install(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                  first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
                  nbytes: int, priority: int | None, hashes: np.ndarray | None = None,
                  lent: dict[str, list[Piece]] | None = None) -> Session:
@@ -235,7 +235,7 @@ class Writes(Sharing):
                 self._check_append(w.key, session, w.spec, w.first_page * w.spec.block_tokens if w.first_page else 0,
                                    w.hashes)
                 self._check_lent(w)
-                session = self._publish(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier,
+                session = self._install(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier,
                                         np.concatenate([w.lent_sums, sums]), w.num_tokens, w.nbytes, w.priority,
                                         w.hashes, w.lent)
             except (ResourceExhausted, Unavailable):

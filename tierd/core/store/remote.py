@@ -128,7 +128,7 @@ class _Into:
     session: Session | None = None
 
 
-class Shared(Inspection):
+class RemoteLayer(Inspection):
     remote: Remote | None = None
 
     @property
@@ -492,7 +492,7 @@ class Shared(Inspection):
             if session is not None and not session.damaged and (not session.remote_durable or fetched):
                 self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
-            session = self._publish(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums, m.num_tokens,
+            session = self._install(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums, m.num_tokens,
                                     m.nbytes, None, hashes)
             w.pieces = []
             if into is not None:
@@ -775,4 +775,4 @@ def _from_remote(session: Session) -> bool:
     return session.remote_version > 0 and session.remote_fresh <= session.remote_at
 
 
-__all__ = ["PROBE_SECONDS", "Remote", "Shared"]
+__all__ = ["PROBE_SECONDS", "Remote", "RemoteLayer"]
