@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from tierd.core.events import StoreEvents
+from tierd.core.ports import Lending, MakeRoom
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
@@ -39,28 +40,20 @@ from tierd.transfer.runs import Span
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
-MakeRoom = Callable[[str, int, SessionKey, IOClass, "str | None", bool], bool]
-Borrow = Callable[[Session, str, list[tuple[int, int]]], tuple[list[Piece], list[tuple[int, int]]]]
-
-
 class Placement:
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, events: StoreEvents,
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, lending: Lending = Lending(), make_room: MakeRoom | None = None,
+                 quota: Callable[[str], int | None] = lambda tier: None) -> None:
         self.tiers = tiers
         self.durable = durable_tier(tiers)  # the tier the index records (disk), if there is one
         self.copier = copier
         self.index = index
         self.events = events
         self.lock = lock
-        self.make_room: MakeRoom = lambda tier, need, protect, io_class, tenant, evict: False
-        self.quota: Callable[[str], int | None] = lambda tier: None
-        # Pieces of pages in these ranges that other snapshots hold in a tier, held (hold) for the session,
-        # and the ranges still missing.
-        self.borrow: Borrow = lambda session, tier, ranges: ([], ranges)
-        # Whether pages in these ranges of the session are held by other sessions too.
-        self.shared: Callable[[Session, list[tuple[int, int]]], bool] = lambda session, ranges: False
+        self.lending = lending
+        self.make_room: MakeRoom = make_room or (lambda tier, need, protect, io_class, tenant, evict: False)
+        self.quota = quota
         self._copy_locks = {t: threading.RLock() for t in tiers}  # re-entrant: making room copies too
-        self.also_damaged: Callable[[Session, DataLoss], None] = lambda session, exc: None  # its pages' other holders
         self._holders: dict[tuple[str, int], int] = {}  # (tier, offset) -> holders, of allocations with several
         self.shared_bytes: dict[str, int] = {}  # tier -> bytes its allocations would take again, one per holder more
         self._damaged: set[tuple[str, int]] = set()  # (tier, offset) of shared allocations whose bytes failed a check
@@ -209,14 +202,14 @@ class Placement:
     def _one_copy(self, session: Session, tier: str, ranges: list[tuple[int, int]]) -> Iterator[None]:
         """Held while pages of these ranges are copied into the tier, if other
         sessions hold them too: the next copy of them borrows this one's."""
-        with self._copy_locks[tier] if self.shared(session, ranges) else nullcontext():
+        with self._copy_locks[tier] if self.lending.held_by_others(session, ranges) else nullcontext():
             yield
 
     def _copy_in(self, session: Session, target: str, missing: list[tuple[int, int]], io_class: IOClass,
                  reason: str, evict: bool) -> int:
         snap = session.snap
         geom = snap.geometry
-        borrowed, missing = self.borrow(session, target, missing)
+        borrowed, missing = self.lending.borrow(session, target, missing)
         try:
             pieces = self.alloc(target, missing, geom.stride, session.key, io_class, evict) if missing else []
         except BaseException:
@@ -259,7 +252,7 @@ class Placement:
         durable = self.durable
         assert self.index is not None and durable is not None
         snap = session.snap
-        borrowed, missing = self.borrow(session, durable, missing)
+        borrowed, missing = self.lending.borrow(session, durable, missing)
         pieces: list[Piece] = []
         if missing:
             geom = snap.geometry
@@ -352,5 +345,5 @@ class Placement:
         log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)
         with self.lock:
             session.damaged = True
-        self.also_damaged(session, exc)
+        self.lending.damaged(session, exc)
         self.events.checksum_failed(str(exc.details.get("tier", self.durable)))

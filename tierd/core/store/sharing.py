@@ -42,9 +42,6 @@ class Sharing(SessionTable):
     def __init__(self, tiers: dict, copier, index, clock, policy, events) -> None:
         super().__init__(tiers, copier, index, clock, policy, events)
         self._prefixes = PrefixTable()
-        self.placement.borrow = self._borrow
-        self.placement.shared = self._shared_ranges
-        self.placement.also_damaged = self._damage_holders
 
     # -- the table -------------------------------------------------------------------
 

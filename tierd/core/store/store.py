@@ -12,6 +12,7 @@ from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.model import Session, Snapshot
 from tierd.core.move_queue import MoveQueue
+from tierd.core.placement import Lending, Placement
 from tierd.core.rows import Problem
 from tierd.core.store.remote import Remote, RemoteLayer
 from tierd.errors import TierdError
@@ -31,8 +32,9 @@ class Store(RemoteLayer):
         if (index is None) != (durable_tier(tiers) is None):
             raise ValueError("a durable (disk) tier and its index come together")
         super().__init__(tiers, copier, index, clock, policy, events, shm_prefix)
-        self.placement.make_room = self._make_room
-        self.placement.quota = self.policy.quota
+        self.placement = Placement(tiers, copier, index, self.events, self._changed,
+                                   Lending(self._borrow, self._shared_ranges, self._damage_holders),
+                                   self._make_room, self.policy.quota)
         self.recovery_problems = self._recover() if index is not None else []
         self.moves = MoveQueue(self._run_job, movers)
         self._start_remote(remote)

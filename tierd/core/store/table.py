@@ -45,7 +45,8 @@ class SessionTable:
         # (time, key): when the tick next looks at each released session, so that a
         # tick costs what is due, not what is stored (see _schedule).
         self._checks: list[tuple[float, SessionKey]] = []
-        self.placement = Placement(tiers, copier, index, self.events, self._changed)
+        # Placement takes what it needs of sharing and upkeep when the store is built (Store.__init__).
+        self.placement: Placement
         self._closed = False
 
     def _acquire(self, key: SessionKey) -> tuple[threading.Lock, Session | None]:
