@@ -46,7 +46,7 @@ class Publisher:
         end = time.monotonic() + timeout
         with self._cv:
             while flush and (self._queue or self._busy) and time.monotonic() < end \
-                    and not self.store._down.is_set():
+                    and not self.store.link.down.is_set():
                 self._cv.wait(max(0.0, end - time.monotonic()))
         with self._cv:
             self._stop = True
@@ -84,11 +84,11 @@ class Publisher:
         while True:
             with self._cv:
                 # While the tier is down, what is queued waits (the probe wakes this once it answers).
-                while (not self._queue or self.store._down.is_set()) and not self._stop:
+                while (not self._queue or self.store.link.down.is_set()) and not self._stop:
                     left = next_scan - time.monotonic()
-                    if self.remote.write == "back" and left <= 0 and not self.store._down.is_set():
+                    if self.remote.write == "back" and left <= 0 and not self.store.link.down.is_set():
                         break
-                    self._cv.wait(left if self.remote.write == "back" and not self.store._down.is_set() else None)
+                    self._cv.wait(left if self.remote.write == "back" and not self.store.link.down.is_set() else None)
                 if self._stop:
                     return
                 key = self._queue.popitem(last=False)[0] if self._queue else None
@@ -119,7 +119,7 @@ class Publisher:
 
     def publish_one(self, key: SessionKey) -> None:
         store = self.remote.store
-        if self.store._down.is_set():
+        if self.store.link.down.is_set():
             self.queue(key)  # published once the tier answers
             return
         with self.store._changed:
@@ -137,9 +137,9 @@ class Publisher:
         try:
             unusable = False
             try:
-                m, expect = self.store._call("manifest", store.head, key)
+                m, expect = self.store.link.call("manifest", store.head, key)
             except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
-                m, expect, unusable = None, self.store._call("manifest", store.version_of, key), True
+                m, expect, unusable = None, self.store.link.call("manifest", store.version_of, key), True
             if m is None and expect and expect != base and not fresh and not unusable:  # a tombstone
                 self.store.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
@@ -160,7 +160,7 @@ class Publisher:
             # manifest, so a page damaged here is never served from there either.
             data = self.store.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
                                       handout=False)
-            new = self.store._call("publish", store.publish, key, expect, spec.to_dict(),
+            new = self.store.link.call("publish", store.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)
             seconds = time.perf_counter() - t0
@@ -175,7 +175,7 @@ class Publisher:
         except DataLoss as exc:
             self.store.placement.mark_damaged(session, exc)
         except Unavailable as exc:
-            if self.store._down.is_set():  # not Refused (the store answered): published once the tier answers
+            if self.store.link.down.is_set():  # not Refused (the store answered): published once the tier answers
                 self.queue(key)
             log.info("%s/%s not published: %s", *key, exc)
         finally:
@@ -188,9 +188,9 @@ class Publisher:
         """Whether a version of nbytes fits the tenant's remote quota (in place of
         the session's last). Checked before each publish: nodes publishing at
         the same moment may each take one session past it."""
-        total, own = self.store._call("quota", self.remote.store.usage, key.tenant, key.session_id)
+        total, own = self.store.link.call("quota", self.remote.store.usage, key.tenant, key.session_id)
         if total - own + nbytes > self.remote.tenant_quota:  # the total may count sessions expired or evicted since
-            total, own = self.store._call("quota", self.remote.store.usage, key.tenant, key.session_id, True)
+            total, own = self.store.link.call("quota", self.remote.store.usage, key.tenant, key.session_id, True)
         held = total - own
         if held + nbytes <= self.remote.tenant_quota:
             return True

@@ -43,7 +43,7 @@ since replaces whatever is there (a new history); anything else is another
 node's newer history, which wins: this node's copy is not published.
 
 Faults. A remote call that fails marks the remote tier down; until a probe
-thread finds it answering again (every PROBE_SECONDS), no call waits on it:
+thread finds it answering again (each second, link.py), no call waits on it:
 sessions this node does not hold are NOT_FOUND at once (the engine
 recomputes); copies of this node's own histories (never in the remote tier,
 or stored from token 0 here since) are served as they are; a copy built on
@@ -70,7 +70,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -83,22 +83,20 @@ from tierd.core.move_queue import Job
 from tierd.core.store.checks import check_blocks, check_identity, check_priority
 from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
+from tierd.core.store.link import RemoteLink
 from tierd.core.store.publisher import Publisher
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, shown
 from tierd.layout import KVSpec
+from tierd.remote.backend import RemoteBackend
+from tierd.remote.manifest import Manifest
 from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
-from tierd.remote.backend import Refused, RemoteBackend
-from tierd.remote.manifest import Manifest
 from tierd.transfer.copier import EngineMemory
 from tierd.transfer.pages import between
 from tierd.transfer.runs import Geometry
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
 
 log = logging.getLogger("tierd.core.store")
-
-PROBE_SECONDS = 1.0  # while the remote tier is down, how often a probe asks whether it answers again
-
 
 FAILED_KEPT = 1024  # keys whose last fetch failed, remembered for WaitReady
 SWEEP_BATCH = 1000  # copies a sweep asks the remote tier about in one round trip
@@ -139,7 +137,7 @@ class RemoteLayer(Inspection):
 
     def _start_remote(self, remote: Remote | None) -> None:
         self.remote = remote
-        self._down = threading.Event()  # set while the remote tier is down (the probe clears it)
+        self.link = RemoteLink(remote.store, self.events, self._remote_up) if remote is not None else None
         self._heads = threading.local()  # what one_read found, per thread
         self._fetches: set[SessionKey] = set()  # queued or running fetches (Prefetch), under the store lock
         # Why the last fetch of a key failed (DataLoss, NotFound), for WaitReady; the latest FAILED_KEPT.
@@ -166,51 +164,13 @@ class RemoteLayer(Inspection):
 
     def _close_remote(self) -> None:
         """Close the connections to the remote tier (once nothing runs that uses them)."""
-        if self.remote is not None:
-            self.remote.store.close()
+        if self.link is not None:
+            self.link.close()
 
-    # -- talking to the remote store -----------------------------------------------------------
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """A remote call, failing at once while the remote tier is down."""
-        assert self.remote is not None
-        if self._down.is_set():
-            raise Unavailable("the remote tier is unreachable (a probe retries it every second)")
-        try:
-            return fn(*args, **kw)
-        except Refused:
-            self.events.remote_op(what, "refused")
-            raise
-        except Unavailable:
-            self._went_down(what)
-            raise
-
-    def _went_down(self, what: str) -> None:
-        """Mark the remote tier down and start the probe that brings it back."""
-        self.events.remote_op(what, "unavailable")
-        with self._lock:
-            if self._down.is_set() or self._closed:
-                return
-            self._down.set()
-        log.warning("remote tier: %s failed; until it answers again, sessions not held here are not found", what)
-        self.events.remote_up(False)
-        threading.Thread(target=self._probe, name="tierd-remote-probe", daemon=True).start()
-
-    def _probe(self) -> None:
-        assert self.remote is not None
-        store = self.remote.store
-        while not self._closed:
-            time.sleep(PROBE_SECONDS)
-            try:
-                store.ping()
-            except Unavailable:
-                continue
-            self._down.clear()
-            log.warning("remote tier: answering again")
-            self.events.remote_up(True)
-            if self.publisher is not None:
-                self.publisher.wake()
-            return
+    def _remote_up(self) -> None:
+        """The remote tier answers again: what waits to be published goes."""
+        if self.publisher is not None:
+            self.publisher.wake()
 
     def _has(self, key: SessionKey) -> bool:
         with self._lock:
@@ -283,7 +243,7 @@ class RemoteLayer(Inspection):
         found = getattr(self._heads, "found", None)
         if found is not None and key in found:
             return found[key]
-        head = self._call("manifest", self.remote.store.head, key)
+        head = self.link.call("manifest", self.remote.store.head, key)
         if found is not None:
             found[key] = head
         return head
@@ -292,7 +252,7 @@ class RemoteLayer(Inspection):
         """Whether a chunk of manifest m's version is gone from the remote tier (False where it does not answer)."""
         assert self.remote is not None
         try:
-            return self._call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.nbytes)])[0]
+            return self.link.call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.nbytes)])[0]
         except Unavailable:
             return False
 
@@ -341,7 +301,7 @@ class RemoteLayer(Inspection):
         version the remote tier lost (evicted, expired) are remote-durable no
         more, and published again. How many were forgotten."""
         assert self.remote is not None
-        if self._down.is_set():
+        if self.link.down.is_set():
             return 0
         with self._lock:
             held = [(s, s.remote_version, s.remote_write, s.snap.nbytes)
@@ -350,8 +310,8 @@ class RemoteLayer(Inspection):
         for i in range(0, len(held), SWEEP_BATCH):
             batch = held[i : i + SWEEP_BATCH]
             try:
-                dropped = self._call("sweep", self.remote.store.tombstones, [s.key for s, *_ in batch])
-                lost = self._call("sweep", self.remote.store.missing, [(s.key, *rest) for s, *rest in batch])
+                dropped = self.link.call("sweep", self.remote.store.tombstones, [s.key for s, *_ in batch])
+                lost = self.link.call("sweep", self.remote.store.missing, [(s.key, *rest) for s, *rest in batch])
             except Unavailable:
                 return gone
             for (session, version, write, _), at, loss in zip(batch, dropped, lost):
@@ -477,7 +437,7 @@ class RemoteLayer(Inspection):
                                "remote tier", page=int(bad[0]), tier=self.roles.versions)
         except Unavailable:
             self.abort_write(w)
-            self._went_down("fetch")
+            self.link.went_down("fetch")
             raise
         except DataLoss:
             self.abort_write(w)
@@ -568,15 +528,15 @@ class RemoteLayer(Inspection):
             return page, token
         start = after.split("\x00", 1)[1] if after else ""
         try:
-            listed = self._call("list", self.remote.store.listed, tenant, start, limit + 1)
+            listed = self.link.call("list", self.remote.store.listed, tenant, start, limit + 1)
             ids = [i for i in listed if not self._has(SessionKey(tenant, i))]
-            found = self._call("list", self.remote.store.manifests, [SessionKey(tenant, i) for i in ids])
+            found = self.link.call("list", self.remote.store.manifests, [SessionKey(tenant, i) for i in ids])
         except Unavailable:
             return page, token
         gone = [i for i, m in zip(ids, found) if m is None]
         if gone:
             try:
-                self._call("list", self.remote.store.unlist, tenant, gone)  # expired or evicted
+                self.link.call("list", self.remote.store.unlist, tenant, gone)  # expired or evicted
             except Unavailable:
                 pass
         infos = []
@@ -715,7 +675,7 @@ class RemoteLayer(Inspection):
                 self._dropping.add(key)
             try:
                 try:
-                    there = self._call("drop", self.remote.store.drop, key)
+                    there = self.link.call("drop", self.remote.store.drop, key)
                 except DataLoss as exc:  # the store holds something else there: no copy any node serves
                     why = exc
                 except Unavailable as exc:
@@ -775,4 +735,4 @@ def _from_remote(session: Session) -> bool:
     return session.remote_version > 0 and session.remote_fresh <= session.remote_at
 
 
-__all__ = ["PROBE_SECONDS", "Remote", "RemoteLayer"]
+__all__ = ["Remote", "RemoteLayer"]
