@@ -6,6 +6,7 @@ extends the one below it and calls nothing above it:
     checks      argument checks that need no state (ids, blocks, tokens, ttl)
     table       the session table, its locks, what changes wake, SessionInfo
     writes      the one write path: save, put and leased saves all store through it
+                (the write itself: a PendingWrite, pending.py)
     reads       restore, get and lookup: pages out, every one checked
     leases      save and restore leases: the engine's pages in segments of their own
     lifecycle   release, pin, drop, prefetch, wait_ready, the mover's jobs
@@ -45,7 +46,7 @@ from tierd.core.store.checks import (
 from tierd.core.store.leases import SPARE_SECONDS
 from tierd.core.store.reads import SnapshotReader
 from tierd.core.store.store import Store
-from tierd.core.store.writes import PendingWrite
+from tierd.core.store.pending import PendingWrite
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "MAX_LEASE_SECONDS", "MAX_PRIORITY", "SPARE_SECONDS", "PendingWrite",
            "SnapshotReader", "Store", "check_id", "make_key"]

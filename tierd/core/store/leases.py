@@ -29,7 +29,7 @@ from tierd.core.store.checks import (
     token_hashes,
 )
 from tierd.core.store.reads import Reads
-from tierd.core.store.writes import PendingWrite
+from tierd.core.store.pending import PendingWrite
 from tierd.errors import (
     FailedPrecondition,
     InvalidArgument,

@@ -3,15 +3,13 @@ stream) and save leases (commit_save, in leases.py) all allocate through
 _begin_write, are written by their caller, and are installed through
 _commit_write, which checks the append again under the session's lock. A
 Put's chunks are written on the event loop with no lock held; Save runs on
-an RPC thread. A little over 300 lines: the three paths' checks and the
-Puts-in-progress accounting belong with the one path they share."""
+an RPC thread. The write itself is a PendingWrite (pending.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +23,7 @@ from tierd.core.store.checks import (
     check_start,
     token_hashes,
 )
+from tierd.core.store.pending import PendingWrite
 from tierd.core.store.sharing import Sharing
 from tierd.errors import (
     DataLoss,
@@ -39,48 +38,9 @@ from tierd.layout import KVSpec
 from tierd.tiers import MEMORY, tier_order
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
-from tierd.transfer.copier import EngineMemory, PageWriter
-from tierd.transfer.runs import Geometry, Span
+from tierd.transfer.copier import EngineMemory
+from tierd.transfer.runs import Geometry
 from tierd.types import SessionInfo, SessionKey
-
-
-@dataclass(eq=False)
-class PendingWrite:
-    """Pages on their way into a session: allocated in `tier`, written by the
-    caller, invisible until committed (or freed when aborted). Save, Put and
-    save leases all store through one."""
-
-    key: SessionKey
-    spec: KVSpec
-    tier: str
-    first_page: int
-    num_tokens: int
-    nbytes: int  # the snapshot's bytes once committed
-    geom: Geometry
-    pieces: list[Piece]
-    hashes: np.ndarray | None
-    priority: int | None
-    started: float
-    writer: PageWriter | None = None  # Put: where the stream's bytes go, in page order
-    streaming: int = 0  # Put: bytes counted against the tenant's Puts in progress (begin_put)
-    # Pages [first_page, write_from) another session of the tenant holds already (sharing.py): pieces of its
-    # allocations, held for this write, by tier, and their checksums. The caller writes from write_from on.
-    lent: dict[str, list[Piece]] = field(default_factory=dict)
-    lent_sums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
-    write_from: int = 0
-
-    @property
-    def spans(self) -> list[Span]:
-        return [Span(p.first_page, p.n_pages, self.tier, p.offset) for p in self.pieces]
-
-    @property
-    def new_bytes(self) -> int:
-        return self.nbytes - self.first_page * self.spec.page_bytes
-
-    def write(self, data: bytes | memoryview | np.ndarray) -> None:
-        """Put: the stream's next bytes (InvalidArgument past what was announced)."""
-        assert self.writer is not None
-        self.writer.write(data)
 
 
 class Writes(Sharing):
