@@ -273,7 +273,7 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     a.drop(keys[1])
     client = a.remote.store.client
     client.delete(f"{a.remote.store.prefix}:{{{tag_of(keys[1])}}}:m")  # its tombstone evicted before the sweep
-    assert b._sweep() == 1 and b._sweep() == 0
+    assert b.sweeper.sweep() == 1 and b.sweeper.sweep() == 0
     assert sorted(b.keys()) == sorted(keys[1:]) and b.check_accounting() == []  # the bytes are back
     assert [i.session_id for i in b.list("alice")[0]] == ["swept1", "swept2"]
     # (a copy whose tombstone went first stays, as a copy whose manifest was evicted does)
@@ -435,7 +435,7 @@ def test_a_copy_the_remote_tier_evicted_is_not_remote_durable_and_is_published_a
         with pytest.raises(NotFound):
             b.get(key)  # no other node can serve it
     assert not quiet.stat(seen).remote_durable  # Stat looks
-    assert quiet._sweep() == 0
+    assert quiet.sweeper.sweep() == 0
     assert not {i.session_id: i for i in quiet.list("alice")[0]}[swept.session_id].remote_durable  # the sweep did
     for key, blocks in ((seen, [0, 1]), (swept, [2, 3])):
         assert read(quiet, key) == b"".join(eng.pages(blocks))  # the local copy is still good
@@ -469,7 +469,7 @@ def test_a_copy_no_node_can_resume_from_the_remote_tier_is_not_remote_durable(no
     assert not quiet.stat(key).remote_durable  # Stat looks
     with pytest.raises((DataLoss, NotFound)):
         b.get(key)  # no other node can serve it
-    assert quiet._sweep() == 0
+    assert quiet.sweeper.sweep() == 0
     assert not quiet.stat(key).remote_durable and quiet.stat(donor).remote_durable
     assert read(quiet, key) == b"".join(eng.pages([0, 1]))  # the local copy is still good
     assert quiet.publish(key) and read(b, key) == b"".join(eng.pages([0, 1]))  # and published over what is there
@@ -490,7 +490,7 @@ def test_a_publish_the_store_lost_in_a_fail_over_leaves_the_node_s_copy_served_a
     before = client.get(manifest)
     stored(a, key, second, [2, 3], 32)  # a new history, published over what `before` holds
     client.set(manifest, before)  # what the promoted replica holds
-    (a._sweep if over == "tombstone" else lambda: a.stat(key))()  # the sweep, or the next call, sees it
+    (a.sweeper.sweep if over == "tombstone" else lambda: a.stat(key))()  # the sweep, or the next call, sees it
     assert a.keys() == [key]  # a's copy is the session: kept, and published again
     wait_for(lambda: client.get(manifest) != before and a.stat(key).remote_durable, what="published again")
     _, reader = b.get(key)

@@ -85,6 +85,7 @@ from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
 from tierd.core.store.link import RemoteLink
 from tierd.core.store.publisher import Publisher
+from tierd.core.store.sweeper import Sweeper
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, shown
 from tierd.layout import KVSpec
 from tierd.remote.backend import RemoteBackend
@@ -99,7 +100,6 @@ from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
 log = logging.getLogger("tierd.core.store")
 
 FAILED_KEPT = 1024  # keys whose last fetch failed, remembered for WaitReady
-SWEEP_BATCH = 1000  # copies a sweep asks the remote tier about in one round trip
 
 
 @dataclass(frozen=True)
@@ -148,19 +148,14 @@ class RemoteLayer(Inspection):
         self._dropping: set[SessionKey] = set()
         self._pubs: set[SessionKey] = set()
         self.publisher = Publisher(self, remote) if remote is not None else None
-        self._sweep_stop = threading.Event()
-        self._sweeper: threading.Thread | None = None
-        if remote is not None:
-            self._sweeper = threading.Thread(target=self._sweep_loop, name="tierd-remote-sweep", daemon=True)
-            self._sweeper.start()
+        self.sweeper = Sweeper(self, remote) if remote is not None else None
 
     def _stop_publisher(self, flush: bool) -> None:
         """Stop the publisher (with flush, after what is queued is published) and the sweep."""
         if self.publisher is not None:
             self.publisher.close(flush)
-        self._sweep_stop.set()
-        if self._sweeper is not None:
-            self._sweeper.join(timeout=30)
+        if self.sweeper is not None:
+            self.sweeper.close()
 
     def _close_remote(self) -> None:
         """Close the connections to the remote tier (once nothing runs that uses them)."""
@@ -284,42 +279,6 @@ class RemoteLayer(Inspection):
         log.info("%s/%s: the remote tier no longer holds this node's copy (evicted or expired); it is published again",
                  *session.key)
         self.publisher.queue(session.key)
-
-    def _sweep_loop(self) -> None:
-        assert self.remote is not None
-        while not self._sweep_stop.wait(self.remote.sweep):
-            try:
-                self._sweep()
-            except Exception:  # noqa: BLE001 - the sweeper outlives any one pass
-                log.exception("looking for sessions dropped on other nodes failed")
-
-    def _sweep(self) -> int:
-        """Look at every remote-durable copy held here, those no call named
-        since too: forget those of sessions another node dropped (their
-        tombstones are of another version), so their bytes go back and List
-        stops showing them well before a tombstone expires; and those whose
-        version the remote tier lost (evicted, expired) are remote-durable no
-        more, and published again. How many were forgotten."""
-        assert self.remote is not None
-        if self.link.down.is_set():
-            return 0
-        with self._lock:
-            held = [(s, s.remote_version, s.remote_write, s.snap.nbytes)
-                    for s in self._sessions.values() if s.remote_durable and not s.dropped]
-        gone = 0
-        for i in range(0, len(held), SWEEP_BATCH):
-            batch = held[i : i + SWEEP_BATCH]
-            try:
-                dropped = self.link.call("sweep", self.remote.store.tombstones, [s.key for s, *_ in batch])
-                lost = self.link.call("sweep", self.remote.store.missing, [(s.key, *rest) for s, *rest in batch])
-            except Unavailable:
-                return gone
-            for (session, version, write, _), at, loss in zip(batch, dropped, lost):
-                if self._settle(session, version, None, at) == "forgotten":
-                    gone += 1
-                elif loss:
-                    self._gone(session, version, write)
-        return gone
 
     def _settle(self, session: Session, version: int, m: Manifest | None, at: int) -> str:
         """What the remote tier's head (manifest m, or a tombstone, at version
