@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tierd.checksum import page_checksum
-from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from tierd.remote import registry
 from tierd.remote.files import FileBackend
 from tierd.remote.manifest import FIRST_VERSIONS, tag_of
@@ -340,6 +340,46 @@ def test_a_version_older_than_the_ttl_is_gone_as_an_expired_key_is(tmp_path):
     again = publish(backend, *snapshot(1, seed=17))  # a new history, as after a Redis key expired
     assert backend.head(KEY)[0].version == again.version
     assert [n for n in os.listdir(backend.dir_of(KEY)) if n.startswith("w")] == [f"w{again.write}"]
+
+
+def test_a_directory_not_mounted_is_unavailable_not_an_empty_store(tmp_path):
+    """The share unmounted under a node: a drop answered OK (nothing there),
+    and publishes went into the mount point, reported remote-durable."""
+    backend = FileBackend(str(tmp_path / "mnt"))
+    m = publish(backend, *snapshot(1, seed=18))
+    os.rename(tmp_path / "mnt", tmp_path / "elsewhere")  # as an unmount leaves the empty mount point
+    os.makedirs(tmp_path / "mnt")
+    for call in (backend.ping, lambda: backend.drop(KEY), lambda: backend.head(KEY),
+                 lambda: publish(backend, *snapshot(1, seed=19), expect=m.version)):
+        with pytest.raises(Unavailable, match="not mounted"):
+            call()
+    assert os.listdir(tmp_path / "mnt") == []  # nothing written into the mount point
+    os.rmdir(tmp_path / "mnt")
+    os.rename(tmp_path / "elsewhere", tmp_path / "mnt")  # mounted again: as it was
+    assert backend.head(KEY)[0].version == m.version and backend.drop(KEY)
+
+
+@pytest.mark.parametrize("what", ["fifo", "directory"])
+def test_anything_but_a_file_at_a_session_s_place_is_that_session_s_loss_and_never_blocks(tmp_path, what):
+    """A pipe in place of a manifest or a version's bytes blocked every call
+    naming the session (past any deadline); a directory took the whole tier
+    down."""
+    backend = FileBackend(str(tmp_path))
+    other = SessionKey("alice", "other")
+    publish(backend, *snapshot(1, seed=20), key=other)
+    m = publish(backend, *snapshot(1, seed=21))
+    for name in ("m", f"w{m.write}"):
+        path = os.path.join(backend.dir_of(KEY), name)
+        os.replace(path, path + ".kept")
+        os.mkfifo(path) if what == "fifo" else os.mkdir(path)
+        t0 = time.monotonic()
+        with pytest.raises(DataLoss):
+            backend.head(KEY) if name == "m" else read(backend, m)
+        assert time.monotonic() - t0 < 5
+        assert backend.missing([(KEY, m.version, m.write, m.nbytes)]) == [True]
+        assert backend.head(other)[0] is not None  # the others' sessions as they were
+        os.remove(path) if what == "fifo" else os.rmdir(path)
+        os.replace(path + ".kept", path)
 
 
 def test_the_registry_opens_a_backend_by_scheme_and_names_the_schemes_it_knows(tmp_path):

@@ -169,6 +169,16 @@ def test_a_wrong_or_missing_password_is_a_clear_start_up_error(tmp_path):
         locked.close()
 
 
+def test_a_cluster_that_hangs_at_start_is_a_clear_start_up_error(cluster, tmp_path):
+    """Every master stopped as a daemon starts: it exited with a traceback
+    (RedisClusterException, from reading the slots); it says what failed."""
+    with masters_stopped(cluster):
+        d = Daemon(tmp_path / "d", "--remote", cluster.url)
+        with pytest.raises(RuntimeError) as err:
+            d.start()
+    assert "cannot use the remote tier" in str(err.value) and "Traceback" not in d.log()
+
+
 def test_a_huge_value_at_a_manifest_key_costs_the_node_little_and_fails_that_session_alone(daemons, cluster):
     """120 MiB of garbage at a session's manifest key: Stats of it, eight at
     once, each answer DATA_LOSS without the node taking the value in."""

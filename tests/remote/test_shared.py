@@ -375,6 +375,48 @@ def test_a_drop_is_never_undone_by_a_node_that_did_not_hear_of_it(nodes, cluster
     assert a.remote.store.head(turned)[0] is None  # c's turn was not published over the tombstone
 
 
+def test_a_node_started_again_gives_its_disk_copies_way_to_a_drop_or_a_newer_turn_made_meanwhile(nodes):
+    """b held copies on disk and was stopped; meanwhile a dropped one
+    session and stored the next turn of another. Started again, b served
+    the dropped bytes and the older turn: its copies, recovered from disk,
+    were taken for its own. Now it asks the remote tier first; a copy the
+    tier holds nothing of stays b's own, and is published."""
+    a, hb = nodes("a").store, nodes("b")
+    b = hb.store
+    dropped, grown, own = (SessionKey("alice", n) for n in ("dropped-meanwhile", "grown-meanwhile", "b-own"))
+    eng = HostEngine(seed=45)
+    stored(a, dropped, eng, [0, 1], 32)
+    stored(a, grown, eng, [2, 3], 32)
+    assert read(b, dropped) == b"".join(eng.pages([0, 1])) and read(b, grown) == b"".join(eng.pages([2, 3]))
+    save(b, own, eng, [4], 16)
+    published(b, own)
+    hb.close(flush=True)  # every copy written to b's disk
+    a.drop(dropped)
+    save(a, grown, eng, [5], 48, start_token=32)
+    published(a, grown)
+    a.remote.store.drop(own)  # ... and b's own session gone from the remote tier
+    b = hb.open()
+    assert set(b.keys()) == {dropped, grown, own}  # recovered, all three
+    with pytest.raises(NotFound):
+        read(b, dropped)
+    assert read(b, grown) == b"".join(eng.pages([2, 3, 5]))
+    with pytest.raises(NotFound):
+        read(b, own)  # its tombstone: dropped too
+
+
+def test_a_node_started_again_serves_and_publishes_a_copy_the_remote_tier_holds_nothing_of(nodes):
+    hb = nodes("b")
+    b = hb.store
+    key = SessionKey("alice", "only-here")
+    eng = HostEngine(seed=46)
+    stored(b, key, eng, [0, 1], 32)
+    hb.close(flush=True)
+    evict(nodes("a").store, key, "everything")  # the remote tier holds nothing of it any more
+    b = hb.open()
+    assert read(b, key) == b"".join(eng.pages([0, 1]))
+    published(b, key)
+
+
 def test_a_node_never_serves_a_version_older_than_one_it_reported(nodes, cluster):
     """b held a copy, then said the session is a's newer version (Stat from
     the manifest): while the tier is down b does not serve its older copy."""
@@ -389,6 +431,7 @@ def test_a_node_never_serves_a_version_older_than_one_it_reported(nodes, cluster
         marked_down(b)
         with pytest.raises(Unavailable):
             read(b, key)
+        assert not b.stat(key).remote_durable and not any(i.remote_durable for i in b.list("alice")[0])
     wait_for(lambda: b.stat(key).remote_durable, what="the tier answering again")
     assert read(b, key) == b"".join(eng.pages([0, 1, 2]))
 

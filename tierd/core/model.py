@@ -23,6 +23,8 @@ from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionKey
 
 
+UNKNOWN = -1  # Session.remote_version of a copy recovered from disk: what the remote tier holds is asked
+
 class State(str, Enum):
     ACTIVE = "active"
     IDLE = "idle"
@@ -179,8 +181,8 @@ class Session:
     op: threading.Lock = field(default_factory=threading.Lock)
     readers: int = 0  # Get streams reading pages without the op lock
     deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done
-    # The remote tier (core/store/remote.py): the manifest version this content builds on (0: none known)
-    # and that version's write id ("": not known; after a publish lost in a fail-over, another node's
+    # The remote tier (core/store/remote.py): the manifest version this content builds on (0: none;
+    # UNKNOWN: recovered from disk, the remote tier is asked before it is served) and that version's write id ("": not known; after a publish lost in a fail-over, another node's
     # publish may take the same number), the snapshot version the remote tier holds (-1: none), and the
     # snapshot version of the last store from token 0 on this node (-1: none): past remote_at, a new
     # history that replaces what is there.

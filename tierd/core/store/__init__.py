@@ -14,7 +14,8 @@ extends the one below it and calls nothing above it:
     inspection  list, stats, the integrity scan and the accounting check
     remote      the remote tier: sessions other nodes stored, found, fetched and published
                 (components it holds: the publish queue and its thread, publisher.py; the calls
-                on the remote backend and whether it is down, link.py; the sweep, sweeper.py)
+                on the remote backend and whether it is down, link.py; the sweep, sweeper.py;
+                a manifest described, remote_info.py)
     store       Store: assembled, recovered from the index at start, closed
 
 Where the code runs. In the daemon, the API calls the store from its RPC

@@ -78,13 +78,14 @@ from typing import Any
 import numpy as np
 
 from tierd.core import tokens
-from tierd.core.model import Session, Snapshot
+from tierd.core.model import UNKNOWN, Session, Snapshot
 from tierd.core.move_queue import Job
 from tierd.core.store.checks import check_blocks, check_identity, check_priority
 from tierd.core.store.inspection import Inspection
 from tierd.core.store.lifecycle import merge_prefetch
 from tierd.core.store.link import RemoteLink
 from tierd.core.store.publisher import Publisher
+from tierd.core.store.remote_info import info_of, spec_of
 from tierd.core.store.sweeper import Sweeper
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, TierdError, Unavailable, shown
 from tierd.layout import KVSpec
@@ -186,8 +187,10 @@ class RemoteLayer(Inspection):
         longer holds (nothing at its key; with whole, a chunk gone too) is
         remote-durable no more, and published again. A copy built on a version
         the remote tier holds (fetched or published, stores made here since
-        or not) is served only once the remote tier said it was not dropped:
-        while it does not answer, Unavailable."""
+        or not; or recovered from disk) is served only once the remote tier
+        said it was not dropped: while it does not answer, Unavailable. A copy
+        recovered from disk gives way to the version the remote tier holds,
+        and is forgotten where it holds a tombstone."""
         if self.remote is None:
             return None
         with self._lock:
@@ -218,7 +221,19 @@ class RemoteLayer(Inspection):
             return m  # another version, or another node's publish under this one's number (this node's was lost)
         if session is not None and version > 0 and (not at or m is not None and whole and self._lost(key, m)):
             self._gone(session, version, write)
+        if session is not None and version == UNKNOWN and not at:
+            self._own(session)  # recovered, and the remote tier holds nothing of it: this node's own history
         return None
+
+    def _own(self, session: Session) -> None:
+        """A copy recovered from disk that the remote tier holds nothing of is
+        this node's own history: served as it is, and published."""
+        with self._lock:
+            if session.remote_version != UNKNOWN:
+                return
+            session.remote_version = 0
+        if self.remote is not None and self.remote.write == "through":
+            self.publisher.queue(session.key)
 
     @contextmanager
     def one_read(self) -> Iterator[None]:
@@ -350,27 +365,10 @@ class RemoteLayer(Inspection):
                 self._changed.notify_all()
             done.set()
 
-    def _spec_of(self, key: SessionKey, m: Manifest) -> KVSpec:
-        """The manifest's spec, checked against what the manifest says of its
-        pages (DataLoss if they disagree): the manifest is then safe to serve
-        from (Stat, Lookup, List) and to fetch."""
-        try:
-            spec = KVSpec.from_dict(m.spec)
-        except Exception as exc:  # noqa: BLE001 - whatever the store holds
-            raise DataLoss(f"the remote copy of session {shown(key.session_id)} has a spec that does not parse "
-                           f"({type(exc).__name__})", tier=self.roles.versions) from None
-        form = tokens.empty(0)
-        if spec.fingerprint != m.fingerprint or m.page_bytes != spec.page_bytes or \
-                (not spec.is_opaque and spec.pages_for_tokens(m.num_tokens) != m.n_pages) or \
-                (len(m.token_hashes) and (m.token_hashes.dtype != form.dtype or
-                                          m.token_hashes.shape[1:] != form.shape[1:])):
-            raise DataLoss(f"the remote copy of session {shown(key.session_id)} does not agree with itself "
-                           "(identity, page size, tokens or token hashes)", tier=self.roles.versions)
-        return spec
 
     def _adopt(self, key: SessionKey, m: Manifest, into: _Into | None = None) -> None:
         assert self.remote is not None
-        spec = self._spec_of(key, m)
+        spec = spec_of(key, m, self.roles.versions)
         n = m.n_pages
         geom = Geometry(m.page_bytes, n, m.nbytes - (n - 1) * m.page_bytes)
         hashes = m.token_hashes if len(m.token_hashes) else None
@@ -408,7 +406,8 @@ class RemoteLayer(Inspection):
         lock, session = self._acquire(key)
         try:
             fetched = (session.remote_version, session.remote_write) == (m.version, m.write) if session else False
-            if session is not None and not session.damaged and (not session.remote_durable or fetched):
+            if session is not None and not session.damaged and session.remote_version != UNKNOWN and \
+                    (not session.remote_durable or fetched):
                 self.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
             session = self._install(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums, m.num_tokens,
@@ -441,12 +440,15 @@ class RemoteLayer(Inspection):
 
     # -- the calls that reach the remote tier ---------------------------------------------------
 
+    def _manifest_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
+        return info_of(key, m, self.roles.versions)
+
     def stat(self, key: SessionKey) -> SessionInfo:
         try:
             m = self._stale(key, whole=True)  # remote_durable: whether the remote tier holds every chunk of this copy
         except Unavailable:  # what this node holds, not remote-durable while no node can fetch it
             return dataclasses.replace(super().stat(key), remote_durable=False)
-        return self._remote_info(key, m) if m is not None else super().stat(key)
+        return self._manifest_info(key, m) if m is not None else super().stat(key)
 
     def prompt_limit(self, key: SessionKey) -> int:
         m = self._stale(key)  # the remote tier's copy too
@@ -456,20 +458,13 @@ class RemoteLayer(Inspection):
         m = self._stale(key)
         return m.num_tokens if m is not None else super().own_tokens(key)
 
-    def _remote_info(self, key: SessionKey, m: Manifest) -> SessionInfo:
-        spec = self._spec_of(key, m)
-        versions = self.roles.versions
-        return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=versions, tier_bytes={versions: m.nbytes},
-                           state=versions, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
-                           durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
-                           model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True)
 
     def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
                salt: str = "") -> LookupResult:
         m = self._stale(key)
         if m is None:
             return super().lookup(key, token_ids, spec, salt)
-        info = self._remote_info(key, m)
+        info = self._manifest_info(key, m)
         if spec is not None:
             check_identity(Session(key, Snapshot(info.spec), 0.0, 0.0), spec)
         bt = info.spec.block_tokens
@@ -483,6 +478,8 @@ class RemoteLayer(Inspection):
         """The store's list, and for one tenant the sessions only the remote tier
         holds, merged in order of id (every tenant's: this node's only)."""
         page, token = super().list(tenant, after, limit)
+        if self.link is not None and self.link.down.is_set():  # no node can fetch them meanwhile
+            page = [dataclasses.replace(info, remote_durable=False) for info in page]
         if self.remote is None or tenant is None:
             return page, token
         start = after.split("\x00", 1)[1] if after else ""
@@ -501,7 +498,7 @@ class RemoteLayer(Inspection):
         infos = []
         for i, m in zip(ids, found):
             try:
-                infos.append(self._remote_info(SessionKey(tenant, i), m) if m is not None else None)
+                infos.append(self._manifest_info(SessionKey(tenant, i), m) if m is not None else None)
             except DataLoss:
                 pass  # a copy that does not agree with itself: not listed (Stat on it says why)
         merged = sorted(page + [info for info in infos if info is not None], key=lambda info: info.session_id)
@@ -522,7 +519,7 @@ class RemoteLayer(Inspection):
             ids = check_blocks(block_ids, engine.layout.num_blocks)
             # Where the call would succeed on the version fetched, its pages go into the blocks as
             # they arrive (the scatter overlaps the fetch); else the restore below says why not.
-            fetched = self._spec_of(key, m)
+            fetched = spec_of(key, m, self.roles.versions)
             into = _Into(engine, ids) if fetched.fingerprint == spec.fingerprint and 0 < ids.size <= m.n_pages \
                 else None
             t0 = time.perf_counter()
@@ -689,9 +686,10 @@ class RemoteLayer(Inspection):
 
 def _from_remote(session: Session) -> bool:
     """Whether the session's content builds on a version the remote tier
-    holds (fetched or published here, stores made since or not), rather
-    than on none or on a store from token 0 made here since."""
-    return session.remote_version > 0 and session.remote_fresh <= session.remote_at
+    holds (fetched or published here, stores made since or not; or not
+    known, recovered from disk), rather than on none or on a store from
+    token 0 made here since."""
+    return session.remote_version != 0 and session.remote_fresh <= session.remote_at
 
 
 __all__ = ["Remote", "RemoteLayer"]

@@ -10,7 +10,7 @@ from tierd.clock import Clock
 from tierd.core import recovery
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
-from tierd.core.model import Session, Snapshot
+from tierd.core.model import UNKNOWN, Session, Snapshot
 from tierd.core.move_queue import MoveQueue
 from tierd.core.placement import Lending, Placement
 from tierd.core.rows import Problem
@@ -35,11 +35,14 @@ class Store(RemoteLayer):
         self.placement = Placement(tiers, copier, index, self.events, self._changed,
                                    Lending(self._borrow, self._shared_ranges, self._damage_holders),
                                    self._make_room, self.policy.quota)
-        self.recovery_problems = self._recover() if index is not None else []
+        self.recovery_problems = self._recover(remote is not None) if index is not None else []
         self.moves = MoveQueue(self._run_job, movers)
         self._start_remote(remote)
 
-    def _recover(self) -> list[Problem]:
+    def _recover(self, shared: bool) -> list[Problem]:
+        """The sessions the index holds; with a remote tier (shared), each is
+        checked against it before it is served (another node may have
+        dropped it, or stored a newer turn, while this one was down)."""
         assert self.index is not None
         durable = self.placement.durable
         kept, problems = recovery.recover(self.index, self.tiers[durable], self.events)
@@ -51,7 +54,8 @@ class Store(RemoteLayer):
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {durable: rec.pieces},
                             token_hashes=rec.token_hashes)
             session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
-                              priority=rec.row.priority, row=rec.row, row_version=snap.version)
+                              priority=rec.row.priority, row=rec.row, row_version=snap.version,
+                              remote_version=UNKNOWN if shared else 0)
             self._sessions[rec.key] = session
             self._key_locks[rec.key] = session.op
             self._per_tenant[rec.key.tenant] = self._per_tenant.get(rec.key.tenant, 0) + 1

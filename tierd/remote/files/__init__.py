@@ -6,7 +6,12 @@ Layout under ROOT/PREFIX: `s/TAG[:2]/TAG/` per session, TAG a hash of tenant
 and session id (no path names either): `m` its manifest (or tombstone),
 `wWRITE` the bytes of one version, `lock` the file whose lock makes the
 manifest's switch a compare-and-set across nodes. `t/TENANT TAG/TAG` lists a
-tenant's sessions: the session's bytes and its id.
+tenant's sessions: the session's bytes and its id. `marker`, written at
+first use: where it is missing (the share not mounted, or swapped), every
+call is Unavailable, never an empty store that takes drops and publishes
+into the mount point. Anything else than a plain file at a session's place
+(a directory, a pipe) is that session's DataLoss, never a read that
+blocks.
 
 Publishing writes the version's bytes to a file of its own and syncs them;
 then, holding the session's lock (a POSIX record lock, which NFS and Lustre

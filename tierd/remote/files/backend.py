@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from tierd.remote.manifest import (HEAD_BYTES, MAX_MANIFEST_BYTES, MAX_VERSION, 
 from tierd.types import SessionKey
 
 LINE_BYTES = 4096  # of a manifest missing() reads first: its first line, unless its spec's text is long
+MARKER = "marker"  # a file the directory holds from its first use on
 ORPHAN_SECONDS = 3600.0  # a version's bytes no manifest names, this old, are a dead publish's
 # Record locks are the process's, whichever file descriptor took them: threads (and backends) of one
 # process take one of these first.
@@ -38,6 +40,11 @@ class FileBackend:
         self.ttl = ttl or 0.0
         fsio.call("opening the directory", os.makedirs, os.path.join(self.root, "s"), exist_ok=True)
         fsio.call("opening the directory", os.makedirs, os.path.join(self.root, "t"), exist_ok=True)
+        # Where the directory is not mounted (or was swapped), this is missing: every call is Unavailable
+        # then, not an empty store that takes drops and publishes into the mount point.
+        self.marker = os.path.join(self.root, MARKER)
+        if not os.path.exists(self.marker):
+            fsio.call("opening the directory", fsio.replace, self.root, MARKER, b"a remote tier of tierd\n")
         self.lists = TenantLists(os.path.join(self.root, "t"))
         self.listed, self.unlist = self.lists.listed, self.lists.unlist
 
@@ -64,20 +71,40 @@ class FileBackend:
             finally:
                 os.close(fd)  # the record lock goes with it
 
-    def _open(self, where: str) -> tuple[int, int] | None:
-        """The manifest's file, open (the caller closes it), and its size;
-        None for none, or one older than the TTL."""
+    def _mounted(self) -> None:
+        """Unavailable unless the directory is the one opened (its marker is there)."""
+        if not os.path.exists(self.marker):
+            raise Unavailable(f"the remote directory {self.root} lost its {MARKER} file: not mounted, or replaced")
+
+    def _file(self, path: str, what: str) -> tuple[int, os.stat_result] | None:
+        """A session's file, open (the caller closes it), and its status; None
+        where there is none (and the directory is mounted). Anything else
+        than a plain file there (a directory, a pipe: one would block the
+        read) is that session's DataLoss."""
         try:
-            fd = os.open(os.path.join(where, "m"), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
+            self._mounted()
             return None
         except OSError as exc:
-            fsio.call("a manifest read", _raise, exc)
+            fsio.call(what, _raise, exc)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise DataLoss(f"the remote tier holds something else than a file at a session's place ({what})",
+                               tier="remote")
         except BaseException:
             os.close(fd)
             raise
+        return fd, st
+
+    def _open(self, where: str) -> tuple[int, int] | None:
+        """The manifest's file, open (the caller closes it), and its size;
+        None for none, or one older than the TTL."""
+        opened = self._file(os.path.join(where, "m"), "a manifest read")
+        if opened is None:
+            return None
+        fd, st = opened
         if self.ttl and time.time() - st.st_mtime > self.ttl:
             os.close(fd)
             return None
@@ -146,8 +173,8 @@ class FileBackend:
         try:
             at = held_at(key, *self._line(where))
             return at is None or at == (version, write) and os.stat(os.path.join(where, f"w{write}")).st_size != nbytes
-        except FileNotFoundError:
-            return True  # the version's bytes are gone
+        except (FileNotFoundError, DataLoss):
+            return True  # the version's bytes are gone, or something else is at the manifest's place
         except (OSError, Unavailable):
             return False  # not a plain answer
 
@@ -165,6 +192,7 @@ class FileBackend:
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
                 data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
         check_bounds(len(checksums), np.asarray(token_hashes))
+        self._mounted()  # else it would write into the mount point
         where = self.dir_of(key)
         write = secrets.token_hex(8)
         path = os.path.join(where, f"w{write}")
@@ -214,14 +242,12 @@ class FileBackend:
     def read_into(self, key: SessionKey, manifest: Manifest, claim: Callable[[int], list[Any]]) -> Iterator[int]:
         step = self.chunk_bytes
         sinks = [claim(min(step, manifest.nbytes - at)) for at in range(0, manifest.nbytes, step)]
+        opened = self._file(os.path.join(self.dir_of(key), f"w{manifest.write}"), "a page read")
+        if opened is None:
+            raise NotFound("the remote copy of this session is gone (dropped or replaced)")
+        fd, st = opened
         try:
-            fd = os.open(os.path.join(self.dir_of(key), f"w{manifest.write}"), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFound("the remote copy of this session is gone (dropped or replaced)") from None
-        except OSError as exc:
-            fsio.call("a page read", _raise, exc)
-        try:
-            size = fsio.call("a page read", os.fstat, fd).st_size
+            size = st.st_size
             if size != manifest.nbytes:
                 raise DataLoss(f"the remote copy holds {size} bytes, not the {manifest.nbytes} its manifest says "
                                "(torn or damaged)", tier="remote")
@@ -250,6 +276,7 @@ class FileBackend:
         return True
 
     def ping(self) -> None:
+        self._mounted()
         fsio.call("a ping", os.stat, self.root)
         if not os.access(self.root, os.W_OK | os.X_OK):
             fsio.call("a ping", _raise, PermissionError(f"{self.root} cannot be written"))

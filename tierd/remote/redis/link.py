@@ -94,6 +94,7 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
     import redis.connection
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
+    from redis.exceptions import RedisClusterException
     from redis.retry import Retry
 
     # With hiredis, replies are parsed in C (a fetch runs about 1.4 times as fast), but its command packer copies
@@ -125,8 +126,11 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
             probe.close()
         # One retry, at once: a node that failed over answers the next try; a store that is down
         # fails the call within about two timeouts (redis-py's default backs off for seconds).
-        if clustered:
+        if not clustered:
+            return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1), **opts)
+        try:  # reads the cluster's slots from its nodes: one that hangs fails the start, saying so
             return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], retry=Retry(NoBackoff(), 1),
                                 **opts)
-        return redis.Redis(host=host, port=port, retry=Retry(NoBackoff(), 1), **opts)
+        except (redis.RedisError, RedisClusterException, OSError) as exc:
+            raise Unavailable(f"the remote store's cluster did not answer ({type(exc).__name__}: {exc})") from None
     raise Unavailable(f"no node of the remote store answered ({last})")
