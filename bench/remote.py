@@ -125,7 +125,7 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
 
         def store_reader() -> None:
             """The store's own reader alone: its GETs in flight, into one buffer, nothing checked."""
-            pool = a.store.remote.store._pool_of(raw_keys[0])
+            pool = a.store.remote.store.fetcher.pool_of(raw_keys[0])
             assert all(read_values(pool, raw_keys, sinks, lambda i, found: None, lambda: False))
 
         def publish() -> None:

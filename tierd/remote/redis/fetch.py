@@ -76,7 +76,7 @@ class Fetcher:
                 arrivals.arrived(placed)
 
         try:
-            found = read_values(self._pool_of(names[0]), names, sinks, read, lambda: arrivals.stop)
+            found = read_values(self.pool_of(names[0]), names, sinks, read, lambda: arrivals.stop)
             return len(found) == len(sinks) and all(found)
         except (redis.TimeoutError, TimeoutError) as exc:
             raise Unavailable(f"the remote store did not answer (a page read): {exc}") from None
@@ -107,7 +107,7 @@ class Fetcher:
             pipe.get(self.link.key(key, f"w{write}", str(i)))
         return self.link.run("a page read", pipe.execute)
 
-    def _pool_of(self, name: str) -> Any:
+    def pool_of(self, name: str) -> Any:
         """The connection pool of the node that serves key `name`."""
         from redis.cluster import RedisCluster
 
