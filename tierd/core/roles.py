@@ -14,7 +14,6 @@ from tierd.tiers import ENGINE_LANDING, LANDING, durable_tier, tier_order, versi
 
 @dataclass(frozen=True, slots=True)
 class TierRoles:
-    order: tuple[str, ...]  # the tiers present, fastest first
     landing: str  # Puts, leases, fetches and the saves of engines in host memory
     engine_landing: str  # the saves of engines in device memory (landing where no tier takes that role)
     durable: str | None  # the tier the index records, if one is present
@@ -26,8 +25,7 @@ class TierRoles:
         landing = with_role(LANDING, present)
         if landing is None:
             raise ValueError(f"a tier of the {LANDING} role is required (tiers here: {list(present)})")
-        return cls(present, landing, with_role(ENGINE_LANDING, present) or landing, durable_tier(present),
-                   versions_tier() or "")
+        return cls(landing, with_role(ENGINE_LANDING, present) or landing, durable_tier(present), versions_tier() or "")
 
     def saves_land(self, on_device: bool) -> str:
         """Where an engine's save lands: its device memory's tier, or the landing tier."""
