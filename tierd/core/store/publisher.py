@@ -118,7 +118,7 @@ class Publisher:
                 return
 
     def publish_one(self, key: SessionKey) -> None:
-        store = self.remote.store
+        backend = self.remote.store
         if self.store.link.down.is_set():
             self.queue(key)  # published once the tier answers
             return
@@ -137,9 +137,9 @@ class Publisher:
         try:
             unusable = False
             try:
-                m, expect = self.store.link.call("manifest", store.head, key)
+                m, expect = self.store.link.call("manifest", backend.head, key)
             except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
-                m, expect, unusable = None, self.store.link.call("manifest", store.version_of, key), True
+                m, expect, unusable = None, self.store.link.call("manifest", backend.version_of, key), True
             if m is None and expect and expect != base and not fresh and not unusable:  # a tombstone
                 self.store.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
@@ -160,7 +160,7 @@ class Publisher:
             # manifest, so a page damaged here is never served from there either.
             data = self.store.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
                                       handout=False)
-            new = self.store.link.call("publish", store.publish, key, expect, spec.to_dict(),
+            new = self.store.link.call("publish", backend.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data)
             seconds = time.perf_counter() - t0
