@@ -143,8 +143,8 @@ def test_a_version_published_on_one_node_reads_back_byte_exact_on_another(nodes)
     assert version == m.version and got.fingerprint == "fp" and list(got.checksums) == list(sums)
     assert list(got.token_hashes) == [0, 1, 2, 3] and got.num_tokens == 64
     assert read(nodes.b, got) == pages
-    assert nodes.b.manifests([KEY, SessionKey("alice", "none")])[0].version == m.version
-    assert nodes.b.manifests([SessionKey("alice", "none")]) == [None]
+    assert nodes.b.heads([KEY, SessionKey("alice", "none")])[0].version == m.version
+    assert nodes.b.heads([SessionKey("alice", "none")]) == [None]
 
 
 def test_a_new_version_replaces_the_old_whole_and_a_reader_of_the_old_finds_it_gone(nodes):
@@ -183,7 +183,7 @@ def test_a_garbled_manifest_is_data_loss_and_the_next_history_replaces_it(nodes,
     nodes.garble(KEY, garbage)
     with pytest.raises(DataLoss, match="does not parse"):
         nodes.b.head(KEY)
-    assert nodes.b.manifests([KEY]) == [None] and nodes.b.tombstones([KEY]) == [0]
+    assert nodes.b.heads([KEY]) == [None] and nodes.b.tombstones([KEY]) == [0]
     pages, sums = snapshot(2, seed=11)
     m = publish(nodes.b, pages, sums, expect=nodes.b.version_of(KEY))  # what the core's next store expects
     assert read(nodes.a, nodes.a.head(KEY)[0]) == pages and nodes.a.head(KEY)[1] == m.version

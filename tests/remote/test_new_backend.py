@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine, wait_for
 from tierd.errors import FailedPrecondition, NotFound
 from tierd.remote import registry
-from tierd.remote.manifest import FIRST_VERSIONS, Manifest, owner_of
+from tierd.remote.manifest import FIRST_VERSIONS, Head, Manifest, owner_of
 from tierd.types import SessionKey
 
 # -- the backend's module: versions in a dict every "node" of this process reaches --
@@ -37,8 +37,8 @@ class ToyBackend:
     def version_of(self, key):
         return self.head(key)[1]
 
-    def manifests(self, keys):
-        return [self.head(k)[0] for k in keys]
+    def heads(self, keys):
+        return [Head.parse(m.encode()) if m is not None else None for m in (self.head(k)[0] for k in keys)]
 
     def tombstones(self, keys):
         return [v if m is None else 0 for v, m, _ in (self.held.get(k, (0, None, b"")) for k in keys)]

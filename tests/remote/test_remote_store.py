@@ -558,6 +558,6 @@ def test_a_manifest_longer_than_a_session_needs_is_refused_by_its_head_unread(st
         before = sent()
         with pytest.raises(DataLoss, match="does not parse"):
             store.head(KEY)
-        assert store.manifests([KEY]) == [None]
+        assert store.heads([KEY]) == [None]
         assert sent() - before < 1 << 20
     store.client.delete(name)

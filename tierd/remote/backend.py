@@ -52,9 +52,10 @@ class RemoteBackend(Protocol):
         rest of the manifest holds (0: none): what a store replacing an
         unusable manifest expects."""
 
-    def manifests(self, keys: list[SessionKey]) -> list[Any]:
-        """The current manifest of each session (None: none, dropped, or one
-        that does not parse)."""
+    def heads(self, keys: list[SessionKey]) -> list[Any]:
+        """The first line of each session's current manifest (a manifest.Head;
+        None: none, dropped, one that does not parse, or another session's):
+        what a listing says of it, read without the rest."""
 
     def tombstones(self, keys: list[SessionKey]) -> list[int]:
         """For each session, the version of its tombstone (0: not dropped)."""

@@ -70,6 +70,21 @@ class Manifest:
             np.ascontiguousarray(self.token_hashes).tobytes()
 
     @classmethod
+    def listed(cls, head: Head) -> Manifest:
+        """The manifest as its first line describes it, for a listing: its
+        checksums a zero-strided view (no memory), no token hashes. Never
+        read pages against it."""
+        meta = head.meta
+        try:
+            sums = np.broadcast_to(np.uint64(0), (head.pages,))
+            hashes = np.empty((0, *head.hash_shape[1:]), dtype=np.dtype(meta["hash_dtype"]))
+            return cls(head.version, head.write, str(meta["fingerprint"]), dict(meta["spec"]),
+                       whole(meta["num_tokens"], 0, 1 << 40), head.nbytes, whole(meta["page_bytes"], 1, 1 << 34),
+                       sums, hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
+        except Exception as exc:  # noqa: BLE001 - whatever the store holds
+            raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+    @classmethod
     def decode(cls, raw: bytes) -> Manifest:
         """The manifest in raw, checked to agree with itself (DataLoss if not):
         whatever the store holds, what comes out of here is safe to describe

@@ -486,7 +486,7 @@ class RemoteLayer(Inspection):
         try:
             listed = self.link.call("list", self.remote.store.listed, tenant, start, limit + 1)
             ids = [i for i in listed if not self._has(SessionKey(tenant, i))]
-            found = self.link.call("list", self.remote.store.manifests, [SessionKey(tenant, i) for i in ids])
+            found = self.link.call("list", self.remote.store.heads, [SessionKey(tenant, i) for i in ids])
         except Unavailable:
             return page, token
         gone = [i for i, m in zip(ids, found) if m is None]
@@ -498,7 +498,7 @@ class RemoteLayer(Inspection):
         infos = []
         for i, m in zip(ids, found):
             try:
-                infos.append(self._manifest_info(SessionKey(tenant, i), m) if m is not None else None)
+                infos.append(None if m is None else self._manifest_info(SessionKey(tenant, i), Manifest.listed(m)))
             except DataLoss:
                 pass  # a copy that does not agree with itself: not listed (Stat on it says why)
         merged = sorted(page + [info for info in infos if info is not None], key=lambda info: info.session_id)

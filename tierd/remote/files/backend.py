@@ -19,8 +19,8 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 from tierd.remote.backend import RECOUNT
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
-from tierd.remote.manifest import (HEAD_BYTES, MAX_MANIFEST_BYTES, MAX_VERSION, Manifest, check_bounds, dropped_at,
-                                   held_at, next_version, owned, owner_of, tag_of, version_at)
+from tierd.remote.manifest import (HEAD_BYTES, MAX_MANIFEST_BYTES, MAX_VERSION, Head, Manifest, check_bounds,
+                                   dropped_at, held_at, next_version, owned, owner_of, tag_of, version_at)
 from tierd.types import SessionKey
 
 LINE_BYTES = 4096  # of a manifest missing() reads first: its first line, unless its spec's text is long
@@ -156,13 +156,15 @@ class FileBackend:
     def version_of(self, key: SessionKey) -> int:
         return version_at(self._current(self.dir_of(key), head_only=True))
 
-    def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
-        out: list[Manifest | None] = []
+    def heads(self, keys: list[SessionKey]) -> list[Head | None]:
+        out: list[Head | None] = []
         for key in keys:
+            line, _ = self._line(self.dir_of(key))
             try:
-                out.append(self.head(key)[0])
+                head = Head.parse(line + b"\n") if line and not dropped_at(line.rstrip(b"\n")) else None
             except DataLoss:
-                out.append(None)
+                head = None
+            out.append(head if head is not None and head.meta.get("owner", "") == owner_of(key) else None)
         return out
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:

@@ -16,15 +16,7 @@ from typing import Any
 
 from tierd.errors import DataLoss
 from tierd.remote.backend import Refused
-from tierd.remote.manifest import (
-    HEAD_BYTES,
-    Head,
-    Manifest,
-    dropped_at,
-    held_at,
-    owned,
-    version_at,
-)
+from tierd.remote.manifest import HEAD_BYTES, Head, Manifest, dropped_at, held_at, owned, owner_of, version_at
 from tierd.remote.redis import scripts
 from tierd.remote.redis.link import CHUNK_BYTES, Link, chunks_of
 from tierd.types import SessionKey
@@ -51,23 +43,15 @@ class Manifests:
         m, at = self._manifest_at(name, *self.link.call("a manifest read", self._read, keys=[name], args=[0]))
         return (owned(key, m) if m is not None else None), at
 
-    def manifests(self, keys: list[SessionKey]) -> list[Manifest | None]:
-        """The current manifest of each session (None: none, or one that does not parse)."""
+    def heads(self, keys: list[SessionKey]) -> list[Head | None]:
+        """The first line of each session's manifest (HEAD_BYTES at most read of each)."""
         if not keys:
             return []
         pipe = self.link.client.pipeline(transaction=False)
         for key in keys:
-            pipe.execute_command("EVAL", scripts.READ, 1, self.link.key(key, "m"), 0)
-        out: list[Manifest | None] = []
-        for key, reply in zip(keys, self.link.call("a manifest read", pipe.execute, raise_on_error=False)):
-            try:
-                if isinstance(reply, Exception):  # a key of another type, say
-                    raise DataLoss(str(reply))
-                m = self._manifest_at(self.link.key(key, "m"), *reply)[0]
-                out.append(owned(key, m) if m is not None else None)
-            except DataLoss:
-                out.append(None)
-        return out
+            pipe.getrange(self.link.key(key, "m"), 0, HEAD_BYTES - 1)
+        return [_head_of(key, raw) for key, raw in
+                zip(keys, self.link.call("a manifest read", pipe.execute, raise_on_error=False))]
 
     def _manifest_at(self, name: str, length: int, raw: bytes | None) -> tuple[Manifest | None, int]:
         """What a read of key `name` found (`length` bytes, of which raw is the
@@ -162,3 +146,14 @@ class Manifests:
             at = held_at(key, line, length)
             out.append(at is None or at == (version, write) and whole < chunks)
         return out
+
+
+def _head_of(key: SessionKey, raw: Any) -> Head | None:
+    """The head of the session's manifest in raw (None: none, a tombstone, not one, or another session's)."""
+    if not isinstance(raw, bytes) or not raw or dropped_at(raw):
+        return None
+    try:
+        head = Head.parse(raw)
+    except DataLoss:
+        return None
+    return head if head.meta.get("owner", "") == owner_of(key) else None

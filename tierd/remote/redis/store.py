@@ -55,7 +55,7 @@ class RemoteStore:
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
         # The protocol's reads, answered by the parts.
-        self.head, self.manifests, self.version_of = self.reader.head, self.reader.manifests, self.reader.version_of
+        self.head, self.heads, self.version_of = self.reader.head, self.reader.heads, self.reader.version_of
         self.tombstones, self.missing = self.reader.tombstones, self.reader.missing
         self.usage, self.listed, self.unlist = self.tenants.usage, self.tenants.listed, self.tenants.unlist
         self.read_into, self.read = self.fetcher.read_into, self.fetcher.read
