@@ -404,6 +404,20 @@ def test_a_node_started_again_gives_its_disk_copies_way_to_a_drop_or_a_newer_tur
         read(b, own)  # its tombstone: dropped too
 
 
+def test_a_node_started_again_keeps_serving_from_disk_what_the_remote_tier_holds_as_it_is(nodes):
+    """A recovered copy that is the remote tier's current version (the same
+    page checksums) is recorded as published, not fetched again."""
+    hb = nodes("b")
+    key = SessionKey("alice", "unchanged")
+    eng = HostEngine(seed=48)
+    stored(hb.store, key, eng, [0, 1], 32)
+    hb.close(flush=True)
+    b = hb.open()
+    info = b.stat(key)
+    assert (info.tier, info.remote_durable) == ("disk", True)
+    assert read(b, key) == b"".join(eng.pages([0, 1]))
+
+
 def test_a_node_started_again_serves_and_publishes_a_copy_the_remote_tier_holds_nothing_of(nodes):
     hb = nodes("b")
     b = hb.store

@@ -202,6 +202,14 @@ class Session:
         return self.remote_at == self.snap.version
 
     @property
+    def from_remote(self) -> bool:
+        """Whether the content builds on a version the remote tier holds
+        (fetched or published here, stores made since or not; or not known,
+        recovered from disk), rather than on none or on a store from token 0
+        made here since."""
+        return self.remote_version != 0 and self.remote_fresh <= self.remote_at
+
+    @property
     def state(self) -> State:
         if self.damaged:
             return State.DAMAGED

@@ -168,10 +168,6 @@ class RemoteLayer(Inspection):
         if self.publisher is not None:
             self.publisher.wake()
 
-    def _has(self, key: SessionKey) -> bool:
-        with self._lock:
-            return key in self._sessions
-
     # -- fetching -----------------------------------------------------------------------------
 
     def _stale(self, key: SessionKey, whole: bool = False) -> Manifest | None:
@@ -195,7 +191,7 @@ class RemoteLayer(Inspection):
             return None
         with self._lock:
             session = self._sessions.get(key)
-            if session is not None and not session.damaged and not _from_remote(session):
+            if session is not None and not session.damaged and not session.from_remote:
                 return None  # this node's own history: the session, whatever the remote tier holds
             version = -1 if session is None or session.damaged else session.remote_version
             write = "" if session is None else session.remote_write
@@ -217,6 +213,8 @@ class RemoteLayer(Inspection):
             return None
         if session is not None and self._settle(session, version, m, at) == "kept":
             return None
+        if session is not None and version == UNKNOWN and m is not None and self._recognised(session, m):
+            return None  # recovered, and what the remote tier holds: published as it is
         if m is not None and (m.version != version or (write and m.write != write)):
             return m  # another version, or another node's publish under this one's number (this node's was lost)
         if session is not None and version > 0 and (not at or m is not None and whole and self._lost(key, m)):
@@ -225,9 +223,19 @@ class RemoteLayer(Inspection):
             self._own(session)  # recovered, and the remote tier holds nothing of it: this node's own history
         return None
 
+    def _recognised(self, session: Session, m: Manifest) -> bool:
+        """Whether a copy recovered from disk is manifest m's version (the same
+        identity and page checksums): recorded as published, not fetched."""
+        with self._lock:
+            snap = session.snap
+            if session.remote_version != UNKNOWN or snap.spec.fingerprint != m.fingerprint or \
+                    not np.array_equal(snap.checksums, m.checksums):
+                return False
+            session.remote_version, session.remote_write, session.remote_at = m.version, m.write, snap.version
+            return True
+
     def _own(self, session: Session) -> None:
-        """A copy recovered from disk that the remote tier holds nothing of is
-        this node's own history: served as it is, and published."""
+        """A recovered copy the remote tier holds nothing of: this node's own, served and published."""
         with self._lock:
             if session.remote_version != UNKNOWN:
                 return
@@ -316,7 +324,7 @@ class RemoteLayer(Inspection):
         history) or fetched again meanwhile."""
         lock, now = self._acquire(session.key)
         try:
-            if now is session and (session.damaged or session.remote_version == version and _from_remote(session)):
+            if now is session and (session.damaged or session.remote_version == version and session.from_remote):
                 log.info("%s/%s was dropped on another node: this node's copy is forgotten", *session.key)
                 self._forget(session, "drop")
                 return True
@@ -683,13 +691,5 @@ class RemoteLayer(Inspection):
     def publish_queue(self) -> tuple[int, int]:
         """Sessions waiting for the publisher, and being published (0 or 1)."""
         return self.publisher.queued() if self.publisher is not None else (0, 0)
-
-def _from_remote(session: Session) -> bool:
-    """Whether the session's content builds on a version the remote tier
-    holds (fetched or published here, stores made since or not; or not
-    known, recovered from disk), rather than on none or on a store from
-    token 0 made here since."""
-    return session.remote_version != 0 and session.remote_fresh <= session.remote_at
-
 
 __all__ = ["Remote", "RemoteLayer"]

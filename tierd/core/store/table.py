@@ -170,6 +170,10 @@ class SessionTable:
         with self._lock:
             return self._view(session, self.moves.busy_keys())
 
+    def _has(self, key: SessionKey) -> bool:
+        with self._lock:
+            return key in self._sessions
+
     def keys(self) -> list[SessionKey]:
         with self._lock:
             return list(self._sessions)
