@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from tierd.config import REMOTE_SCHEMES
+from tierd.config.values import REMOTE_SCHEMES
 from tierd.errors import InvalidArgument
 from tierd.remote.backend import RemoteBackend
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as Late
 from typing import Any
 
-from tierd.config import parse_remote_url
+from tierd.config.values import parse_remote_url
 from tierd.errors import DataLoss, Unauthenticated, Unavailable
 from tierd.remote.backend import Refused
 from tierd.remote.manifest import tag_of
