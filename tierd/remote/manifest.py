@@ -222,3 +222,16 @@ def held_at(key: SessionKey, line: bytes | None, length: int) -> tuple[int, str]
 def dropped_at(raw: Any) -> int:
     """The version of the tombstone at a manifest's place (0: not one a backend takes as one)."""
     return version_at(raw) if isinstance(raw, bytes) and _TOMBSTONE.fullmatch(raw) else 0
+
+
+def listed_head(key: SessionKey, raw: Any) -> Head | None:
+    """The head of the session's manifest that raw begins with (its first
+    line, at least), for a listing; None for none, a tombstone, bytes that
+    are no manifest, or another session's."""
+    if not isinstance(raw, bytes) or not raw or dropped_at(raw):
+        return None
+    try:
+        head = Head.parse(raw)
+    except DataLoss:
+        return None
+    return head if head.meta.get("owner", "") == owner_of(key) else None

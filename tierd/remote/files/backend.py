@@ -20,7 +20,8 @@ from tierd.remote.backend import RECOUNT
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
 from tierd.remote.manifest import (HEAD_BYTES, MAX_MANIFEST_BYTES, MAX_VERSION, Head, Manifest, check_bounds,
-                                   dropped_at, held_at, next_version, owned, owner_of, tag_of, version_at)
+                                   dropped_at, held_at, listed_head, next_version, owned, owner_of, tag_of,
+                                   version_at)
 from tierd.types import SessionKey
 
 LINE_BYTES = 4096  # of a manifest missing() reads first: its first line, unless its spec's text is long
@@ -157,15 +158,7 @@ class FileBackend:
         return version_at(self._current(self.dir_of(key), head_only=True))
 
     def heads(self, keys: list[SessionKey]) -> list[Head | None]:
-        out: list[Head | None] = []
-        for key in keys:
-            line, _ = self._line(self.dir_of(key))
-            try:
-                head = Head.parse(line + b"\n") if line and not dropped_at(line.rstrip(b"\n")) else None
-            except DataLoss:
-                head = None
-            out.append(head if head is not None and head.meta.get("owner", "") == owner_of(key) else None)
-        return out
+        return [listed_head(key, self._line(self.dir_of(key))[0]) for key in keys]
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
         return [self._lost(key, *rest) for key, *rest in versions]

@@ -16,7 +16,7 @@ from typing import Any
 
 from tierd.errors import DataLoss
 from tierd.remote.backend import Refused
-from tierd.remote.manifest import HEAD_BYTES, Head, Manifest, dropped_at, held_at, owned, owner_of, version_at
+from tierd.remote.manifest import HEAD_BYTES, Head, Manifest, dropped_at, held_at, listed_head, owned, version_at
 from tierd.remote.redis import scripts
 from tierd.remote.redis.link import CHUNK_BYTES, Link, chunks_of
 from tierd.types import SessionKey
@@ -50,7 +50,7 @@ class Manifests:
         pipe = self.link.client.pipeline(transaction=False)
         for key in keys:
             pipe.getrange(self.link.key(key, "m"), 0, HEAD_BYTES - 1)
-        return [_head_of(key, raw) for key, raw in
+        return [listed_head(key, raw) for key, raw in
                 zip(keys, self.link.call("a manifest read", pipe.execute, raise_on_error=False))]
 
     def _manifest_at(self, name: str, length: int, raw: bytes | None) -> tuple[Manifest | None, int]:
@@ -146,14 +146,3 @@ class Manifests:
             at = held_at(key, line, length)
             out.append(at is None or at == (version, write) and whole < chunks)
         return out
-
-
-def _head_of(key: SessionKey, raw: Any) -> Head | None:
-    """The head of the session's manifest in raw (None: none, a tombstone, not one, or another session's)."""
-    if not isinstance(raw, bytes) or not raw or dropped_at(raw):
-        return None
-    try:
-        head = Head.parse(raw)
-    except DataLoss:
-        return None
-    return head if head.meta.get("owner", "") == owner_of(key) else None
