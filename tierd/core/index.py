@@ -15,14 +15,12 @@ write the index before they change anything in memory. At start, rows that
 do not parse are quarantined (recover), and a file that is not a sound
 database any more is moved aside for a fresh one.
 
-Over 300 lines because it is the one place that knows the schema: its
-transactions, the reads recovery makes and the quarantine of damaged rows
-share one connection and its lock (row checks are in core/rows.py).
+The schema, its format version and how SQLite's failures read are in
+core/index_schema.py; row checks in core/rows.py.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sqlite3
@@ -34,73 +32,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierd.core import tokens
+from tierd.core.index_schema import (FORMAT_VERSION, SCHEMA, SQLITE_FULL, IndexFormatError, IndexUnavailable, columns,
+                                     tierd_columns, unsound)
 from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
 from tierd.errors import ResourceExhausted, TierdError, Unavailable
 from tierd.tiers.allocator import Piece
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.index")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    tenant TEXT NOT NULL,
-    session_id TEXT NOT NULL,
-    spec TEXT NOT NULL,
-    num_tokens INTEGER NOT NULL,
-    num_pages INTEGER NOT NULL,
-    nbytes INTEGER NOT NULL,
-    created REAL NOT NULL,
-    last_access REAL NOT NULL,
-    priority INTEGER NOT NULL,
-    PRIMARY KEY (tenant, session_id)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS pieces (
-    tenant TEXT NOT NULL,
-    session_id TEXT NOT NULL,
-    first_page INTEGER NOT NULL,
-    n_pages INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
-    alloc_bytes INTEGER NOT NULL,
-    checksums BLOB NOT NULL,
-    tokens BLOB NOT NULL DEFAULT x'',
-    PRIMARY KEY (tenant, session_id, first_page)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-"""
-FORMAT_VERSION = "2"  # 2: pieces record the token hashes of their pages (empty: not known)
-SQLITE_FULL = 13  # the primary result code of "database or disk is full"
-
-
-class IndexFormatError(RuntimeError):
-    pass
-
-
-class IndexUnavailable(RuntimeError):
-    """The index cannot be opened for a reason other than damage (permissions,
-    a file system with no room for a new database): nothing was changed."""
-
-
-def _unsound(exc: sqlite3.Error) -> bool:
-    """Whether SQLite says the file is not a sound database. It raises bare
-    DatabaseError for that alone (SQLITE_CORRUPT, SQLITE_NOTADB), and
-    subclasses for I/O errors, a full disk, locks."""
-    return type(exc) is sqlite3.DatabaseError
-
-
-def _columns(db: sqlite3.Connection) -> dict[str, list[str]]:
-    return {t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in ("sessions", "pieces", "meta")}
-
-
-@functools.cache
-def _tierd_columns() -> dict[str, list[str]]:
-    """The tables' columns as this version writes them."""
-    db = sqlite3.connect(":memory:")
-    db.executescript(SCHEMA)
-    try:
-        return _columns(db)
-    finally:
-        db.close()
-
 
 class DiskIndex:
     def __init__(self, path: str) -> None:
@@ -111,7 +50,7 @@ class DiskIndex:
         try:
             self._open()
         except sqlite3.Error as exc:
-            if not _unsound(exc):
+            if not unsound(exc):
                 raise IndexUnavailable(f"cannot open the disk index {path}: {exc}") from None
             self._set_aside(str(exc))
             try:
@@ -132,8 +71,8 @@ class DiskIndex:
         try:
             self._db.executescript(SCHEMA)
             self._check_format()
-            if _columns(self._db) != _tierd_columns():
-                raise sqlite3.DatabaseError(f"its tables are not tierd's: {_columns(self._db)}")
+            if columns(self._db) != tierd_columns():
+                raise sqlite3.DatabaseError(f"its tables are not tierd's: {columns(self._db)}")
         except BaseException:
             self._db.close()
             raise
@@ -306,7 +245,7 @@ class DiskIndex:
             if verdict != [("ok",)]:
                 raise sqlite3.DatabaseError("quick_check: " + " ".join(str(r[0]).replace("\n", " ") for r in verdict))
         except sqlite3.Error as exc:
-            if not _unsound(exc):
+            if not unsound(exc):
                 raise self._failed(exc, "read its rows") from exc
             self._db.close()
             self._set_aside(str(exc))  # before anything was written to it: as it was found
