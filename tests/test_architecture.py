@@ -21,7 +21,7 @@ ALLOWED_BASES = {"Protocol", "Exception", "Enum", "IntEnum", "NamedTuple", "Tier
 
 LONGER_FOR_NOW = {  # lines each has at most, until it is split
     "tierd/adapters/vllm.py": 394,
-    "tierd/core/placement.py": 349,
+    "tierd/core/placement.py": 313,
     "tierd/core/store/remote.py": 695,
     "tierd/core/store/writes.py": 360,
 }

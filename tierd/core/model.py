@@ -182,8 +182,9 @@ class Session:
     readers: int = 0  # Get streams reading pages without the op lock
     deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done
     # The remote tier (core/store/remote.py): the manifest version this content builds on (0: none;
-    # UNKNOWN: recovered from disk, the remote tier is asked before it is served) and that version's write id ("": not known; after a publish lost in a fail-over, another node's
-    # publish may take the same number), the snapshot version the remote tier holds (-1: none), and the
+    # UNKNOWN: recovered from disk, the remote tier is asked before it is served) and that version's
+    # write id ("": not known; after a publish lost in a fail-over, another node's publish may take the
+    # same number), the snapshot version the remote tier holds (-1: none), and the
     # snapshot version of the last store from token 0 on this node (-1: none): past remote_at, a new
     # history that replaces what is there.
     remote_version: int = 0

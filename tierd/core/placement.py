@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from tierd.core.events import StoreEvents
+from tierd.core.holders import Holders
 from tierd.core.ports import Lending, MakeRoom
 from tierd.core.index import DiskIndex, Row
 from tierd.core.model import Session
@@ -54,9 +55,7 @@ class Placement:
         self.make_room: MakeRoom = make_room or (lambda tier, need, protect, io_class, tenant, evict: False)
         self.quota = quota
         self._copy_locks = {t: threading.RLock() for t in tiers}  # re-entrant: making room copies too
-        self._holders: dict[tuple[str, int], int] = {}  # (tier, offset) -> holders, of allocations with several
-        self.shared_bytes: dict[str, int] = {}  # tier -> bytes its allocations would take again, one per holder more
-        self._damaged: set[tuple[str, int]] = set()  # (tier, offset) of shared allocations whose bytes failed a check
+        self.held = Holders(lock)  # allocations several pieces hold (prefix sharing)
 
     # -- allocation ------------------------------------------------------------
 
@@ -103,45 +102,10 @@ class Placement:
             f"the {tier} tier has no room for {total} bytes (budget {t.budget})",
             tier=tier, need=total, budget=t.budget, used=t.used)
 
-    def hold(self, tier: str, pieces: list[Piece]) -> None:
-        """One holder more for each piece's allocation (a piece cut from
-        one that a snapshot or a write holds)."""
-        with self.lock:
-            for p in pieces:
-                key = (tier, p.offset)
-                self._holders[key] = self._holders.get(key, 1) + 1
-                self.shared_bytes[tier] = self.shared_bytes.get(tier, 0) + p.alloc_bytes
-
-    def holders(self, tier: str, piece: Piece) -> int:
-        """How many pieces hold the allocation this piece is in (called with the store lock held)."""
-        return self._holders.get((tier, piece.offset), 1)
-
-    def damage(self, tier: str, piece: Piece) -> None:
-        """The allocation holds a page that failed its checksum: it is lent no more (store lock held)."""
-        self._damaged.add((tier, piece.offset))
-
-    def is_damaged(self, tier: str, piece: Piece) -> bool:
-        return (tier, piece.offset) in self._damaged
-
-    def shared_allocations(self) -> list[tuple[str, int]]:
-        """(tier, offset) of every allocation counted as held more than once (store lock held)."""
-        return list(self._holders)
-
     def free(self, tier: str, pieces: list[Piece]) -> None:
         """Let go of each piece: its room returns when no other piece holds its allocation."""
         for p in pieces:
-            with self.lock:
-                key = (tier, p.offset)
-                n = self._holders.get(key, 1)
-                if n > 2:
-                    self._holders[key] = n - 1
-                elif n == 2:
-                    del self._holders[key]
-                if n > 1:
-                    self.shared_bytes[tier] -= p.alloc_bytes
-                else:
-                    self._damaged.discard(key)
-            if n == 1:
+            if self.held.let_go(tier, p):
                 self.tiers[tier].free(p)
 
     def retire(self, session: Session, pieces: list[tuple[str, Piece]]) -> None:

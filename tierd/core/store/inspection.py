@@ -47,8 +47,8 @@ class Inspection(Upkeep):
         # sessions): tiers_held() reads each placement by name, never iterating a
         # dict that a move may change meanwhile.
         counts = {t: 0 for t in self.tiers}
-        saved = {t: 0 if tenant is not None else self.placement.shared_bytes.get(t, 0) for t in self.tiers}
-        holders = self.placement.holders
+        saved = {t: 0 if tenant is not None else self.placement.held.shared_bytes.get(t, 0) for t in self.tiers}
+        holders = self.placement.held.holders
         for s in sessions:
             if tenant is None or s.key.tenant == tenant:
                 for t in s.snap.tiers_held():
@@ -121,8 +121,8 @@ class Inspection(Upkeep):
                         if refs[key] == 1:
                             held[tier][tenant] = held[tier].get(tenant, 0) + self.tiers[tier].allocator.round(
                                 p.alloc_bytes)
-            counted = {key: self.placement.holders(key[0], Piece(key[1], 0, 0, 0)) for key in refs}
-            stray = [key for key in self.placement.shared_allocations() if key not in refs]
+            counted = {key: self.placement.held.holders(key[0], Piece(key[1], 0, 0, 0)) for key in refs}
+            stray = [key for key in self.placement.held.shared_allocations() if key not in refs]
         problems = [f"the {tier} tier's allocation at {offset} has {n} holders, its count says {counted[tier, offset]}"
                     for (tier, offset), n in sorted(refs.items()) if counted[tier, offset] != n]
         problems += [f"the {tier} tier's allocation at {offset} is counted as shared, and nothing holds it"

@@ -159,7 +159,8 @@ class Sharing(SessionTable):
         from lo. Store lock held."""
         snap = donor.snap
         covered = np.zeros(max(upto - lo, 0), dtype=bool)
-        good = {t: [p for p in pieces if not self.placement.is_damaged(t, p)] for t, pieces in snap.placement.items()}
+        held = self.placement.held
+        good = {t: [p for p in pieces if not held.is_damaged(t, p)] for t, pieces in snap.placement.items()}
         for pieces in good.values():
             for p in pieces:
                 if lo <= p.first_page < upto:
@@ -171,7 +172,7 @@ class Sharing(SessionTable):
             cut = [Piece(p.offset, p.alloc_bytes, p.first_page, min(p.n_pages, end - p.first_page))
                    for p in pieces if lo <= p.first_page < end]
             if cut:
-                self.placement.hold(tier, cut)
+                self.placement.held.hold(tier, cut)
                 lent[tier] = cut
         return lent, end
 
@@ -200,7 +201,7 @@ class Sharing(SessionTable):
                                 best = pieces
                         got = sum(p.n_pages for p in best)
                         if got:
-                            self.placement.hold(tier, best)
+                            self.placement.held.hold(tier, best)
                             borrowed += best
                     if not got:
                         left.append((at, stop - at))
@@ -220,7 +221,7 @@ class Sharing(SessionTable):
         hi = lo + (int(stops[0]) if stops.size else hi - lo)
         out, at = [], lo
         for p in theirs.pieces(tier):
-            if p.first_page == at and at < hi and not self.placement.is_damaged(tier, p):
+            if p.first_page == at and at < hi and not self.placement.held.is_damaged(tier, p):
                 n = min(p.n_pages, hi - at)
                 out.append(Piece(p.offset, p.alloc_bytes, p.first_page, n))
                 at += n
@@ -236,9 +237,10 @@ class Sharing(SessionTable):
         snap = session.snap
         with self._lock:
             piece = next((p for p in snap.pieces(tier) if p.first_page <= page < p.first_page + p.n_pages), None)
-            if piece is None or self.placement.holders(tier, piece) < 2 or page >= tokens.known_pages(snap.token_hashes):
+            if piece is None or self.placement.held.holders(tier, piece) < 2 or \
+                    page >= tokens.known_pages(snap.token_hashes):
                 return
-            self.placement.damage(tier, piece)  # lent no more, also by a store that took it before this
+            self.placement.held.damage(tier, piece)  # lent no more, also by a store that took it before this
             hit = []
             for key in list(self._prefixes.holders(session.key.tenant, snap.spec.fingerprint,
                                                    snap.token_hashes[page])):

@@ -49,7 +49,7 @@ class Store(RemoteLayer):
         now = self.clock.now()
         held: set[int] = set()
         for rec in kept:
-            self.placement.hold(durable, [p for p in rec.pieces if p.offset in held])  # shared prefix pages
+            self.placement.held.hold(durable, [p for p in rec.pieces if p.offset in held])  # shared prefix pages
             held.update(p.offset for p in rec.pieces)
             snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {durable: rec.pieces},
                             token_hashes=rec.token_hashes)

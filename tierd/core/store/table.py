@@ -106,7 +106,7 @@ class SessionTable:
         evenly among its holders, so that evicting them all frees what the
         sums say. (Stat's tier_bytes counts such an allocation in full: the
         bytes the session reads from; Stats says what sharing saves.)"""
-        holders = self.placement.holders
+        holders = self.placement.held.holders
         return {t: sum(p.alloc_bytes // holders(t, p) for p in pieces) for t, pieces in snap.placement.items()
                 if pieces}
 
@@ -118,7 +118,7 @@ class SessionTable:
         mask = np.zeros(snap.n_pages, dtype=bool)
         for t, pieces in snap.placement.items():
             for p in pieces:
-                if self.placement.holders(t, p) > 1:
+                if self.placement.held.holders(t, p) > 1:
                     mask[p.first_page : p.first_page + p.n_pages] = True
         mask[self._shared_depth(s) :] = False
         if not mask.any():

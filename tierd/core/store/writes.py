@@ -174,7 +174,7 @@ class Writes(Sharing):
     def _check_lent(self, w: PendingWrite) -> None:
         """A store whose lent pages were found damaged since it began is refused (DATA_LOSS): it would hold them."""
         with self._lock:
-            bad = [p for tier, pieces in w.lent.items() for p in pieces if self.placement.is_damaged(tier, p)]
+            bad = [p for tier, pieces in w.lent.items() for p in pieces if self.placement.held.is_damaged(tier, p)]
         if bad:
             raise DataLoss(f"page {bad[0].first_page} that session {shown(w.key.session_id)} took from another "
                            "session failed its checksum meanwhile: store it again", session_id=w.key.session_id,
