@@ -23,6 +23,7 @@ from tierd.core.cuda_ipc import CupyDriver, IpcCache
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.store import Store
+from tierd.core.store import build as build_store
 from tierd.core.store.remote import Remote
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -256,8 +257,8 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
     backends["remote"] = text
     index = DiskIndex(os.path.join(site.data_dir, "index.db")) if durable_tier(tiers) is not None else None
     try:
-        store = Store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
-                      shm_prefix=site.shm_prefix, remote=remote)
+        store = build_store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
+                            shm_prefix=site.shm_prefix, remote=remote)
     except BaseException:
         if index is not None:
             index.close()

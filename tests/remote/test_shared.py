@@ -277,13 +277,13 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     assert sorted(b.keys()) == sorted(keys[1:]) and b.check_accounting() == []  # the bytes are back
     assert [i.session_id for i in b.list("alice")[0]] == ["swept1", "swept2"]
     # (a copy whose tombstone went first stays, as a copy whose manifest was evicted does)
-    old = b._sessions[keys[2]]
+    old = b.table.get(keys[2])
     seen = old.remote_version  # what a sweep read, before the drop and the new history below
     a.drop(keys[2])
     stored(a, keys[2], HostEngine(seed=35), [5], 16)
     _, reader = b.get(keys[2])  # the new history fetched into the same session meanwhile
     assert b"".join(bytes(x) for x in reader) == HostEngine(seed=35).pages([5])[0]
-    assert not b._dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
+    assert not b.finder.dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
 
 
 def read(store, key):
@@ -580,8 +580,6 @@ def test_a_lost_publish_whose_number_another_node_took_gives_way_to_that_node_s_
 
 
 def test_a_copy_stored_onto_before_its_drop_was_known_is_forgotten_not_published_over_the_tombstone(nodes):
-    from tierd.core.store.writes import Writes
-
     a, b = nodes("a").store, nodes("b").store
     key = SessionKey("alice", "raced")
     eng = HostEngine(seed=32)
@@ -589,8 +587,8 @@ def test_a_copy_stored_onto_before_its_drop_was_known_is_forgotten_not_published
     _, reader = b.get(key)
     b"".join(bytes(x) for x in reader)
     a.drop(key)
-    # b's append committed before it could learn of the drop (Writes.save: the store without the look first)
-    Writes.save(b, key, eng.memory, SPEC, [2], 48, 32, token_ids=tokens_of(key, 48))
+    # b's append committed before it could learn of the drop (the store's Saves: the store without the look first)
+    b.saves.save(key, eng.memory, SPEC, [2], 48, 32, token_ids=tokens_of(key, 48))
     wait_for(lambda: b.publish_queue() == (0, 0), what="the publisher idle")
     assert a.remote.store.head(key)[0] is None  # the drop stands
     for store in (a, b):  # b's turn continued the dropped conversation: gone with it

@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from tierd.core.events import StoreEvents
+from tierd.core.faults import Faults
 from tierd.core.holders import Holders
 from tierd.core.ports import Lending, MakeRoom
 from tierd.core.index import DiskIndex, Row
@@ -43,8 +44,8 @@ from tierd.types import SessionKey
 log = logging.getLogger("tierd.core.placement")
 class Placement:
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, events: StoreEvents,
-                 lock: threading.RLock, lending: Lending = Lending(), make_room: MakeRoom | None = None,
-                 quota: Callable[[str], int | None] = lambda tier: None) -> None:
+                 lock: threading.RLock, holders: Holders, faults: Faults, lending: Lending = Lending(),
+                 make_room: MakeRoom | None = None, quota: Callable[[str], int | None] = lambda tier: None) -> None:
         self.tiers = tiers
         self.durable = durable_tier(tiers)  # the tier the index records (disk), if there is one
         self.copier = copier
@@ -55,7 +56,8 @@ class Placement:
         self.make_room: MakeRoom = make_room or (lambda tier, need, protect, io_class, tenant, evict: False)
         self.quota = quota
         self._copy_locks = {t: threading.RLock() for t in tiers}  # re-entrant: making room copies too
-        self.held = Holders(lock)  # allocations several pieces hold (prefix sharing)
+        self.held = holders  # allocations several pieces hold (prefix sharing)
+        self.faults = faults
 
     # -- allocation ------------------------------------------------------------
 
@@ -82,7 +84,7 @@ class Placement:
                     pieces = t.alloc_pages(n, stride, owner=tenant)
                 except OSError as exc:
                     self.free(tier, got)
-                    raise self.io_failed("allocation", exc, protect, tier) from exc
+                    raise self.faults.io_failed("allocation", exc, protect, tier) from exc
                 if pieces is None:
                     break
                 got += [Piece(p.offset, p.alloc_bytes, p.first_page + first, p.n_pages) for p in pieces]
@@ -182,15 +184,8 @@ class Placement:
         dst = [Span(p.first_page, p.n_pages, target, p.offset) for p in pieces]
         src = [s for s in snap.best_spans() if s.tier != target]
         t0 = time.perf_counter()
-        try:
+        with self._copying(session, target, pieces + borrowed, "read"):
             moved = self.copier.move(src, dst, geom, snap.checksums, io_class) if dst else 0
-        except BaseException as exc:
-            self.free(target, pieces + borrowed)
-            if isinstance(exc, DataLoss):
-                self.mark_damaged(session, exc)
-            elif isinstance(exc, OSError):
-                raise self.io_failed("read", exc, session.key) from exc
-            raise
         with self.lock:
             snap.add_pieces(target, pieces + borrowed)
         if not dst:
@@ -198,6 +193,20 @@ class Placement:
         source = max((s.tier for s in src), key=tier_rank)
         self.events.moved(source, target, reason, moved, time.perf_counter() - t0)
         return moved
+
+    @contextmanager
+    def _copying(self, session: Session, tier: str, pieces: list[Piece], op: str) -> Iterator[None]:
+        """A copy of the session's pages into these pieces: where it fails, they
+        go back; a page that fails its check damages the session, failed I/O is UNAVAILABLE."""
+        try:
+            yield
+        except BaseException as exc:
+            self.free(tier, pieces)
+            if isinstance(exc, DataLoss):
+                self.faults.damaged(session, exc)
+            elif isinstance(exc, OSError):
+                raise self.faults.io_failed(op, exc, session.key) from exc
+            raise
 
     def write_durable(self, session: Session, io_class: IOClass, reason: str, evict: bool) -> None:
         """Give every page a copy in the durable tier (evict: as alloc) and record the session as durable."""
@@ -229,16 +238,9 @@ class Placement:
             src = [s for s in snap.best_spans() if s.tier != durable]
             t0 = time.perf_counter()
             epoch = self.tiers[durable].epoch()
-            try:
+            with self._copying(session, durable, pieces + borrowed, "write"):
                 moved = self.copier.move(src, dst, geom, snap.checksums, io_class)
                 self.tiers[durable].sync(epoch)
-            except BaseException as exc:
-                self.free(durable, pieces + borrowed)
-                if isinstance(exc, DataLoss):
-                    self.mark_damaged(session, exc)
-                elif isinstance(exc, OSError):
-                    raise self.io_failed("write", exc, session.key) from exc
-                raise
             source = max((s.tier for s in src), key=tier_rank)
             self.events.moved(source, durable, reason, moved, time.perf_counter() - t0)
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
@@ -266,11 +268,7 @@ class Placement:
         if not cut and not add:
             return []
         if self.index is not None and (add or snap.pieces(self.durable) or session.row is not None):
-            row = session.row
-            if row is not None and row.num_pages > n_pages:
-                row = None if snap.spec.is_opaque or n_pages == 0 else Row(
-                    row.spec, min(row.num_tokens, n_pages * row.spec.block_tokens), n_pages,
-                    n_pages * row.spec.page_bytes, row.created, row.last_access, row.priority)
+            row = session.row.cut(n_pages) if session.row is not None else None
             self.index.truncate(session.key, n_pages, row, add)
             session.row = row
         if not cut:
@@ -293,21 +291,3 @@ class Placement:
             placement = dict(session.snap.placement)
             session.snap.placement.clear()
         self.retire(session, [(t, p) for t, pieces in placement.items() for p in pieces])
-
-    def io_failed(self, op: str, exc: OSError, key: SessionKey, tier: str | None = None) -> Unavailable:
-        """A tier's I/O (None: the durable tier's, the one that does I/O)
-        failed while moving or serving a session: counted, logged, and
-        retryable (nothing was served or changed; the old copies stay
-        authoritative)."""
-        tier = tier or self.durable or "tier"
-        self.events.disk_error(op)
-        log.error("%s %s for %s/%s failed: %s", tier, op, key.tenant, key.session_id, exc)
-        return Unavailable(f"a {tier} {op} for session {shown(key.session_id)} failed ({exc.strerror or exc}); "
-                           "nothing was changed, try again", op=op, session_id=key.session_id)
-
-    def mark_damaged(self, session: Session, exc: DataLoss) -> None:
-        log.error("session %s/%s is damaged: %s", session.key.tenant, session.key.session_id, exc)
-        with self.lock:
-            session.damaged = True
-        self.lending.damaged(session, exc)
-        self.events.checksum_failed(str(exc.details.get("tier", self.durable)))

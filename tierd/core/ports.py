@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierd.core.model import Session
-from tierd.errors import DataLoss
 from tierd.tiers import Piece
 from tierd.tiers.ioqueue import IOClass
 from tierd.types import SessionKey
@@ -28,5 +27,3 @@ class Lending:
     borrow: Borrow = lambda session, tier, ranges: ([], ranges)
     # Whether pages in these ranges of the session are held by other sessions too.
     held_by_others: Callable[[Session, list[tuple[int, int]]], bool] = lambda session, ranges: False
-    # A page of the session failed its check: the other sessions that hold it are damaged too.
-    damaged: Callable[[Session, DataLoss], None] = lambda session, exc: None

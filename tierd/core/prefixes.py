@@ -7,8 +7,9 @@ the same hashes, every page before it: the holders of a request's page i
 can lend pages [0, i]. Tenants have tables of their own: no answer, and no
 lookup's cost, depends on what another tenant holds.
 
-Metadata only, no locks: the store keeps it in step with its sessions under
-the store lock (core/store/sharing.py), on whichever thread changed them.
+Metadata only, no locks: the prefix index (core/store/sharing.py) keeps it
+in step with the session table under the store lock, on whichever thread
+changed the sessions.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from collections.abc import Iterator
 import numpy as np
 
 from tierd.core import tokens
-from tierd.types import SessionKey
+from tierd.core.model import Session
 
 
 class PrefixTable:
     def __init__(self) -> None:
         # tenant -> fingerprint + page hash -> the sessions holding that page (an ordered set)
-        self._tenants: dict[str, dict[bytes, dict[SessionKey, None]]] = {}
+        self._tenants: dict[str, dict[bytes, dict[object, Session]]] = {}
         # tenant -> tokens of known pages a session holds -> how many sessions hold that many
         self._depths: dict[str, Counter[int]] = {}
 
@@ -36,19 +37,21 @@ class PrefixTable:
         for at in range(0, len(raw), tokens.HASH_BYTES):
             yield fp + raw[at : at + tokens.HASH_BYTES]
 
-    def add(self, key: SessionKey, fingerprint: str, hashes: np.ndarray, depth: int) -> None:
+    def add(self, session: Session, fingerprint: str, hashes: np.ndarray, depth: int) -> None:
         """The session holds these pages (its snapshot's hashes; unknown ones
         are left out), `depth` tokens of them (what remove() is given back)."""
         names = list(self._names(fingerprint, hashes))
         if not names:
             return
+        key = session.key
         table = self._tenants.setdefault(key.tenant, {})
         for name in names:
-            table.setdefault(name, {})[key] = None
+            table.setdefault(name, {})[key] = session
         self._depths.setdefault(key.tenant, Counter())[depth] += 1
 
-    def remove(self, key: SessionKey, fingerprint: str, hashes: np.ndarray, depth: int) -> None:
+    def remove(self, session: Session, fingerprint: str, hashes: np.ndarray, depth: int) -> None:
         """The session no longer holds these pages (what add() was given)."""
+        key = session.key
         names = list(self._names(fingerprint, hashes))
         table = self._tenants.get(key.tenant)
         if not names or table is None:
@@ -72,12 +75,12 @@ class PrefixTable:
         depths = self._depths.get(tenant)
         return max(depths) if depths else 0
 
-    def holders(self, tenant: str, fingerprint: str, page_hash: np.ndarray) -> Iterator[SessionKey]:
+    def holders(self, tenant: str, fingerprint: str, page_hash: np.ndarray) -> Iterator[Session]:
         """The sessions of the tenant that hold a page with this hash, first added first."""
         table = self._tenants.get(tenant)
         if table is None:
             return iter(())
-        return iter(table.get(fingerprint.encode() + page_hash.tobytes(), ()))
+        return iter(table.get(fingerprint.encode() + page_hash.tobytes(), {}).values())
 
     def pages(self, tenant: str | None = None) -> int:
         """Distinct pages held (by one tenant, or by all)."""

@@ -30,6 +30,16 @@ class Row:
     last_access: float
     priority: int
 
+    def cut(self, n_pages: int) -> Row | None:
+        """The row of the session's first n_pages pages (None: no row, where
+        nothing is left or the snapshot is opaque bytes); itself if it holds no more."""
+        if self.num_pages <= n_pages:
+            return self
+        if self.spec.is_opaque or n_pages == 0:
+            return None
+        return Row(self.spec, min(self.num_tokens, n_pages * self.spec.block_tokens), n_pages,
+                   n_pages * self.spec.page_bytes, self.created, self.last_access, self.priority)
+
 
 @dataclass(frozen=True, slots=True)
 class Recovered:

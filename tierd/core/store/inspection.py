@@ -1,4 +1,4 @@
-"""What operators and tests look at: List and Stats (read under the store
+"""What operators and tests look at: Stat, List and Stats (read under the store
 lock, counted without it), where a session's pages lie, and, for tests and
 benches, the integrity scan of the durable tier and the accounting
 invariant. Any thread."""
@@ -8,31 +8,61 @@ from __future__ import annotations
 import bisect
 import time
 
-from tierd.core.store.leases import _SaveLease
-from tierd.core.store.upkeep import CHECKS_PER_LOCK, Upkeep
+from tierd.core.index import DiskIndex
+from tierd.core.move_queue import MoveQueue
+from tierd.core.placement import Placement
+from tierd.core.roles import TierRoles
+from tierd.core.store.describe import Describe
+from tierd.core.store.leases import Leases
+from tierd.core.store.table import SessionTable
+from tierd.core.store.upkeep import CHECKS_PER_LOCK
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.tiers import tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
-from tierd.types import SessionInfo, TierStats
+from tierd.policy import SessionView
+from tierd.transfer.copier import CopyEngine
+from tierd.types import SessionInfo, SessionKey, TierStats
 
 
-class Inspection(Upkeep):
+class Inspection:
+    def __init__(self, table: SessionTable, describe: Describe, placement: Placement, leases: Leases,
+                 moves: MoveQueue, index: DiskIndex | None, copier: CopyEngine, tiers: dict, roles: TierRoles) -> None:
+        self.table = table
+        self.describe = describe
+        self.placement = placement
+        self.leases = leases
+        self.moves = moves
+        self.index = index
+        self.copier = copier
+        self.tiers = tiers
+        self.roles = roles
+
+    def stat(self, key: SessionKey) -> SessionInfo:
+        session = self.table.get(key)
+        with self.table.lock:
+            return self.describe.info(session)
+
+    def policy_view(self, key: SessionKey) -> SessionView:
+        """What policy knows of the session now (its idle clock, whether it is awaited, busy, ...)."""
+        session = self.table.get(key)
+        busy = self.moves.busy_keys()
+        with self.table.lock:
+            return self.describe.view(session, busy)
+
     def list(self, tenant: str | None = None, after: str = "", limit: int = 100) -> tuple[list[SessionInfo], str]:
         """Sessions ordered by (tenant, id), after the page token; returns the
         page and the token of the next page ("" when done)."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
             raise InvalidArgument(f"limit must be 1 to 10000, got {shown(limit)}", field="limit")
-        with self._lock:  # held for a copy of the keys only; sorted and described without it
-            keys = [k for k in self._sessions if tenant is None or k.tenant == tenant]
-        keys.sort()
+        keys = sorted(self.table.keys(tenant))  # described without the store lock, in batches
         if after:
             keys = keys[bisect.bisect_right(keys, tuple(after.split("\x00", 1))):]
         page: list[SessionInfo] = []
         for i in range(0, min(limit, len(keys)), CHECKS_PER_LOCK):
-            with self._lock:
-                page += [self._info(s) for k in keys[i : min(i + CHECKS_PER_LOCK, limit)]
-                         if (s := self._sessions.get(k)) is not None]
+            with self.table.lock:
+                page += [self.describe.info(s) for k in keys[i : min(i + CHECKS_PER_LOCK, limit)]
+                         if (s := self.table.find(k)) is not None]
             time.sleep(0)  # let the event loop have the GIL between batches (~4 ms each)
         token = "\x00".join(keys[limit - 1]) if len(keys) > limit else ""
         return page, token
@@ -41,8 +71,7 @@ class Inspection(Upkeep):
         """Each tier's budget, bytes used, capacity and sessions holding pages
         there: the whole daemon's, or only what `tenant` holds (its capacity,
         the bytes the tier has mapped for every tenant, is 0)."""
-        with self._lock:
-            sessions = list(self._sessions.values())
+        sessions = self.table.sessions()
         # Counted without the store lock (a scrape took it for ~20 ms at 20,000
         # sessions): tiers_held() reads each placement by name, never iterating a
         # dict that a move may change meanwhile.
@@ -73,8 +102,8 @@ class Inspection(Upkeep):
         extents = []
         seen: set[int] = set()
         indexed_pieces = 0
-        for key in self.keys():
-            with self._held(key) as session:
+        for key in self.table.keys():
+            with self.table.held(key) as session:
                 snap = session.snap
                 pieces = snap.pieces(durable)
                 extents += [(p.offset, p.alloc_bytes, key) for p in pieces if p.offset not in seen]
@@ -106,13 +135,12 @@ class Inspection(Upkeep):
         Returns the differences; exact only while no call or move is in flight."""
         held: dict[str, dict[str, int]] = {name: {} for name in self.tiers}
         refs: dict[tuple[str, int], int] = {}
-        with self._lock:
-            holders = [(s.key.tenant, s.snap.placement) for s in self._sessions.values()]
-            for lease in self._leases.values():
-                if isinstance(lease, _SaveLease):
-                    holders += [(lease.key.tenant, {lease.write.tier: lease.write.pieces}),
-                                (lease.key.tenant, lease.write.lent)]
-            holders += [(s.key.tenant, {tier: [p]}) for s in self._sessions.values() for tier, p in s.deferred]
+        writes = self.leases.open_writes()
+        with self.table.lock:
+            sessions = self.table.sessions()
+            holders = [(s.key.tenant, s.snap.placement) for s in sessions]
+            holders += [(w.key.tenant, {w.tier: w.pieces}) for w in writes] + [(w.key.tenant, w.lent) for w in writes]
+            holders += [(s.key.tenant, {tier: [p]}) for s in sessions for tier, p in s.deferred]
             for tenant, placement in holders:
                 for tier, pieces in placement.items():
                     for p in pieces:

@@ -9,8 +9,8 @@ threads; expiry also from the policy thread."""
 from __future__ import annotations
 
 import logging
-import os
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.core import tokens
+from tierd.clock import Clock
+from tierd.core.events import StoreEvents
 from tierd.core.model import Session
+from tierd.core.roles import TierRoles
 from tierd.core.store.checks import (
     DEFAULT_LEASE_SECONDS,
     check_blocks_range,
@@ -28,7 +31,10 @@ from tierd.core.store.checks import (
     check_ttl,
     token_hashes,
 )
-from tierd.core.store.reads import Reads
+from tierd.core.store.reads import Reader
+from tierd.core.store.segments import LeaseSegments
+from tierd.core.store.table import SessionTable
+from tierd.core.store.writes import Writer
 from tierd.core.store.pending import PendingWrite
 from tierd.errors import (
     FailedPrecondition,
@@ -40,11 +46,11 @@ from tierd.errors import (
 )
 from tierd.layout import KVSpec
 from tierd.tiers import shm, tier_rank
+from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Geometry
 from tierd.types import Lease, SessionInfo, SessionKey, Slot
 
 log = logging.getLogger("tierd.core.store")
-SPARE_SECONDS = 30.0  # a segment kept for a tenant's next lease goes after this long unused
 
 
 @dataclass(eq=False)
@@ -70,60 +76,19 @@ class _RestoreLease(_Lease):
     started: float
 
 
-class Leases(Reads):
-    def __init__(self, tiers: dict, copier, index, clock, policy, events, shm_prefix: str | None) -> None:
-        super().__init__(tiers, copier, index, clock, policy, events)
+class Leases:
+    def __init__(self, table: SessionTable, writer: Writer, reader: Reader, segments: LeaseSegments,
+                 copier: CopyEngine, roles: TierRoles, clock: Clock, events: StoreEvents) -> None:
+        self.table = table
+        self.writer = writer
+        self.reader = reader
+        self.segments = segments
+        self.copier = copier
+        self.roles = roles
+        self.clock = clock
+        self.events = events
+        self._lock = threading.Lock()  # the open leases
         self._leases: dict[str, _Lease] = {}
-        self._lease_use: dict[str, tuple[int, int]] = {}  # tenant -> (open leases, their bytes)
-        self._spares: dict[str, list[tuple[shm.Segment, float]]] = {}  # tenant -> segments of ended leases, since
-        self._segments = (shm_prefix or shm.new_prefix()) + ".lease"  # names of lease segments
-
-    def _open_lease(self, tenant: str, nbytes: int) -> shm.Segment:
-        """Count a new lease against its tenant's limits and create its segment."""
-        count_limit, bytes_limit = self.policy.tenant_leases, self.policy.tenant_lease_bytes
-        with self._lock:
-            count, held = self._lease_use.get(tenant, (0, 0))
-            if count_limit and count >= count_limit:
-                raise ResourceExhausted(f"tenant {tenant!r} may hold {count_limit} leases open; end some first",
-                                        tenant=tenant, quota=count_limit)
-            if bytes_limit and held + nbytes > bytes_limit:
-                raise ResourceExhausted(f"tenant {tenant!r} may hold {bytes_limit} bytes in open leases; it holds "
-                                        f"{held} and this needs {nbytes} more", tenant=tenant, quota=bytes_limit)
-            self._lease_use[tenant] = (count + 1, held + nbytes)
-        with self._lock:
-            spares = self._spares.get(tenant, [])
-            fit = next((i for i, (seg, _) in enumerate(spares) if nbytes <= seg.size <= 2 * nbytes), None)
-            spare = spares.pop(fit)[0] if fit is not None else None
-        if spare is not None:
-            st = os.fstat(spare.fd)
-            if st.st_size == spare.size and st.st_nlink:
-                return spare
-            spare.close()  # its engine cut it short or removed it: a new one
-        try:
-            return shm.Segment(self._segments, nbytes)
-        except OSError as exc:
-            self._close_lease(tenant, None, nbytes)
-            raise ResourceExhausted(f"no shared memory for a lease of {nbytes} bytes: {exc.strerror or exc}",
-                                    need=nbytes) from None
-
-    def _close_lease(self, tenant: str, segment: shm.Segment | None, nbytes: int) -> None:
-        """A lease's end: its segment is kept for the tenant's next lease (its
-        pages resident: a fresh segment cost ~0.6 ms per MiB in page faults),
-        up to the tenant's lease bytes, or goes."""
-        keep = self.policy.tenant_lease_bytes or self.tiers[self.roles.landing].budget // 4
-        with self._lock:
-            spares = self._spares.setdefault(tenant, [])
-            if segment is not None and not self._closed and sum(seg.size for seg, _ in spares) + segment.size <= keep:
-                spares.append((segment, self.clock.now()))
-                segment = None
-        if segment is not None:
-            segment.close()
-        with self._lock:
-            count, held = self._lease_use[tenant]
-            if count > 1:
-                self._lease_use[tenant] = (count - 1, held - nbytes)
-            else:
-                del self._lease_use[tenant]
 
     def _take_lease(self, tenant: str, lease_id: str, kind: type) -> _Lease:
         with self._lock:
@@ -142,8 +107,8 @@ class Leases(Reads):
 
     def _end_lease(self, lease: _Lease) -> None:
         if isinstance(lease, _SaveLease):
-            self.abort_write(lease.write)  # nothing, once committed
-        self._close_lease(lease.key.tenant, lease.segment, lease.nbytes)
+            self.writer.abort_write(lease.write)  # nothing, once committed
+        self.segments.close_one(lease.key.tenant, lease.segment, lease.nbytes)
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
@@ -159,14 +124,14 @@ class Leases(Reads):
         first_page = check_blocks_range(spec, start_token, num_tokens)
         tok = token_hashes(spec, token_ids, num_tokens, salt)
         n_pages = spec.pages_for_tokens(num_tokens)
-        w = self._begin_write(key, spec, self.roles.landing, first_page, num_tokens, n_pages * spec.page_bytes,
+        w = self.writer.begin_write(key, spec, self.roles.landing, first_page, num_tokens, n_pages * spec.page_bytes,
                               Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
         count = n_pages - w.write_from
         nbytes = max(count * spec.page_bytes, 1)  # (every page held already: a segment the engine never reads)
         try:
-            segment = self._open_lease(key.tenant, nbytes)
+            segment = self.segments.open(key.tenant, nbytes)
         except BaseException:
-            self.abort_write(w)
+            self.writer.abort_write(w)
             raise
         lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, w)
         with self._lock:
@@ -185,7 +150,7 @@ class Leases(Reads):
                 raise InvalidArgument(f"the lease's pages could not be read: {exc.strerror or exc}",
                                       lease_id=lease_id) from None
             try:
-                return self._commit_write(w, sums, keep=True)
+                return self.writer.commit_write(w, sums, keep=True)
             except (ResourceExhausted, Unavailable):
                 # Refused for want of room (the index could not forget the pages this replaces, on a
                 # full disk, say): nothing changed, and the lease stays open to commit again or abort.
@@ -218,10 +183,10 @@ class Leases(Reads):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise InvalidArgument(f"num_pages must be a non-negative integer, got {shown(num_pages)}",
                                   field="num_pages")
-        lock, session = self._acquire(key)
+        lock, session = self.table.acquire(key)
         try:
             if request is not None and spec is not None and not spec.is_opaque:
-                session = self._start_shared(key, lock, session, spec, request, salt, num_pages) or session
+                session = self.reader.start_shared(key, lock, session, spec, request, salt, num_pages) or session
             return self._lease_out(key, session, spec, num_pages, ttl, request, salt)
         finally:
             lock.release()
@@ -247,14 +212,14 @@ class Leases(Reads):
         spans = [sp for sp in snap.best_spans() if sp.first_page < n]
         source = max((sp.tier for sp in spans), key=tier_rank)
         nbytes = n * snap.spec.page_bytes
-        segment = self._open_lease(key.tenant, nbytes)
+        segment = self.segments.open(key.tenant, nbytes)
         try:
-            self._read_out(session, lambda: self.copier.to_segment(spans, snap.geometry, snap.checksums, n,
+            self.reader.read_out(session, lambda: self.copier.to_segment(spans, snap.geometry, snap.checksums, n,
                                                                    segment))
         except BaseException:
-            self._close_lease(key.tenant, segment, nbytes)
+            self.segments.close_one(key.tenant, segment, nbytes)
             raise
-        with self._lock:
+        with self.table.lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, source,
                               started)
@@ -273,24 +238,26 @@ class Leases(Reads):
     def expire_leases(self, everything: bool = False) -> int:
         """End leases past their time (or all): their segments go, and the
         host-tier room of uncommitted saves returns; segments kept for a
-        next lease go after SPARE_SECONDS unused. Returns how many ended."""
+        next lease go after a while unused (segments.py). Returns how many ended."""
         now = self.clock.now()
         with self._lock:
             gone = [lease for lease in self._leases.values() if everything or lease.expires <= now]
             for lease in gone:
                 del self._leases[lease.lease_id]
-            unused = []
-            for tenant, spares in list(self._spares.items()):
-                unused += [seg for seg, since in spares if everything or now - since > SPARE_SECONDS]
-                self._spares[tenant] = [(seg, since) for seg, since in spares
-                                        if not everything and now - since <= SPARE_SECONDS]
-                if not self._spares[tenant]:
-                    del self._spares[tenant]
-        for segment in unused:
-            segment.close()
+        self.segments.expire(now, everything)
         for lease in gone:
             if not everything:
                 log.warning("a %s lease on %s/%s expired", lease.what, *lease.key)
                 self.events.lease_expired(lease.what)
             self._end_lease(lease)
         return len(gone)
+
+    def open_writes(self) -> list[PendingWrite]:
+        """The writes of the save leases open now."""
+        with self._lock:
+            return [lease.write for lease in self._leases.values() if isinstance(lease, _SaveLease)]
+
+    def close(self) -> None:
+        """End every lease, and keep no segment for a next one."""
+        self.segments.close()
+        self.expire_leases(everything=True)

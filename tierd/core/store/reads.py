@@ -13,30 +13,50 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from tierd.core import tokens
+from tierd.clock import Clock
+from tierd.core.events import StoreEvents
 from tierd.core.model import Session
+from tierd.core.placement import Placement
+from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_blocks, check_identity, check_readable
-from tierd.core.store.writes import Writes
+from tierd.core.store.describe import Describe
+from tierd.core.store.sharing import Sharing
+from tierd.core.store.snapshot_reader import SnapshotReader
+from tierd.core.store.table import SessionTable
+from tierd.core.store.writes import Writer
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, shown
 from tierd.layout import KVSpec
 from tierd.tiers import tier_rank
-from tierd.transfer.copier import EngineMemory
+from tierd.transfer.copier import CopyEngine, EngineMemory
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import LookupResult, RestoreResult, SessionInfo, SessionKey
 
 
-class Reads(Writes):
-    def _read_out(self, session: Session, copy: Callable[[], None]) -> None:
+class Reader:
+    def __init__(self, table: SessionTable, sharing: Sharing, writer: Writer, placement: Placement,
+                 describe: Describe, copier: CopyEngine, roles: TierRoles, clock: Clock, events: StoreEvents) -> None:
+        self.table = table
+        self.sharing = sharing
+        self.writer = writer
+        self.placement = placement
+        self.describe = describe
+        self.copier = copier
+        self.roles = roles
+        self.clock = clock
+        self.events = events
+
+    def read_out(self, session: Session, copy: Callable[[], None]) -> None:
         """Run a copy of the session's pages out of the daemon (every page
         checked against its checksum): a mismatch damages the session, a
         failed disk read is UNAVAILABLE."""
         try:
             copy()
         except DataLoss as exc:
-            self.placement.mark_damaged(session, exc)
+            self.placement.faults.damaged(session, exc)
             raise DataLoss(f"session {shown(session.key.session_id)}: {exc}", session_id=session.key.session_id,
                            **exc.details) from None
         except OSError as exc:
-            raise self.placement.io_failed("read", exc, session.key) from None
+            raise self.placement.faults.io_failed("read", exc, session.key) from None
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
                 token_ids: Iterable[int] | None = None, salt: str = "") -> RestoreResult:
@@ -50,10 +70,10 @@ class Reads(Writes):
         ids = check_blocks(block_ids, engine.layout.num_blocks)
         request = tokens.check_ids(token_ids) if token_ids is not None else None
         salt = tokens.check_salt(salt)
-        lock, session = self._acquire(key)
+        lock, session = self.table.acquire(key)
         try:
             if request is not None:
-                session = self._start_shared(key, lock, session, spec, request, salt, int(ids.size)) or session
+                session = self.start_shared(key, lock, session, spec, request, salt, int(ids.size)) or session
             check_readable(key, session, "restored")
             assert session is not None
             check_identity(session, spec)
@@ -68,17 +88,17 @@ class Reads(Writes):
             spans = snap.best_spans()
             source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
             t0 = time.perf_counter()
-            self._read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
-            return self._restored(session, snap.spec, snap.num_tokens, int(ids.size), source,
+            self.read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
+            return self.restored(session, snap.spec, snap.num_tokens, int(ids.size), source,
                                   time.perf_counter() - t0)
         finally:
             lock.release()
 
-    def _restored(self, session: Session, spec: KVSpec, num_tokens: int, n_pages: int, source: str,
+    def restored(self, session: Session, spec: KVSpec, num_tokens: int, n_pages: int, source: str,
                   seconds: float) -> RestoreResult:
         """Account for the first n_pages of a snapshot (of spec, num_tokens)
         scattered into an engine's blocks from source."""
-        with self._lock:
+        with self.table.lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(source, n_pages * spec.page_bytes, seconds)
         return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds)
@@ -91,11 +111,11 @@ class Reads(Writes):
         snapshot as it was when the call came."""
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= 64 << 20:
             raise InvalidArgument(f"chunk size must be 1 byte to 64 MiB, got {shown(chunk_bytes)}", field="chunk_bytes")
-        session = self._get(key)
-        with self._lock:
+        session = self.table.get(key)
+        with self.table.lock:
             check_readable(key, session, "read")
             snap = session.snap
-            info = self._info(session)
+            info = self.describe.info(session)
             spans, geom, sums = snap.best_spans(), snap.geometry, snap.checksums
             session.readers += 1
         return info, SnapshotReader(self._stream(session, spans, geom, sums, chunk_bytes),
@@ -107,11 +127,11 @@ class Reads(Writes):
         try:
             yield from self.copier.read_stream(spans, geom, sums, chunk_bytes)
         except DataLoss as exc:
-            self.placement.mark_damaged(session, exc)
+            self.placement.faults.damaged(session, exc)
             raise DataLoss(f"session {shown(session.key.session_id)}: {exc}", **exc.details) from None
         except OSError as exc:
-            raise self.placement.io_failed("read", exc, session.key) from None
-        with self._lock:
+            raise self.placement.faults.io_failed("read", exc, session.key) from None
+        with self.table.lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(max((s.tier for s in spans), key=tier_rank) if spans else self.roles.landing, geom.nbytes,
                              time.perf_counter() - t0)
@@ -127,11 +147,10 @@ class Reads(Writes):
         from them."""
         request = tokens.check_ids(token_ids)
         salt = tokens.check_salt(salt)
-        with self._lock:
-            session = self._sessions.get(key)
+        session = self.table.find(key)
         pages, stored, source, extends = 0, 0, None, True
         if session is not None:
-            with self._lock:
+            with self.table.lock:
                 snap = session.snap
                 if spec is not None:
                     check_identity(session, spec)
@@ -140,11 +159,11 @@ class Reads(Writes):
             pages = 0 if snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
             extends = pages == n_pages  # (pages of other tokens are never replaced by a restore)
             pages = 0 if damaged else pages
-            with self._lock:
+            with self.table.lock:
                 source = snap.source_of(pages)
         if spec is not None and not spec.is_opaque and extends:
-            with self._lock:
-                donor, hashes = self._match(key.tenant, spec, request, salt, key)
+            with self.table.lock:
+                donor, hashes = self.sharing.match(key.tenant, spec, request, salt, key)
                 upto = len(hashes)
                 shared = donor is not None and upto > pages
                 if shared:
@@ -157,7 +176,7 @@ class Reads(Writes):
         bt = spec.block_tokens if spec is not None else session.snap.spec.block_tokens  # type: ignore[union-attr]
         return LookupResult(min(pages * bt, stored), pages, stored, source)
 
-    def _start_shared(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
+    def start_shared(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                       request: np.ndarray, salt: str, need: int) -> Session | None:
         """With the key's lock held: where the session does not hold the
         first `need` pages of the request (0: as many as it can), but other
@@ -182,8 +201,8 @@ class Reads(Writes):
                 return None
             if session.damaged:
                 own = 0  # (its pages hold the request's tokens: good copies of them may replace them)
-        with self._lock:
-            donor, hashes = self._match(key.tenant, spec, request, salt, key)
+        with self.table.lock:
+            donor, hashes = self.sharing.match(key.tenant, spec, request, salt, key)
             upto = len(hashes)
             if donor is not None and session is None and upto < need:
                 raise InvalidArgument(f"session {shown(key.session_id)} does not exist, and other sessions hold "
@@ -191,56 +210,31 @@ class Reads(Writes):
                                       field="num_pages", have=upto)
             if donor is None or own >= (need or upto) or upto < need:
                 return None
-            lent, upto = self._lend(donor, 0, upto)
+            lent, upto = self.sharing.lend(donor, 0, upto)
             sums = donor.snap.checksums[:upto].copy()
         if upto <= own or upto < need:  # (pages found damaged are not lent)
-            self._let_go(lent)
+            self.writer.let_go(lent)
             return None
         try:
-            self._check_append(key, session, spec, 0)
-            session = self._install(key, lock, session, spec, 0, [], self.roles.landing, sums,
+            self.writer.check_append(key, session, spec, 0)
+            session = self.writer.install(key, lock, session, spec, 0, [], self.roles.landing, sums,
                                     min(upto * bt, len(request)), upto * spec.page_bytes, None, hashes[:upto], lent)
         except BaseException:
-            self._let_go(lent)
+            self.writer.let_go(lent)
             raise
         self.events.shared("restore", upto, upto * spec.page_bytes)
         return session
 
 
-class SnapshotReader(Iterator[bytes | memoryview]):
-    """Chunks of a snapshot (bytes, or memoryviews valid until the next
-    chunk). Until it is exhausted or closed, the pages it reads stay
-    allocated; close() may come from any thread, also while another thread
-    is taking a chunk (it then waits for that chunk). `digest` is the XXH3 of
-    the chunk last returned where the store knew it (a whole page's stored
-    checksum), else 0."""
+    def own_tokens(self, key: SessionKey) -> int:
+        """The tokens the session's own snapshot holds (NotFound without one)."""
+        with self.table.lock:
+            return self.table.get(key).snap.num_tokens
 
-    def __init__(self, chunks: Iterator[tuple[bytes | memoryview, int]], done: Callable[[], None]) -> None:
-        self._chunks = chunks
-        self._done = done
-        self._open = True
-        self._lock = threading.Lock()
-        self.digest = 0
-
-    def __next__(self) -> bytes | memoryview:
-        with self._lock:
-            if not self._open:
-                raise StopIteration
-            try:
-                data, self.digest = next(self._chunks)
-                return data
-            except BaseException:
-                self._close()
-                raise
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
-
-    def _close(self) -> None:
-        if self._open:
-            self._open = False
-            try:
-                self._chunks.close()  # type: ignore[attr-defined]
-            finally:
-                self._done()
+    def prompt_limit(self, key: SessionKey) -> int:
+        """How many of a request's token ids can match anything the tenant
+        holds (the caller decodes no more of a prompt): the most tokens one
+        of its sessions holds."""
+        session = self.table.find(key)
+        own = session.snap.num_tokens if session is not None else 0
+        return max(own, self.sharing.deepest(key.tenant))

@@ -11,8 +11,9 @@ the bytes it really holds. Only whole pieces that start inside the range
 taken are lent, so a piece always starts where its allocation starts.
 
 The prefix table (core/prefixes.py) follows every change of a session's
-token hashes: _share is called under the store lock wherever they change
-(a store's commit, a drop, recovery). A damaged page damages every session
+token hashes: this component observes the session table (TableObserver),
+which tells it under the store lock wherever they change (a store's
+commit, a drop, recovery). A damaged page damages every session
 holding its allocation, and damaged sessions lend nothing: the next store of
 those tokens keeps a good copy of its own. Runs on whichever thread stores,
 restores or moves the session; all of it under the store lock.
@@ -21,14 +22,16 @@ restores or moves the session; all of it under the store lock.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 
 import numpy as np
 
 from tierd.core import tokens
+from tierd.core.holders import Holders
 from tierd.core.model import Session, Snapshot
+from tierd.core.ports import Lending
 from tierd.core.prefixes import PrefixTable
-from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
@@ -38,10 +41,17 @@ log = logging.getLogger("tierd.core.store")
 LENDERS_TRIED = 8  # holders of a page looked at for a copy in a given tier
 
 
-class Sharing(SessionTable):
-    def __init__(self, tiers: dict, copier, index, clock, policy, events) -> None:
-        super().__init__(tiers, copier, index, clock, policy, events)
+class Sharing:
+    def __init__(self, lock: threading.RLock, holders: Holders, tiers: dict) -> None:
+        self._lock = lock  # the store lock
+        self.holders = holders
+        self.tiers = tiers
         self._prefixes = PrefixTable()
+
+    @property
+    def lending(self) -> Lending:
+        """What placement needs of sharing."""
+        return Lending(self.borrow, self.shared_ranges)
 
     # -- the table -------------------------------------------------------------------
 
@@ -51,15 +61,17 @@ class Sharing(SessionTable):
         known = tokens.known_pages(snap.token_hashes)
         return snap.spec.fingerprint, snap.token_hashes, min(snap.num_tokens, known * snap.spec.block_tokens)
 
-    def _share(self, session: Session, before: tuple[str, np.ndarray, int] | None) -> None:
-        """The session's content changed (before: the _entry of what it was,
-        None if new): the table follows. Store lock held."""
-        if before is not None:
-            self._prefixes.remove(session.key, *before)
-        if not session.dropped and not session.snap.spec.is_opaque:
-            self._prefixes.add(session.key, *self._entry(session.snap))
+    def entered(self, session: Session) -> None:
+        """The session's content is new or changed (TableObserver). Store lock held."""
+        if not session.snap.spec.is_opaque:
+            self._prefixes.add(session, *self._entry(session.snap))
 
-    def _shared_ranges(self, session: Session, ranges: list[tuple[int, int]]) -> bool:
+    def leaving(self, session: Session) -> None:
+        """The session's content is about to change or go (TableObserver). Store lock held."""
+        if not session.snap.spec.is_opaque:
+            self._prefixes.remove(session, *self._entry(session.snap))
+
+    def shared_ranges(self, session: Session, ranges: list[tuple[int, int]]) -> bool:
         """Whether another session holds a page in these ranges (by token hash:
         the first page of a range is enough, the chain covers the rest)."""
         with self._lock:
@@ -69,9 +81,10 @@ class Sharing(SessionTable):
         """Whether another session holds this page of the session's, by token hash. Store lock held."""
         snap = s.snap
         return page < tokens.known_pages(snap.token_hashes) and any(
-            k != s.key for k in self._prefixes.holders(s.key.tenant, snap.spec.fingerprint, snap.token_hashes[page]))
+            other.key != s.key
+            for other in self._prefixes.holders(s.key.tenant, snap.spec.fingerprint, snap.token_hashes[page]))
 
-    def _shared_depth(self, s: Session) -> int:
+    def shared_depth(self, s: Session) -> int:
         """How many leading pages of the session other sessions hold too (by
         token hash: a holder of page i holds the pages before it)."""
         with self._lock:  # (Stat's callers may not hold it: the table changes under it)
@@ -84,25 +97,12 @@ class Sharing(SessionTable):
                     hi = mid
             return lo
 
-    def _unshare(self, session: Session) -> None:
-        if not session.snap.spec.is_opaque:
-            self._prefixes.remove(session.key, *self._entry(session.snap))
-
-    def own_tokens(self, key: SessionKey) -> int:
-        """The tokens the session's own snapshot holds (NotFound without one)."""
+    def deepest(self, tenant: str) -> int:
+        """The most tokens one session of the tenant holds of known pages."""
         with self._lock:
-            return self._get(key).snap.num_tokens
+            return self._prefixes.deepest(tenant)
 
-    def prompt_limit(self, key: SessionKey) -> int:
-        """How many of a request's token ids can match anything the tenant
-        holds (the caller decodes no more of a prompt): the most tokens one
-        of its sessions holds."""
-        with self._lock:
-            session = self._sessions.get(key)
-            own = session.snap.num_tokens if session is not None else 0
-            return max(own, self._prefixes.deepest(key.tenant))
-
-    def _match(self, tenant: str, spec: KVSpec, request: np.ndarray, salt: str, exclude: SessionKey | None
+    def match(self, tenant: str, spec: KVSpec, request: np.ndarray, salt: str, exclude: SessionKey | None
                ) -> tuple[Session | None, np.ndarray]:
         """The session of the tenant that holds the most leading pages of a
         request's tokens (under its salt), and those pages' hashes: hashed
@@ -134,15 +134,14 @@ class Sharing(SessionTable):
                 tried: int = 1) -> list[Session]:
         """Up to `tried` sessions of the tenant that can lend the page with this hash."""
         out = []
-        for key in self._prefixes.holders(tenant, fingerprint, page_hash):
-            s = self._sessions.get(key)
-            if key != exclude and s is not None and not s.damaged and not s.dropped:
+        for s in self._prefixes.holders(tenant, fingerprint, page_hash):
+            if s.key != exclude and not s.damaged and not s.dropped:
                 out.append(s)
                 if len(out) == tried:
                     break
         return out
 
-    def _donor(self, tenant: str, spec: KVSpec, hashes: np.ndarray, lo: int, hi: int,
+    def donor(self, tenant: str, spec: KVSpec, hashes: np.ndarray, lo: int, hi: int,
                exclude: SessionKey | None) -> tuple[Session | None, int]:
         """The session of the tenant that holds the most of pages [lo, hi) of
         these hashes from lo on, and the page it holds them up to. Store lock held."""
@@ -152,14 +151,14 @@ class Sharing(SessionTable):
                                   exclude)
         return donor, lo + len(found)
 
-    def _lend(self, donor: Session, lo: int, upto: int) -> tuple[dict[str, list[Piece]], int]:
+    def lend(self, donor: Session, lo: int, upto: int) -> tuple[dict[str, list[Piece]], int]:
         """Pieces of the donor's pages [lo, upto), in every tier that holds
         them, each starting at or past lo and cut at the end: held for the
         borrower. Returns them and the page up to which they hold every page
         from lo. Store lock held."""
         snap = donor.snap
         covered = np.zeros(max(upto - lo, 0), dtype=bool)
-        held = self.placement.held
+        held = self.holders
         good = {t: [p for p in pieces if not held.is_damaged(t, p)] for t, pieces in snap.placement.items()}
         for pieces in good.values():
             for p in pieces:
@@ -172,11 +171,11 @@ class Sharing(SessionTable):
             cut = [Piece(p.offset, p.alloc_bytes, p.first_page, min(p.n_pages, end - p.first_page))
                    for p in pieces if lo <= p.first_page < end]
             if cut:
-                self.placement.held.hold(tier, cut)
+                self.holders.hold(tier, cut)
                 lent[tier] = cut
         return lent, end
 
-    def _borrow(self, session: Session, tier: str, ranges: list[tuple[int, int]]
+    def borrow(self, session: Session, tier: str, ranges: list[tuple[int, int]]
                 ) -> tuple[list[Piece], list[tuple[int, int]]]:
         """Placement's hook before a copy into `tier`: pieces there of pages
         in `ranges` that another session holds with the same hashes and
@@ -201,7 +200,7 @@ class Sharing(SessionTable):
                                 best = pieces
                         got = sum(p.n_pages for p in best)
                         if got:
-                            self.placement.held.hold(tier, best)
+                            self.holders.hold(tier, best)
                             borrowed += best
                     if not got:
                         left.append((at, stop - at))
@@ -221,13 +220,13 @@ class Sharing(SessionTable):
         hi = lo + (int(stops[0]) if stops.size else hi - lo)
         out, at = [], lo
         for p in theirs.pieces(tier):
-            if p.first_page == at and at < hi and not self.placement.held.is_damaged(tier, p):
+            if p.first_page == at and at < hi and not self.holders.is_damaged(tier, p):
                 n = min(p.n_pages, hi - at)
                 out.append(Piece(p.offset, p.alloc_bytes, p.first_page, n))
                 at += n
         return out
 
-    def _damage_holders(self, session: Session, exc: DataLoss) -> None:
+    def damage_holders(self, session: Session, exc: DataLoss) -> None:
         """A page of the session failed its checksum: every session holding
         the same allocation of that page is damaged too (they would serve the
         same bytes), and none of them lends it again."""
@@ -237,18 +236,17 @@ class Sharing(SessionTable):
         snap = session.snap
         with self._lock:
             piece = next((p for p in snap.pieces(tier) if p.first_page <= page < p.first_page + p.n_pages), None)
-            if piece is None or self.placement.held.holders(tier, piece) < 2 or \
+            if piece is None or self.holders.holders(tier, piece) < 2 or \
                     page >= tokens.known_pages(snap.token_hashes):
                 return
-            self.placement.held.damage(tier, piece)  # lent no more, also by a store that took it before this
+            self.holders.damage(tier, piece)  # lent no more, also by a store that took it before this
             hit = []
-            for key in list(self._prefixes.holders(session.key.tenant, snap.spec.fingerprint,
-                                                   snap.token_hashes[page])):
-                other = self._sessions.get(key)
-                if other is not None and other is not session and not other.damaged and any(
+            for other in list(self._prefixes.holders(session.key.tenant, snap.spec.fingerprint,
+                                                     snap.token_hashes[page])):
+                if other is not session and not other.damaged and any(
                         p.offset == piece.offset for p in other.snap.pieces(tier)):
                     other.damaged = True
-                    hit.append(key.session_id)
+                    hit.append(other.key.session_id)
         if hit:
             log.error("%d other sessions of %s hold that copy of page %d and are damaged too: %s", len(hit),
                       session.key.tenant, page, ", ".join(hit[:8]) + (", ..." if len(hit) > 8 else ""))

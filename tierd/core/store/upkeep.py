@@ -7,18 +7,23 @@ the moves out."""
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Callable
 
 from tierd.core.model import Session
-from tierd.core.move_queue import Job
+from tierd.clock import Clock
+from tierd.core.move_queue import Job, MoveQueue
+from tierd.core.roles import TierRoles
+from tierd.core.store.describe import Describe, IdleChecks
+from tierd.core.store.leases import Leases
 from tierd.core.store.lifecycle import Lifecycle
+from tierd.core.store.table import SessionTable
 from tierd.errors import FailedPrecondition, InvalidArgument, TierdError, shown
 from tierd.policy import (
     Advice,
     Move,
+    PolicyConfig,
     SessionView,
     advise,
     budget_moves,
@@ -28,6 +33,7 @@ from tierd.policy import (
 )
 from tierd.tiers import kind_of
 from tierd.tiers.ioqueue import IOClass
+from tierd.transfer.copier import CopyEngine
 from tierd.types import BudgetResult, SessionKey
 
 log = logging.getLogger("tierd.core.store")
@@ -35,53 +41,56 @@ CHECKS_PER_LOCK = 256  # sessions the tick looks at per hold of the store lock (
 REPLANS = 8  # eviction plans tried when their sessions got busy before they could be moved
 
 
-class Upkeep(Lifecycle):
+class Upkeep:
+    def __init__(self, table: SessionTable, describe: Describe, idle: IdleChecks, lifecycle: Lifecycle,
+                 leases: Leases, moves: MoveQueue, copier: CopyEngine, tiers: dict, roles: TierRoles,
+                 policy: PolicyConfig, clock: Clock) -> None:
+        self.table = table
+        self.describe = describe
+        self.idle = idle
+        self.lifecycle = lifecycle
+        self.leases = leases
+        self.moves = moves
+        self.copier = copier
+        self.tiers = tiers
+        self.roles = roles
+        self.policy = policy
+        self.clock = clock
+
     def _views(self, exclude: SessionKey | None = None, keep: Callable[[Session], bool] | None = None,
                queued_busy: bool = True) -> list[SessionView]:
         """What policy may know of the sessions (those `keep` accepts). A
         session is busy while a move of it runs, or (queued_busy) is queued:
         the tick queues no second move, but room is made now, before queued
         write-backs run; the queued move then finds its work done."""
-        with self._lock:
-            sessions = [s for s in self._sessions.values() if s.key != exclude and (keep is None or keep(s))]
+        sessions = self.table.sessions(lambda s: s.key != exclude and (keep is None or keep(s)))
         busy = self.moves.busy_keys(queued=queued_busy)
-        return [self._view(s, busy) for s in sessions]
-
-    def _due(self, now: float) -> list[Session]:
-        """The sessions whose scheduled check has come (each is unscheduled)."""
-        due = []
-        with self._lock:
-            while self._checks and self._checks[0][0] <= now:
-                at, key = heapq.heappop(self._checks)
-                session = self._sessions.get(key)
-                if session is not None and session.idle_check == at:  # else rescheduled, or dropped
-                    session.idle_check = None
-                    due.append(session)
-        return due
+        with self.table.lock:
+            return [self.describe.view(s, busy) for s in sessions]
 
     def _execute(self, moves: list[Move], io_class: IOClass) -> tuple[int, int]:
         """Carry out eviction moves now, skipping sessions busy by then;
         returns how many were done and how many failed."""
         done = failed = 0
         for mv in moves:
-            with self._lock:
-                session = self._sessions.get(mv.key)
+            session = self.table.find(mv.key)
             if session is None or not session.op.acquire(blocking=False):
                 continue
             try:
                 if not session.dropped:
-                    self._demote(session, mv.target, io_class, mv.reason, evict=mv.evict, drop=mv.evict)
-                    self._move_done(session)
+                    self.lifecycle.demote_session(session, mv.target, io_class, mv.reason, evict=mv.evict,
+                                                  drop=mv.evict)
+                    self.lifecycle.move_done(session)
                     done += 1
             except TierdError as exc:
                 failed += 1
-                _, first = self._move_failed(session)
+                _, first = self.lifecycle.move_failed(session)
                 log.log(logging.WARNING if first else logging.DEBUG, "evicting %s/%s failed: %s", *mv.key, exc)
             finally:
                 session.op.release()
         return done, failed
 
-    def _make_room(self, tier: str, need: int, protect: SessionKey, io_class: IOClass, tenant: str | None,
+    def make_room(self, tier: str, need: int, protect: SessionKey, io_class: IOClass, tenant: str | None,
                    evict: bool) -> bool:
         """Demote sessions out of `tier` (only `tenant`'s, if given) until `need`
         bytes are free: with evict, least valuable first, dropped where no lower
@@ -105,27 +114,27 @@ class Upkeep(Lifecycle):
     def tick(self) -> list[Move]:
         """Apply policy once: queue due demotions, write-backs and drops; let
         the tiers do their housekeeping."""
-        self.expire_leases()
+        self.leases.expire_leases()
         for tier in self.tiers.values():
             tier.maintain()
         now = self.clock.now()
         # Only sessions whose check has come are looked at: with many sessions
         # stored, looking at each every tick held the store lock (and the GIL)
         # for tens of ms, and every call waited behind it.
-        due = self._due(now)
+        due = self.idle.due(now)
         busy = self.moves.busy_keys()
         moves: list[Move] = []
         for i in range(0, len(due), CHECKS_PER_LOCK):  # the lock is let go between batches
             batch = due[i : i + CHECKS_PER_LOCK]
-            with self._lock:
-                views = [self._view(s, busy) for s in batch]
+            with self.table.lock:
+                views = [self.describe.view(s, busy) for s in batch]
             batch_moves = idle_moves(views, now, self.policy, self.tiers)
             moved = {mv.key for mv in batch_moves}
-            with self._lock:
+            with self.table.lock:
                 for s, v in zip(batch, views):
                     # A session given a move, or busy, is looked at again next tick: the
                     # move may be skipped (busy by then) or fail, or leave another due.
-                    self._schedule(s, now if v.key in moved or v.busy else None)
+                    self.idle.schedule(s, now if v.key in moved or v.busy else None)
             moves += batch_moves
         for name, tier in self.tiers.items():
             if tier.used > self.policy.high_watermark * tier.budget:
@@ -163,8 +172,8 @@ class Upkeep(Lifecycle):
     def advise(self, key: SessionKey, prefill_tokens_per_s: float) -> Advice:
         if not isinstance(prefill_tokens_per_s, (int, float)) or not prefill_tokens_per_s > 0:
             raise InvalidArgument("prefill_tokens_per_s must be positive", field="prefill_tokens_per_s")
-        session = self._get(key)
-        with self._lock:
+        session = self.table.get(key)
+        with self.table.lock:
             snap = session.snap
             source = snap.slowest_tier() or self.roles.landing
             nbytes, tokens = snap.nbytes, snap.num_tokens

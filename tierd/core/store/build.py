@@ -1,0 +1,121 @@
+"""The one place where the store's components are built and wired, in the
+order they depend on each other, each handed its collaborators; nothing is
+assigned onto a component after it is built. Two calls go back up the
+order, and are late-bound here (a call through a name of this function,
+not an attribute set afterwards): placement makes room through upkeep,
+which moves sessions through placement; the mover runs jobs, which queue
+more through the mover. Then the sessions of the disk index are recovered
+into the table. Runs once, on the thread that builds the daemon (machine.py)."""
+
+from __future__ import annotations
+
+import threading
+
+from tierd.clock import Clock, SystemClock
+from tierd.core import recovery
+from tierd.core.events import NullEvents, StoreEvents
+from tierd.core.faults import Faults
+from tierd.core.holders import Holders
+from tierd.core.index import DiskIndex
+from tierd.core.model import UNKNOWN, Session, Snapshot
+from tierd.core.move_queue import MoveQueue
+from tierd.core.placement import Placement
+from tierd.core.roles import TierRoles
+from tierd.core.rows import Problem
+from tierd.core.store.describe import Describe, IdleChecks
+from tierd.core.store.fetcher import Fetcher
+from tierd.core.store.finder import Finder
+from tierd.core.store.inspection import Inspection
+from tierd.core.store.jobs import Jobs
+from tierd.core.store.leases import Leases
+from tierd.core.store.lifecycle import Lifecycle
+from tierd.core.store.link import RemoteLink
+from tierd.core.store.publisher import Publisher
+from tierd.core.store.reads import Reader
+from tierd.core.store.remote import Committed, PublishQueue, Remote, RemoteBusy
+from tierd.core.store.remote_calls import RemoteCalls
+from tierd.core.store.segments import LeaseSegments
+from tierd.core.store.sharing import Sharing
+from tierd.core.store.parts import Parts, RemoteParts
+from tierd.core.store.store import Store
+from tierd.core.store.stores import Saves
+from tierd.core.store.sweeper import Sweeper
+from tierd.core.store.table import SessionTable
+from tierd.core.store.upkeep import Upkeep
+from tierd.core.store.writes import Writer
+from tierd.policy import PolicyConfig
+from tierd.tiers import durable_tier
+from tierd.transfer.copier import CopyEngine
+
+
+def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, clock: Clock | None = None,
+          policy: PolicyConfig | None = None, events: StoreEvents | None = None, movers: int = 2,
+          shm_prefix: str | None = None, remote: Remote | None = None) -> Store:
+    """The store over these tiers (a durable one comes with its index), its
+    sessions recovered from the index, and its threads started."""
+    if (index is None) != (durable_tier(tiers) is None):
+        raise ValueError("a durable (disk) tier and its index come together")
+    roles = TierRoles.of(tiers)  # ValueError without a landing tier
+    clock, policy, events = clock or SystemClock(), policy or PolicyConfig(), events or NullEvents()
+    lock = threading.RLock()  # the store lock (see the package docstring for the order)
+    holders = Holders(lock)
+    sharing = Sharing(lock, holders, tiers)
+    table = SessionTable(lock, observers=[sharing])
+    describe = Describe(tiers, roles, policy, holders, sharing)
+    idle = IdleChecks(table, describe, policy, tiers)
+    faults = Faults(events, lock, roles.durable, sharing.damage_holders)
+    placement = Placement(tiers, copier, index, events, lock, holders, faults, sharing.lending,
+                          lambda *room: upkeep.make_room(*room), policy.quota)
+    moves = MoveQueue(lambda job: jobs.run(job), movers)
+    link = queue = busy = None
+    committed = []
+    if remote is not None:
+        queue = PublishQueue(remote, events)
+        link = RemoteLink(remote.store, events, queue.wake)
+        busy = RemoteBusy(table.changed)
+        committed.append(Committed(lock, queue, remote))
+    writer = Writer(table, sharing, placement, describe, index, roles, policy, clock, events, committed)
+    saves = Saves(writer, copier, tiers, roles)
+    reader = Reader(table, sharing, writer, placement, describe, copier, roles, clock, events)
+    segments = LeaseSegments(tiers, roles, policy, clock, shm_prefix)
+    leases = Leases(table, writer, reader, segments, copier, roles, clock, events)
+    lifecycle = Lifecycle(table, placement, describe, idle, moves, tiers, roles, clock, events)
+    upkeep = Upkeep(table, describe, idle, lifecycle, leases, moves, copier, tiers, roles, policy, clock)
+    inspection = Inspection(table, describe, placement, leases, moves, index, copier, tiers, roles)
+    parts = None
+    fetcher = None
+    if remote is not None:
+        assert link is not None and queue is not None and busy is not None
+        finder = Finder(table, lifecycle, link, remote, queue, roles)
+        fetcher = Fetcher(table, finder, writer, reader, lifecycle, idle, moves, busy, link, remote, copier, roles,
+                          clock, events)
+        publisher = Publisher(queue, table, finder, busy, placement, link, remote, copier, roles, clock, events)
+        sweeper = Sweeper(table, finder, link, remote)
+        calls = RemoteCalls(table, lifecycle, fetcher, publisher, queue, busy, link, remote, roles)
+        parts = RemoteParts(remote, link, queue, finder, fetcher, publisher, sweeper, calls)
+    jobs = Jobs(table, lifecycle, placement, fetcher, clock, events)
+    problems = recover(table, holders, idle, index, tiers[roles.durable], roles.durable, events, clock,
+                       remote is not None) if index is not None and roles.durable is not None else []
+    return Store(Parts(tiers, roles, table, sharing, describe, placement, writer, saves, reader, leases, lifecycle,
+                       upkeep, inspection, moves, parts), index, copier, clock, policy, events, problems)
+
+
+def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: DiskIndex, disk, durable: str,
+            events: StoreEvents, clock: Clock, shared: bool) -> list[Problem]:
+    """The sessions the index holds, into the table; with a remote tier
+    (shared), each is asked about there before it is served (another node
+    may have dropped it, or stored a newer turn, while this one was down)."""
+    kept, problems = recovery.recover(index, disk, events)
+    now = clock.now()
+    held: set[int] = set()
+    for rec in kept:
+        holders.hold(durable, [p for p in rec.pieces if p.offset in held])  # shared prefix pages
+        held.update(p.offset for p in rec.pieces)
+        snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {durable: rec.pieces},
+                        token_hashes=rec.token_hashes)
+        session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
+                          priority=rec.row.priority, row=rec.row, row_version=snap.version,
+                          remote_version=UNKNOWN if shared else 0)
+        table.add(session)
+        idle.schedule(session)
+    return problems

@@ -1,0 +1,116 @@
+"""What is said of a session: its SessionInfo (Stat, List), the view policy
+decides on, what policy counts of its bytes in each tier; and the idle
+checks, when the tick next looks at each released session. Called under
+the store lock, on whichever thread describes or schedules."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from tierd.core.holders import Holders
+from tierd.core.model import Session, Snapshot
+from tierd.core.roles import TierRoles
+from tierd.core.store.sharing import Sharing
+from tierd.core.store.table import SessionTable
+from tierd.policy import PolicyConfig, SessionView, idle_due
+from tierd.types import SessionInfo, SessionKey
+
+
+class Describe:
+    def __init__(self, tiers: dict, roles: TierRoles, policy: PolicyConfig, holders: Holders,
+                 sharing: Sharing) -> None:
+        self.tiers = tiers
+        self.roles = roles
+        self.policy = policy
+        self.holders = holders
+        self.sharing = sharing
+
+    def durable(self, s: Session) -> bool:
+        """Durable, and none of its pages in a slab file deleted since it was written."""
+        durable = self.roles.durable
+        return s.durable and durable is not None and \
+            not any(self.tiers[durable].retired(p.offset) for p in s.snap.pieces(durable))
+
+    def shares(self, snap: Snapshot) -> dict[str, int]:
+        """What policy counts of a snapshot's bytes in each tier that holds
+        any: an allocation it shares with other snapshots (prefix pages) split
+        evenly among its holders, so that evicting them all frees what the
+        sums say. (Stat's tier_bytes counts such an allocation in full: the
+        bytes the session reads from; Stats says what sharing saves.)"""
+        holders = self.holders.holders
+        return {t: sum(p.alloc_bytes // holders(t, p) for p in pieces) for t, pieces in snap.placement.items()
+                if pieces}
+
+    def shared_bytes(self, s: Session) -> int:
+        """The snapshot's bytes in pages of which other sessions hold the same
+        copy: in an allocation with other holders, and held by another session
+        by their token hash."""
+        snap = s.snap
+        mask = np.zeros(snap.n_pages, dtype=bool)
+        for t, pieces in snap.placement.items():
+            for p in pieces:
+                if self.holders.holders(t, p) > 1:
+                    mask[p.first_page : p.first_page + p.n_pages] = True
+        if not mask.any():
+            return 0
+        mask[self.sharing.shared_depth(s) :] = False
+        if not mask.any():
+            return 0
+        geom = snap.geometry
+        return int(mask.sum()) * geom.page_bytes - (geom.page_bytes - geom.last_bytes if mask[-1] else 0)
+
+    def info(self, s: Session) -> SessionInfo:
+        snap = s.snap
+        return SessionInfo(
+            tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
+            tier_bytes=snap.tier_bytes(), state=s.state.value,
+            num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self.durable(s),
+            last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
+            model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,
+            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s))
+
+    def view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
+        return SessionView(s.key, self.shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,
+                           s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited, s.retry_at)
+
+
+class IdleChecks:
+    """(time, key): when the tick next looks at each released session, so
+    that a tick costs what is due, not what is stored."""
+
+    def __init__(self, table: SessionTable, describe: Describe, policy: PolicyConfig, tiers: dict) -> None:
+        self.table = table
+        self.describe = describe
+        self.policy = policy
+        self.tiers = tiers
+        self._checks: list[tuple[float, SessionKey]] = []
+
+    def schedule(self, session: Session, at: float | None = None) -> None:
+        """Have the tick look at a session at `at`, or else when policy says its
+        next idle move is due; a check already scheduled earlier stands (it
+        reschedules). Called wherever a session becomes released, unpinned or
+        promoted: nothing else brings a move due sooner (demotions and
+        write-backs only put it off)."""
+        with self.table.lock:
+            if session.dropped:
+                return
+            if at is None:
+                at = idle_due(self.describe.view(session), self.policy, self.tiers)
+            if at is None or (session.idle_check is not None and session.idle_check <= at):
+                return
+            session.idle_check = at
+            heapq.heappush(self._checks, (at, session.key))
+
+    def due(self, now: float) -> list[Session]:
+        """The sessions whose scheduled check has come (each is unscheduled)."""
+        due = []
+        with self.table.lock:
+            while self._checks and self._checks[0][0] <= now:
+                at, key = heapq.heappop(self._checks)
+                session = self.table.find(key)
+                if session is not None and session.idle_check == at:  # else rescheduled, or dropped
+                    session.idle_check = None
+                    due.append(session)
+        return due
