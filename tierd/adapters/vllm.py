@@ -35,9 +35,9 @@ token (default: TIERD_TOKEN), timeout_seconds (per call, default 30),
 lease_seconds (default 60).
 
 Runs in vLLM's processes: the scheduler-side methods in the scheduler, the
-worker-side ones and the load and save threads in each worker. One module
-over 300 lines because vLLM loads a connector as one class by module path,
-and its two halves share the spec, the client and the jobs they hand over.
+worker-side ones and the load and save threads in each worker. What the
+scheduler hands the workers, and the engine's identity, are in
+vllm_jobs.py; the load thread, vllm_load.py.
 """
 
 from __future__ import annotations
@@ -46,10 +46,8 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -58,8 +56,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierd.adapters.paged import LayerBlocks
-from tierd.adapters.sessions import session_key
-from tierd.client import Arena, Client, KVSpec, NotFound, TierdError
+from tierd.adapters.vllm_jobs import (
+    LoadJob,
+    SaveJob,
+    TierdConnectorMetadata,
+    salt_of,
+    session_of,
+    spec_for,
+    unsupported,
+)
+from tierd.adapters.vllm_load import Load
+from tierd.client import Arena, Client, NotFound, TierdError
 from tierd.errors import FailedPrecondition
 
 if TYPE_CHECKING:
@@ -72,69 +79,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.tierd")  # under vLLM's logger, so its handlers print it
-
-
-@dataclass
-class LoadJob:
-    req_id: str
-    session: str
-    salt: str             # the request's cache salt ("": none)
-    token_ids: list[int]  # the prompt, up to the last page loaded
-    num_pages: int        # pages [0, num_pages) of the snapshot are the prompt's ...
-    first_page: int       # ... and pages from first_page on are copied (the rest vLLM has already)
-    block_ids: list[int]  # destinations of pages first_page..num_pages-1
-
-
-@dataclass
-class SaveJob:
-    req_id: str
-    session: str
-    salt: str
-    token_ids: list[int]  # tokens [0, num_tokens), all with KV computed
-    start_token: int      # pages before this are the snapshot's own (loaded from it): not written again
-    block_ids: list[int]  # the request's blocks, one per page from page 0
-
-
-@dataclass
-class TierdConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
-
-
-def session_of(request: Request) -> str | None:
-    """The tierd session of a request: its session id, under its cache salt
-    (users of one server are one tenant: the salt keeps theirs apart)."""
-    sid = getattr(request, "session_id", None)
-    if not sid and request.kv_transfer_params:
-        sid = request.kv_transfer_params.get("session_id")
-    return session_key(sid, getattr(request, "cache_salt", None)) if sid else None
-
-
-def salt_of(request: Request) -> str:
-    return getattr(request, "cache_salt", None) or ""
-
-
-def spec_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVSpec:
-    """The identity of this engine's KV pages: the same in the scheduler and the workers."""
-    from vllm.platforms import current_platform
-
-    group = kv_cache_config.kv_cache_groups[0]
-    s = group.kv_cache_spec
-    mc = vllm_config.model_config
-    return KVSpec(mc.model, mc.revision or "", num_layers=len(group.layer_names), num_kv_heads=s.num_kv_heads,
-                  head_dim=s.head_size, dtype=str(s.dtype).removeprefix("torch."), block_tokens=s.block_size,
-                  arrangement=f"vllm:{current_platform.device_name}:[blocks,kv_heads,block_size,C]")
-
-
-def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
-    """Why this engine cannot use the connector, or None."""
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-        return "models with more than one KV cache group (hybrid or sliding-window mixes)"
-    if vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size > 1:
-        return "tensor or pipeline parallel engines"
-    if vllm_config.model_config.use_mla:
-        return "MLA models"
-    return None
 
 
 class TierdConnector(KVConnectorBase_V1):
@@ -160,7 +104,7 @@ class TierdConnector(KVConnectorBase_V1):
         self._blocks: LayerBlocks | None = None
         self._layer_of: dict[str, int] = {}
         self._arena = Arena()
-        self._load: _Load | None = None
+        self._load: Load | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierd-save")  # turns are saved in order
         self._saved: set[str] = set()  # requests whose save ended (added by the saver thread)
         self._saved_lock = threading.Lock()
@@ -251,7 +195,7 @@ class TierdConnector(KVConnectorBase_V1):
         if not isinstance(meta, TierdConnectorMetadata) or not meta.loads or self._blocks is None:
             return
         self._finish_load()
-        self._load = _Load(self, meta.loads)
+        self._load = Load(meta.loads, self._blocks, self._client, self._spec, self._arena, self._lease_seconds)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._load is not None:
@@ -330,65 +274,6 @@ class TierdConnector(KVConnectorBase_V1):
                     self._client.abort_save(lease)
                 except TierdError:
                     pass  # the lease expires by itself
-
-
-class _Load:
-    """Loads for one step, in a thread: leases first, then every job's pages
-    layer by layer, each layer announced as soon as it is in place."""
-
-    def __init__(self, connector: TierdConnector, jobs: list[LoadJob]) -> None:
-        assert connector._blocks is not None
-        self.connector = connector
-        self.jobs = jobs
-        self.layer_done = [threading.Event() for _ in connector._blocks.views]
-        self.failed: set[int] = set()
-        self.thread = threading.Thread(target=self._run, name="tierd-load", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        c = self.connector
-        blocks, client = c._blocks, c._client
-        assert blocks is not None
-        t0 = time.perf_counter()
-        leased: list[tuple[LoadJob, Any, list[tuple[list[int], np.ndarray]]]] = []
-        try:
-            for job in self.jobs:
-                try:
-                    lease = client.begin_restore(job.session, c._spec, job.num_pages, c._lease_seconds, job.token_ids,
-                                                 job.salt)
-                    parts = []
-                    for first, rows in c._arena.runs(lease):
-                        lo, hi = max(first, job.first_page), min(first + len(rows), job.num_pages)
-                        if lo < hi:
-                            parts.append((job.block_ids[lo - job.first_page : hi - job.first_page],
-                                          rows[lo - first : hi - first]))
-                    leased.append((job, lease, parts))
-                except (TierdError, OSError, ValueError) as exc:
-                    self._fail(job, exc)
-            for layer, done in enumerate(self.layer_done):
-                for job, _, parts in leased:
-                    for block_ids, rows in parts:
-                        blocks.scatter(rows, block_ids, [layer])
-                done.set()
-            for job, lease, _ in leased:
-                try:
-                    client.end_restore(lease)  # NotFound: the lease expired while we read; recompute
-                    tokens = (job.num_pages - job.first_page) * c._spec.block_tokens  # type: ignore[union-attr]
-                    log.info("tierd connector: loaded %d tokens of session %r in %.1f ms", tokens, job.session,
-                             1e3 * (time.perf_counter() - t0))
-                except TierdError as exc:
-                    self._fail(job, exc)
-        except BaseException as exc:  # never leave a layer waiting
-            for job, _, _ in leased:
-                self._fail(job, exc)
-            raise
-        finally:
-            for done in self.layer_done:
-                done.set()
-
-    def _fail(self, job: LoadJob, exc: BaseException) -> None:
-        self.failed.update(job.block_ids)
-        log.warning("tierd connector: loading session %r failed (%s); vLLM recomputes it", job.session, exc)
 
 
 __all__ = ["TierdConnector", "TierdConnectorMetadata", "spec_for"]

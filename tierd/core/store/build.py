@@ -44,7 +44,7 @@ from tierd.core.store.table import SessionTable
 from tierd.core.store.upkeep import Upkeep
 from tierd.core.store.writes import Writer
 from tierd.policy import PolicyConfig
-from tierd.tiers import durable_tier
+from tierd.tiers import Tier, durable_tier
 from tierd.transfer.copier import CopyEngine
 
 
@@ -58,8 +58,8 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
     roles = TierRoles.of(tiers)  # ValueError without a landing tier
     clock, policy, events = clock or SystemClock(), policy or PolicyConfig(), events or NullEvents()
     lock = threading.RLock()  # the store lock (see the package docstring for the order)
-    holders = Holders(lock)
-    sharing = Sharing(lock, holders, tiers)
+    sharing = Sharing(lock, tiers)
+    holders = sharing.holders
     table = SessionTable(lock, observers=[sharing])
     describe = Describe(tiers, roles, policy, holders, sharing)
     idle = IdleChecks(table, describe, policy, tiers)
@@ -100,10 +100,10 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
                        upkeep, inspection, moves, parts), index, copier, clock, policy, events, problems)
 
 
-def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: DiskIndex, disk, durable: str,
-            events: StoreEvents, clock: Clock, shared: bool) -> list[Problem]:
+def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: DiskIndex, disk: Tier, durable: str,
+            events: StoreEvents, clock: Clock, with_remote: bool) -> list[Problem]:
     """The sessions the index holds, into the table; with a remote tier
-    (shared), each is asked about there before it is served (another node
+    (with_remote), each is asked about there before it is served (another node
     may have dropped it, or stored a newer turn, while this one was down)."""
     kept, problems = recovery.recover(index, disk, events)
     now = clock.now()
@@ -115,7 +115,7 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
                         token_hashes=rec.token_hashes)
         session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
                           priority=rec.row.priority, row=rec.row, row_version=snap.version,
-                          remote_version=UNKNOWN if shared else 0)
+                          remote_version=UNKNOWN if with_remote else 0)
         table.add(session)
         idle.schedule(session)
     return problems

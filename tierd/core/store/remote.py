@@ -1,4 +1,4 @@
-"""The remote tier in the store: sessions shared with every node through a
+"""The remote tier in the store: sessions every node reaches through a
 remote store (a backend of tierd/remote, known by its protocol alone),
 whole versions at a time.
 

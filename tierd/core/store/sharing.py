@@ -42,9 +42,9 @@ LENDERS_TRIED = 8  # holders of a page looked at for a copy in a given tier
 
 
 class Sharing:
-    def __init__(self, lock: threading.RLock, holders: Holders, tiers: dict) -> None:
+    def __init__(self, lock: threading.RLock, tiers: dict) -> None:
         self._lock = lock  # the store lock
-        self.holders = holders
+        self.holders = Holders(lock)  # allocations several pieces hold: placement holds and frees through these
         self.tiers = tiers
         self._prefixes = PrefixTable()
 

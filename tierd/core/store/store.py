@@ -15,6 +15,9 @@ from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 
+from tierd.clock import Clock
+from tierd.core.events import StoreEvents
+from tierd.core.index import DiskIndex
 from tierd.core.rows import Problem
 from tierd.core.store.checks import DEFAULT_LEASE_SECONDS, check_priority
 from tierd.core.store.parts import Parts
@@ -23,14 +26,16 @@ from tierd.core.store.snapshot_reader import SnapshotReader
 from tierd.errors import FailedPrecondition, TierdError, Unavailable
 from tierd.layout import KVSpec
 from tierd.tiers.ioqueue import IOClass
-from tierd.transfer.copier import EngineMemory
+from tierd.policy import PolicyConfig
+from tierd.transfer.copier import CopyEngine, EngineMemory
 from tierd.types import Lease, LookupResult, RestoreResult, SessionInfo, SessionKey
 
 log = logging.getLogger("tierd.core.store")
 
 
 class Store:
-    def __init__(self, parts: Parts, index, copier, clock, policy, events, recovery_problems: list[Problem]) -> None:
+    def __init__(self, parts: Parts, index: DiskIndex | None, copier: CopyEngine, clock: Clock, policy: PolicyConfig,
+                 events: StoreEvents, recovery_problems: list[Problem]) -> None:
         self.parts = parts
         self.tiers, self.roles, self.placement, self.moves = parts.tiers, parts.roles, parts.placement, parts.moves
         self.table, self.saves, self.reader, self.leases = parts.table, parts.saves, parts.reader, parts.leases
