@@ -147,7 +147,7 @@ class Calls:
         return self._call("BeginSave", req, lease_from_pb)
 
     def commit_save(self, lease: Lease | str) -> SessionInfo:
-        """Publish the pages written into a save lease."""
+        """Commit the pages written into a save lease."""
         return self._call("CommitSave", _lease(lease), info_from_pb)
 
     def abort_save(self, lease: Lease | str) -> None:

@@ -188,7 +188,7 @@ class TierdServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def CommitSave(self, request, context):
-        """checksums taken, snapshot published
+        """checksums taken, snapshot committed
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,7 +40,8 @@ or by a mover with acquire(blocking=False)) comes before the store lock
 (`SessionTable.lock`, an RLock whose condition `changed` wakes waiters);
 the store lock guards the table, the counters and every session's metadata
 and is never held across a copy or an index write; the leases' and the
-publish queue's locks are taken alone; tier allocators and the index lock their own state below it.
+publish queue's locks are taken alone; tier allocators and the index lock
+their own state below it.
 A Get holds no lock while it streams: its pages stay allocated until its
 reader closes (Placement.end_read).
 """
