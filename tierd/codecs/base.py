@@ -1,0 +1,204 @@
+"""What every codec shares: the Codec protocol, the registry of codecs by
+name, the shape a KV page is seen in (PageShape), and the one place where
+a page's coding error is measured.
+
+A page is coded alone: a codec turns each page's bytes into a blob of its
+own and back, so any page can be read without its neighbours, and a tier
+may hold a session's pages under one codec while another tier holds them
+under another. Lossy codecs see a KV page as [layers, K/V, heads, tokens,
+dim] of its dtype (PageShape); opaque snapshots, and KV of an arrangement
+tierd does not know, have no shape and are coded only losslessly. Pure
+functions of their arguments: any thread (the movers and the publisher
+code; never the event loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tierd.errors import DataLoss, InvalidArgument, shown
+from tierd.layout import DTYPE_BYTES, KVSpec
+
+# Element types a lossy codec reads (wider ones; 1-byte caches pass through unchanged).
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Arrangements tierd knows the axes of, by how the arrangement string ends: each
+# (layer, K/V) slab of a page is [tokens, heads, dim] (token-major) or [heads, tokens, dim].
+HEAD_MAJOR = ("layer,kv,head,token,dim", "[blocks,kv_heads,block_size,C]")
+TOKEN_MAJOR = ("layer,kv,token,head,dim",)
+
+
+@dataclass(frozen=True, slots=True)
+class PageShape:
+    """How a KV page's bytes are laid out: per layer, K then V, each a slab
+    of heads x tokens x dim elements of dtype, head-major or token-major."""
+
+    layers: int
+    heads: int
+    tokens: int
+    dim: int
+    dtype: str
+    head_major: bool
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return FLOATS.get(self.dtype, torch.uint8)
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.layers * self.heads * self.tokens * self.dim * self.itemsize
+
+    @property
+    def codable(self) -> bool:
+        """Whether a lossy codec can read it (wider than a byte)."""
+        return self.dtype in FLOATS
+
+    def values(self, pages: np.ndarray) -> torch.Tensor:
+        """Pages' bytes ([n, page_bytes], or one page) as float32 [n, layers, 2, heads, tokens, dim]."""
+        x = torch.from_numpy(np.ascontiguousarray(pages).reshape(-1, self.page_bytes)).view(self.torch_dtype)
+        if self.head_major:
+            x = x.view(-1, self.layers, 2, self.heads, self.tokens, self.dim)
+        else:
+            x = x.view(-1, self.layers, 2, self.tokens, self.heads, self.dim).permute(0, 1, 2, 4, 3, 5)
+        return x.to(torch.float32)
+
+    def write(self, values: torch.Tensor, out: np.ndarray) -> None:
+        """float32 [layers, 2, heads, tokens, dim] (one page) into its bytes, in its dtype and order."""
+        x = values if self.head_major else values.permute(0, 1, 3, 2, 4)
+        out[:] = x.to(self.torch_dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+def page_shape(spec: KVSpec) -> PageShape | None:
+    """The shape of the spec's pages, or None where a lossy codec cannot read them."""
+    if spec.is_opaque:
+        return None
+    arrangement = spec.arrangement
+    if arrangement.endswith(HEAD_MAJOR):
+        head_major = True
+    elif arrangement.endswith(TOKEN_MAJOR):
+        head_major = False
+    else:
+        return None
+    return PageShape(spec.num_layers, spec.num_kv_heads, spec.block_tokens, spec.head_dim, spec.dtype, head_major)
+
+
+class Codec(Protocol):
+    """One codec: `name` is what an index row or a manifest records of each
+    page coded with it; `lossy` whether decode(encode(page)) may differ from
+    the page. encode takes pages [n, page_bytes] (uint8) and returns each
+    page's blob; decode writes one page's bytes into out (uint8, page_bytes).
+    Both are deterministic: the same blob always decodes to the same bytes."""
+
+    name: str
+    lossy: bool
+
+    def encode(self, pages: np.ndarray, shape: PageShape | None) -> list[bytes]: ...
+
+    def decode(self, blob: bytes | memoryview, shape: PageShape | None, out: np.ndarray) -> None: ...
+
+
+# The first byte of a lossy codec's blob: the page as it is (a 1-byte cache, or a page it must not
+# scale), or coded.
+AS_IS, CODED = 0, 1
+
+
+def as_is(page: np.ndarray) -> bytes:
+    """A lossy codec's blob of a page kept as it is."""
+    return bytes([AS_IS]) + page.tobytes()
+
+
+def coded_bytes(name: str, blob: bytes | memoryview, shape: PageShape | None, size: int,
+                out: np.ndarray) -> memoryview | None:
+    """A lossy codec's blob read: where it holds the page as it is, the page
+    is written into out (None); else its coded bytes, which must be `size`
+    long. DataLoss for anything else."""
+    view = memoryview(blob)
+    if len(view) == out.size + 1 and view[0] == AS_IS:
+        out[:] = np.frombuffer(view[1:], dtype=np.uint8)
+        return None
+    if shape is None or not len(view) or view[0] != CODED:
+        raise DataLoss(f"a page of the {name} codec that does not decode")
+    if len(view) != 1 + size:
+        raise DataLoss(f"a page of the {name} codec of {len(view)} bytes, not the {1 + size} its shape gives")
+    return view[1:]
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Make a codec known by its name (each codec module registers its own)."""
+    if codec.name in _CODECS and _CODECS[codec.name] is not codec:
+        raise ValueError(f"a codec named {codec.name!r} is registered already")
+    _CODECS[codec.name] = codec
+    return codec
+
+
+def names() -> list[str]:
+    return sorted(_CODECS)
+
+
+def get(name: str) -> Codec:
+    """The codec of this name; InvalidArgument (saying which are known) for any other."""
+    codec = _CODECS.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise InvalidArgument(f"unknown codec {shown(name)}; codecs are {', '.join(names())}", field="codec",
+                              value=name)
+    return codec
+
+
+def for_spec(name: str, spec: KVSpec) -> Codec:
+    """The codec, where it may code the spec's pages: a lossy codec never codes
+    opaque snapshots, nor KV whose arrangement tierd does not know."""
+    codec = get(name)
+    if codec.lossy and page_shape(spec) is None:
+        what = "opaque snapshots" if spec.is_opaque else f"KV arranged as {shown(spec.arrangement)}"
+        raise InvalidArgument(f"the {name} codec is lossy and codes no {what}: use lossless", field="codec",
+                              value=name)
+    return codec
+
+
+@dataclass(frozen=True)
+class Coded:
+    """Pages coded: each page's blob, and the error decoding it gives back
+    (relative L2 and largest absolute difference, per page; 0 where lossless)."""
+
+    blobs: list[bytes]
+    rel_error: np.ndarray  # float32 [n]
+    max_error: np.ndarray  # float32 [n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.blobs)
+
+
+def code(codec: Codec, pages: np.ndarray, shape: PageShape | None) -> Coded:
+    """Encode pages [n, page_bytes]; for a lossy codec, decode each blob
+    again and measure what it changed, against the page."""
+    blobs = codec.encode(pages, shape)
+    n = len(blobs)
+    rel, worst = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+    if codec.lossy and shape is not None and shape.codable:
+        back = np.empty(pages.shape[1], dtype=np.uint8)
+        for i, blob in enumerate(blobs):
+            codec.decode(blob, shape, back)
+            rel[i], worst[i] = error(shape, pages[i], back)
+    return Coded(blobs, rel, worst)
+
+
+def error(shape: PageShape, page: np.ndarray, decoded: np.ndarray) -> tuple[float, float]:
+    """(relative L2 error, largest absolute error) of decoded against page
+    (a value that is not finite and changed: inf)."""
+    if np.array_equal(page, decoded):
+        return 0.0, 0.0
+    x, y = shape.values(page)[0], shape.values(decoded)[0]
+    diff = torch.where(x == y, torch.zeros_like(x), y - x).nan_to_num(nan=float("inf"))
+    norm = float(torch.linalg.vector_norm(x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)))
+    err = float(torch.linalg.vector_norm(diff))
+    return err / norm if norm else (0.0 if err == 0 else float("inf")), float(diff.abs().max())
