@@ -6,6 +6,7 @@ remote copy is DATA_LOSS or NOT_FOUND, never served; with the remote tier
 down, local sessions are served and the others are NOT_FOUND at once."""
 
 import shutil
+import threading
 import time
 import zlib
 
@@ -1135,3 +1136,27 @@ def test_a_list_reads_the_first_line_of_each_manifest_alone(nodes, cluster):
     for _ in range(3):
         b.list("alice")
     assert sent() - before < 3 * (200 << 10)  # its first line each time, never its 4.8 MiB
+
+
+def test_a_prefetch_past_the_landing_tier_is_not_ready_until_its_promotion_is_done(nodes, monkeypatch):
+    """A fetch lands in the landing tier; a Prefetch that asked for a faster
+    tier is not ready, on any tier, until the promotion after it is done."""
+    a, b = nodes("a").store, nodes("b", device_budget=64 * MiB).store
+    key = SessionKey("alice", "promoted")
+    stored(a, key, HostEngine(seed=36), [0, 1], 32)
+    promoting, go = threading.Event(), threading.Event()
+    promote = b.placement.promote
+
+    def held(*args, **kw):
+        promoting.set()
+        go.wait(30)
+        return promote(*args, **kw)
+
+    monkeypatch.setattr(b.placement, "promote", held)
+    assert b.prefetch(key, "device") == "queued"
+    assert promoting.wait(30)
+    try:
+        assert b.ready(key, "device") == (False, "remote") and b.ready(key) == (False, "remote")
+    finally:
+        go.set()
+    assert b.wait_ready(key, "device", timeout=30) == (True, "device")

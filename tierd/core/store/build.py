@@ -4,8 +4,9 @@ assigned onto a component after it is built. Two calls go back up the
 order, and are late-bound here (a call through a name of this function,
 not an attribute set afterwards): placement makes room through upkeep,
 which moves sessions through placement; the mover runs jobs, which queue
-more through the mover. Then the sessions of the disk index are recovered
-into the table. Runs once, on the thread that builds the daemon (machine.py)."""
+more through the mover. The sessions of the disk index are recovered into
+the table before any of the store's threads starts. Runs once, on
+the thread that builds the daemon (machine.py)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
     faults = Faults(events, lock, roles.durable, sharing.damage_holders)
     placement = Placement(tiers, copier, index, events, lock, holders, faults, sharing.lending,
                           lambda *room: upkeep.make_room(*room), policy.quota)
+    # Recovered before any thread starts (the mover's, the publisher's, the sweep's): a start that fails here
+    # leaves nothing running.
+    problems = recover(table, holders, idle, index, tiers[roles.durable], roles.durable, events, clock,
+                       remote is not None) if index is not None and roles.durable is not None else []
     moves = MoveQueue(lambda job: jobs.run(job), movers)
     link = queue = busy = None
     committed = []
@@ -94,8 +99,6 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
         calls = RemoteCalls(table, lifecycle, fetcher, publisher, queue, busy, link, remote, roles)
         parts = RemoteParts(remote, link, queue, finder, fetcher, publisher, sweeper, calls)
     jobs = Jobs(table, lifecycle, placement, fetcher, clock, events)
-    problems = recover(table, holders, idle, index, tiers[roles.durable], roles.durable, events, clock,
-                       remote is not None) if index is not None and roles.durable is not None else []
     return Store(Parts(tiers, roles, table, sharing, describe, placement, writer, saves, reader, leases, lifecycle,
                        upkeep, inspection, moves, parts), index, copier, clock, policy, events, problems)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,14 +229,15 @@ class Fetcher:
             raise failed
         return False
 
-    def run_job(self, job: Job) -> Job | None:
-        """A mover runs a fetch (a Prefetch of a version the remote tier holds);
-        returns the promotion to run after it, if the prefetch asked for a
-        tier faster than the landing tier."""
+    def run_job(self, job: Job, promote: Callable[[Job], None]) -> None:
+        """A mover runs a fetch (a Prefetch of a version the remote tier holds),
+        then, where the prefetch asked for a tier faster than the landing
+        tier, the promotion there (promote: the mover's prefetch job); the
+        fetch is pending (ready() says so) until both are done."""
         try:
             if job.deadline is not None and self.clock.now() > job.deadline:
                 self.events.prefetch_outcome("missed")
-                return None
+                return
             try:
                 found = self.fetch(job.key)
             except TierdError as exc:
@@ -249,14 +250,14 @@ class Fetcher:
                             self._failed.popitem(last=False)
             if not found:
                 self.events.prefetch_outcome("missed")
-                return None
+                return
             if tier_rank(job.target) < tier_rank(self.roles.landing):
-                return Job(job.key, job.target, "prefetch", job.io_class, job.priority, job.deadline)
+                promote(Job(job.key, job.target, "prefetch", job.io_class, job.priority, job.deadline))
+                return
             session = self.table.find(job.key)
             if session is not None:
                 now = self.lifecycle.expect(session)
                 self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
-            return None
         finally:
             with self.table.lock:
                 self._fetches.discard(job.key)

@@ -35,11 +35,9 @@ class Jobs:
 
     def run(self, job: Job) -> None:
         if job.reason == "fetch" and self.fetcher is not None:
-            follow = self.fetcher.run_job(job)
-            if follow is None:
-                return
-            job = follow
-        self._run(job)
+            self.fetcher.run_job(job, self._run)
+        else:
+            self._run(job)
 
     def _run(self, job: Job) -> None:
         session = self.table.find(job.key)

@@ -208,8 +208,10 @@ class Committed:
         self.remote = remote
 
     def __call__(self, w: PendingWrite, session: Session) -> None:
-        if w.first_page == 0:
-            with self.lock:
+        with self.lock:
+            if session.dropped:  # dropped since its commit: nothing to publish
+                return
+            if w.first_page == 0:
                 session.remote_fresh = session.snap.version
         if self.remote.write == "through":
             self.queue.add(w.key)
