@@ -98,6 +98,7 @@ class Lease:
     num_pages: int
     num_tokens: int
     ttl: float
+    nbytes: int = 0  # bytes the leased pages hold (a snapshot's last page may be short)
 
 
 @dataclass(frozen=True, slots=True)

@@ -480,7 +480,7 @@ class Slot(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "slots", "page_bytes", "page_stride", "first_page", "num_pages", "num_tokens", "ttl_seconds")
+    __slots__ = ("lease_id", "slots", "page_bytes", "page_stride", "first_page", "num_pages", "num_tokens", "ttl_seconds", "nbytes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +489,7 @@ class Lease(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     page_bytes: int
@@ -497,7 +498,8 @@ class Lease(_message.Message):
     num_pages: int
     num_tokens: int
     ttl_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., page_stride: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    nbytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., page_stride: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

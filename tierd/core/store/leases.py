@@ -137,7 +137,8 @@ class Leases:
         with self._lock:
             self._leases[lease.lease_id] = lease
         slots = [Slot(segment.name, 0, w.write_from, count)] if count else []
-        return Lease(lease.lease_id, slots, spec.page_bytes, spec.page_bytes, w.write_from, count, num_tokens, ttl)
+        return Lease(lease.lease_id, slots, spec.page_bytes, spec.page_bytes, w.write_from, count, num_tokens, ttl,
+                     count * spec.page_bytes)
 
     def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
         """Copy the leased pages into the host tier, taking their checksums, and commit them."""
@@ -226,7 +227,7 @@ class Leases:
         with self._lock:
             self._leases[lease.lease_id] = lease
         return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
-                     0, n, min(snap.num_tokens, n * bt), ttl)
+                     0, n, min(snap.num_tokens, n * bt), ttl, min(snap.nbytes, nbytes))
 
     def end_restore(self, tenant: str, lease_id: str) -> None:
         """The engine has read its pages: the segment goes. A lease that

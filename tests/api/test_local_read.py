@@ -1,0 +1,104 @@
+"""A local read: a client on the daemon's machine reads a session's bytes
+through shared memory the daemon lends for the read (read_local: one copy,
+in the daemon, every page checked), or has them copied into a buffer of
+its own (get_into). Bounds, tenants, damaged pages and a reader that dies
+with the lease open, against a real daemon."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import SPEC, flip_in_arena, metric, wait_for
+from tests.security.test_isolation import TOKENS, tokens_file
+from tierd.client import DataLoss, InvalidArgument, KVSpec, NotFound
+from tierd.testing import Daemon
+
+OPAQUE = KVSpec.opaque("test/state", page_bytes=8192)
+
+
+def state(nbytes: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def test_a_local_read_gives_exactly_the_bytes_stored(daemon):
+    data = state(3 * 8192 + 1000)  # the last page short
+    with daemon.client() as c:
+        c.put("llama", data, OPAQUE, 0)
+        with c.read_local("llama") as view:
+            assert view.readonly and len(view) == len(data) and bytes(view) == data
+        out = bytearray(len(data) + 10)
+        assert c.get_into("llama", out) == len(data)
+        assert bytes(out[: len(data)]) == data and out[len(data) :] == bytes(10)
+        kv = state(4 * SPEC.page_bytes, seed=1)
+        c.put("kv", kv, SPEC, 64)
+        with c.read_local("kv") as view:
+            assert bytes(view) == kv
+        with pytest.raises(NotFound):
+            with c.read_local("nowhere"):
+                pass
+
+
+def test_a_buffer_too_small_is_refused_and_holds_no_lease(tmp_path):
+    d = Daemon(tmp_path, "--tenant-leases", "1").start()
+    try:
+        with d.client() as c:
+            c.put("llama", state(20000), OPAQUE, 0)
+            for _ in range(3):  # a lease left open would make the next one RESOURCE_EXHAUSTED
+                with pytest.raises(InvalidArgument, match="20000 bytes"):
+                    c.get_into("llama", bytearray(19999))
+            with pytest.raises(InvalidArgument, match="writable"):
+                c.get_into("llama", bytes(20000))
+            out = np.zeros(20000, dtype=np.uint8)
+            assert c.get_into("llama", out) == 20000 and out.tobytes() == state(20000)
+    finally:
+        d.close()
+
+
+def test_a_tenant_reads_only_its_own_sessions(tmp_path):
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS)).start()
+    try:
+        with d.client(token=TOKENS["alice"]) as alice, d.client(token=TOKENS["bob"]) as bob:
+            alice.put("mine", state(9000), OPAQUE, 0)
+            with pytest.raises(NotFound):
+                with bob.read_local("mine"):
+                    pass
+            with pytest.raises(NotFound):
+                bob.get_into("mine", bytearray(9000))
+            assert alice.get_into("mine", bytearray(9000)) == 9000
+    finally:
+        d.close()
+
+
+def test_a_damaged_page_is_data_loss_never_bytes(daemon):
+    data = state(4 * 8192, seed=2)
+    with daemon.client() as c:
+        c.put("damaged", data, OPAQUE, 0)
+        flip_in_arena(daemon.data_dir, data[8192 + 100 : 8192 + 132])
+        with pytest.raises(DataLoss):
+            with c.read_local("damaged"):
+                pass
+        with pytest.raises(DataLoss):
+            c.get_into("damaged", bytearray(len(data)))
+
+
+READER = """
+import os, sys
+from tierd.client import Client
+c = Client(sys.argv[1])
+with c.read_local("held", ttl=0.5) as view:
+    print(len(view), flush=True)
+    os.kill(os.getpid(), 9)  # dies with the lease open
+"""
+
+
+def test_a_lease_its_reader_never_ended_is_returned(daemon):
+    with daemon.client() as c:
+        c.put("held", state(8192 * 2), OPAQUE, 0)
+        child = subprocess.run([sys.executable, "-c", READER, daemon.socket], capture_output=True, text=True,
+                               timeout=60)
+        assert child.returncode == -9 and child.stdout.strip() == str(8192 * 2)
+        wait_for(lambda: metric(daemon, "tierd_leases_expired_total", 'kind="restore"') == 1, 20,
+                 "the daemon to expire the lease")
+        assert c.get_into("held", bytearray(8192 * 2)) == 8192 * 2
