@@ -203,9 +203,8 @@ class EngineLayout:
         return sum(s.nbytes for s in self.segments)
 
     def check(self, spec: KVSpec, region_sizes: list[int]) -> None:
-        """Raise InvalidArgument unless this layout fits the spec and the regions."""
-        if spec.is_opaque:
-            raise InvalidArgument("an opaque spec has no block layout: use put/get for opaque bytes", field="spec")
+        """Raise InvalidArgument unless this layout fits the spec and the regions
+        (an opaque spec's blocks are whole pages: memory it is read into)."""
         if self.page_bytes != spec.page_bytes:
             raise InvalidArgument(
                 f"the segments hold {self.page_bytes} bytes per block but the spec needs {spec.page_bytes} "

@@ -67,6 +67,7 @@ class RestoreResult:
     num_pages: int
     source_tier: str
     seconds: float
+    nbytes: int = 0  # bytes the restored pages hold (a snapshot's last page may be short)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """A local read: a client on the daemon's machine reads a session's bytes
 through shared memory the daemon lends for the read (read_local: one copy,
-in the daemon, every page checked), or has them copied into a buffer of
-its own (get_into). Bounds, tenants, damaged pages and a reader that dies
-with the lease open, against a real daemon."""
+in the daemon, every page checked), has them copied into a buffer of its
+own (get_into), or has the daemon read them into memory of its own that it
+registered (LocalBuffer). Bounds, tenants, identities, damaged pages and a
+reader that dies with the lease open, against a real daemon."""
 
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from tests.helpers import SPEC, flip_in_arena, metric, wait_for
 from tests.security.test_isolation import TOKENS, tokens_file
-from tierd.client import DataLoss, InvalidArgument, KVSpec, NotFound
+from tierd.client import DataLoss, IdentityMismatch, InvalidArgument, KVSpec, NotFound, SharedKVCache
 from tierd.testing import Daemon
 
 OPAQUE = KVSpec.opaque("test/state", page_bytes=8192)
@@ -102,3 +103,49 @@ def test_a_lease_its_reader_never_ended_is_returned(daemon):
         wait_for(lambda: metric(daemon, "tierd_leases_expired_total", 'kind="restore"') == 1, 20,
                  "the daemon to expire the lease")
         assert c.get_into("held", bytearray(8192 * 2)) == 8192 * 2
+
+
+def test_a_local_buffer_holds_what_the_daemon_reads_into_it(daemon):
+    data, kv = state(2 * 8192 + 5), state(3 * SPEC.page_bytes, seed=3)
+    with daemon.client() as c:
+        c.put("llama", data, OPAQUE, 0)
+        c.put("kv", kv, SPEC, 48)
+        with c.local_buffer(OPAQUE, 4 * 8192) as buf:
+            view = buf.read("llama")
+            assert view.readonly and bytes(view) == data
+            c.put("llama", data[:100], OPAQUE, 0)  # stored again, smaller: the next read says so
+            assert bytes(buf.read("llama")) == data[:100]
+            c.put("big", state(4 * 8192 + 1), OPAQUE, 0)
+            with pytest.raises(InvalidArgument, match="this buffer takes 32768"):
+                buf.read("big")
+            with pytest.raises(IdentityMismatch):
+                buf.read("kv")
+            with pytest.raises(NotFound):
+                buf.read("nowhere")
+        with c.local_buffer(SPEC, 3 * SPEC.page_bytes) as buf:
+            assert bytes(buf.read("kv")) == kv
+
+
+def test_engine_memory_of_an_opaque_spec_is_only_read_into(daemon):
+    with daemon.client() as c, SharedKVCache(OPAQUE, 4, kind="cross_layer") as memory:
+        engine = c.register_engine(OPAQUE, memory)
+        with pytest.raises(InvalidArgument, match="no blocks: use put"):
+            engine.save("llama", [0, 1], 2)
+        engine.close()
+
+
+def test_a_local_buffer_reads_only_its_tenants_sessions_and_never_damaged_bytes(tmp_path):
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS)).start()
+    try:
+        data = state(3 * 8192, seed=4)
+        with d.client(token=TOKENS["alice"]) as alice, d.client(token=TOKENS["bob"]) as bob, \
+                bob.local_buffer(OPAQUE, len(data)) as theirs, alice.local_buffer(OPAQUE, len(data)) as mine:
+            alice.put("mine", data, OPAQUE, 0)
+            with pytest.raises(NotFound):
+                theirs.read("mine")
+            assert bytes(mine.read("mine")) == data
+            flip_in_arena(d.data_dir, data[8192 + 64 : 8192 + 96])
+            with pytest.raises(DataLoss):
+                mine.read("mine")
+    finally:
+        d.close()

@@ -80,17 +80,15 @@ class EngineCalls:
             with self.ctx.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 r = self.ctx.store.restore(key, engine.memory, engine.spec, ids, prompt, req.cache_salt)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
-                                  seconds=r.seconds)
+                                  seconds=r.seconds, nbytes=r.nbytes)
 
 
 def _layout(req: Any, spec: Any) -> EngineLayout:
     if req.segments:
         return EngineLayout(req.num_blocks, tuple(Segment(s.region, s.offset, s.stride, s.nbytes) for s in req.segments))
-    if spec.is_opaque:
-        raise InvalidArgument("an opaque spec has no block layout: use Put and Get", field="spec")
     if len(req.regions) == 1:
         return EngineLayout.cross_layer(spec, req.num_blocks)
-    if len(req.regions) == 2 * spec.num_layers:
+    if len(req.regions) == 2 * spec.num_layers and not spec.is_opaque:
         return EngineLayout.layer_major(spec, req.num_blocks)
     raise InvalidArgument(f"give segments, or 1 region (cross-layer) or {2 * spec.num_layers} regions "
                           f"(K and V per layer); got {len(req.regions)} regions", field="segments")

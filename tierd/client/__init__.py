@@ -5,6 +5,7 @@ below, each carrying the daemon's message."""
 from tierd.client.calls import AsyncEngine, Engine
 from tierd.client.channel import default_address
 from tierd.client.clients import AsyncClient, Client
+from tierd.client.local import LocalBuffer
 from tierd.client.shm import Arena, SharedKVCache
 from tierd.errors import (
     DataLoss,
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidArgument",
     "KVSpec",
     "Lease",
+    "LocalBuffer",
     "LookupResult",
     "NotFound",
     "PermissionDenied",

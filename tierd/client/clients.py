@@ -8,16 +8,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
-import numpy as np
 
 from tierd.client.calls import AsyncEngine, Calls, Engine, byte_streams, put_messages
 from tierd.client.channel import DEFAULT_CHUNK, OPTIONS, channel_args, pb
+from tierd.client import local
 from tierd.client.shm import Arena
-from tierd.errors import DataLoss, InvalidArgument
+from tierd.errors import DataLoss
 from tierd.layout import KVSpec
 from tierd.types import (
     SessionInfo,
@@ -130,46 +130,21 @@ class Client(Calls):
 
         return info_from_pb(head), chunks()
 
-    @contextmanager
-    def read_local(self, session_id: str, ttl: float = 60.0) -> Iterator[memoryview]:
+    def read_local(self, session_id: str, ttl: float = 60.0) -> AbstractContextManager[memoryview]:
         """The session's bytes, read on the daemon's machine through shared
         memory it lends for the read: a read-only view, valid inside the
-        block. The daemon copied them there once, every page checked; no
-        stream carries them. The lease ends with the block, or at its ttl
-        if this process dies first (NotFound at the end: it expired while
-        the bytes were read, and they may have changed)."""
-        lease = self.begin_restore(session_id, ttl=ttl)
-        try:
-            with self._arena_lock:
-                if self._arena is None:
-                    self._arena = Arena()
-                rows = [rows for _, rows in self._arena.runs(lease)]
-            data = np.concatenate(rows).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
-            view = memoryview(data[: lease.nbytes]).toreadonly()
-            try:
-                yield view
-            finally:
-                try:
-                    view.release()  # no reading it once the lease has ended
-                except BufferError:
-                    pass  # a view of it is still alive: the caller's
-        finally:
-            self.end_restore(lease)
+        block (client/local.py)."""
+        return local.read_local(self, session_id, ttl)
 
     def get_into(self, session_id: str, out: Any, ttl: float = 60.0) -> int:
         """Copy the session's bytes into `out` (a writable buffer: bytearray,
         numpy array, ...), read as read_local reads them; returns how many."""
-        target = memoryview(out)
-        if target.readonly:
-            raise InvalidArgument("get_into writes into a writable buffer (a bytearray or a numpy array, say)",
-                                  field="out")
-        target = target.cast("B")
-        with self.read_local(session_id, ttl) as data:
-            if target.nbytes < len(data):
-                raise InvalidArgument(f"session {session_id!r} holds {len(data)} bytes; the buffer takes "
-                                      f"{target.nbytes}", field="out", need=len(data), got=target.nbytes)
-            target[: len(data)] = data
-            return len(data)
+        return local.get_into(self, session_id, out, ttl)
+
+    def local_buffer(self, spec: KVSpec, nbytes: int) -> local.LocalBuffer:
+        """Memory of this process, registered with the daemon, that it reads
+        sessions of `spec` (up to nbytes) into: LocalBuffer.read."""
+        return local.LocalBuffer(self, spec, nbytes)
 
     def close(self) -> None:
         self._channel.close()

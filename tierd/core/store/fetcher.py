@@ -200,8 +200,8 @@ class Fetcher:
         t0 = time.perf_counter()
         self.fetch(key, m, into)
         if into is not None and into.session is not None:
-            return self.reader.restored(into.session, fetched, m.num_tokens, int(ids.size), self.roles.versions,
-                                        time.perf_counter() - t0)
+            return self.reader.restored(into.session, fetched, m.num_tokens, m.nbytes, int(ids.size),
+                                        self.roles.versions, time.perf_counter() - t0)
         return None
 
     def prefetch(self, key: SessionKey, tier: str, priority: int, deadline: float | None) -> str:

@@ -89,19 +89,20 @@ class Reader:
             source = max((s.tier for s in spans if s.first_page < ids.size), key=tier_rank)
             t0 = time.perf_counter()
             self.read_out(session, lambda: self.copier.scatter(spans, engine, ids, snap.geometry, snap.checksums))
-            return self.restored(session, snap.spec, snap.num_tokens, int(ids.size), source,
-                                  time.perf_counter() - t0)
+            return self.restored(session, snap.spec, snap.num_tokens, snap.nbytes, int(ids.size), source,
+                                 time.perf_counter() - t0)
         finally:
             lock.release()
 
-    def restored(self, session: Session, spec: KVSpec, num_tokens: int, n_pages: int, source: str,
-                  seconds: float) -> RestoreResult:
-        """Account for the first n_pages of a snapshot (of spec, num_tokens)
-        scattered into an engine's blocks from source."""
+    def restored(self, session: Session, spec: KVSpec, num_tokens: int, nbytes: int, n_pages: int, source: str,
+                 seconds: float) -> RestoreResult:
+        """Account for the first n_pages of a snapshot (of spec, num_tokens
+        and nbytes) scattered into an engine's blocks from source."""
         with self.table.lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(source, n_pages * spec.page_bytes, seconds)
-        return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds)
+        return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds,
+                             min(nbytes, n_pages * spec.page_bytes))
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         """The snapshot's info and a reader of its bytes, checked against their

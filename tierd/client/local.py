@@ -1,0 +1,110 @@
+"""Local reads: a client on the daemon's machine gets a session's bytes
+without a stream. read_local: through shared memory the daemon lends for
+the read (a lease's segment, mapped here); get_into: those bytes copied
+into a buffer of the caller's; LocalBuffer: memory of this process the
+daemon reads sessions into itself (a registered engine of whole pages).
+Every page is checked against its checksum on the way, as for any read.
+Run in the client's process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tierd.client.shm import Arena, SharedKVCache
+from tierd.errors import FailedPrecondition, InvalidArgument
+from tierd.layout import KVSpec
+
+if TYPE_CHECKING:
+    from tierd.client.clients import Client
+
+
+@contextmanager
+def read_local(client: Client, session_id: str, ttl: float = 60.0) -> Iterator[memoryview]:
+    """The session's bytes, read on the daemon's machine through shared
+    memory it lends for the read: a read-only view, valid inside the
+    block. The daemon copied them there once, every page checked; no
+    stream carries them. The lease ends with the block, or at its ttl
+    if this process dies first (NotFound at the end: it expired while
+    the bytes were read, and they may have changed)."""
+    lease = client.begin_restore(session_id, ttl=ttl)
+    try:
+        with client._arena_lock:
+            if client._arena is None:
+                client._arena = Arena()
+            rows = [rows for _, rows in client._arena.runs(lease)]
+        data = np.concatenate(rows).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+        view = memoryview(data[: lease.nbytes]).toreadonly()
+        try:
+            yield view
+        finally:
+            try:
+                view.release()  # no reading it once the lease has ended
+            except BufferError:
+                pass  # a view of it is still alive: the caller's
+    finally:
+        client.end_restore(lease)
+
+
+def get_into(client: Client, session_id: str, out: Any, ttl: float = 60.0) -> int:
+    """Copy the session's bytes into `out` (a writable buffer: bytearray,
+    numpy array, ...), read as read_local reads them; returns how many."""
+    target = memoryview(out)
+    if target.readonly:
+        raise InvalidArgument("get_into writes into a writable buffer (a bytearray or a numpy array, say)",
+                              field="out")
+    target = target.cast("B")
+    with read_local(client, session_id, ttl) as data:
+        if target.nbytes < len(data):
+            raise InvalidArgument(f"session {session_id!r} holds {len(data)} bytes; the buffer takes "
+                                  f"{target.nbytes}", field="out", need=len(data), got=target.nbytes)
+        target[: len(data)] = data
+        return len(data)
+
+
+class LocalBuffer:
+    """Shared memory of this process (a sealed memfd) registered with the
+    daemon as memory it reads sessions of one spec into, whole pages at a
+    time: read(session_id) has the daemon copy the session's pages there,
+    every page checked on the way (one copy, no stream), and returns a view
+    of its bytes, valid until the next read or close. Opaque bytes
+    (llama.cpp state, say) and KV pages alike; a session of another spec is
+    IDENTITY_MISMATCH, one larger than the buffer INVALID_ARGUMENT."""
+
+    READS = 3  # a session stored again between the look at its size and the read: looked at again
+
+    def __init__(self, client: Client, spec: KVSpec, nbytes: int) -> None:
+        self.client, self.spec = client, spec
+        self.pages = max(1, -(-int(nbytes) // spec.page_bytes))
+        self.memory = SharedKVCache(spec, self.pages, kind="cross_layer")
+        try:
+            self.engine = client.register_engine(spec, self.memory)
+        except BaseException:
+            self.memory.close()
+            raise
+
+    def read(self, session_id: str) -> memoryview:
+        for _ in range(self.READS):
+            info = self.client.stat(session_id)
+            if info.num_pages > self.pages:
+                raise InvalidArgument(f"session {session_id!r} holds {info.size_bytes} bytes; this buffer takes "
+                                      f"{self.pages * self.spec.page_bytes}", field="nbytes", need=info.size_bytes)
+            r = self.engine.restore(session_id, range(info.num_pages))
+            if r.nbytes == info.size_bytes:  # else stored again meanwhile: its pages and size are looked at again
+                return memoryview(self.memory.regions[0][: r.nbytes]).toreadonly()
+        raise FailedPrecondition(f"session {session_id!r} was stored again during each of {self.READS} reads")
+
+    def close(self) -> None:
+        try:
+            self.engine.close()
+        finally:
+            self.memory.close()
+
+    def __enter__(self) -> LocalBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
