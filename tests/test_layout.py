@@ -77,8 +77,10 @@ def test_layout_errors():
         EngineLayout(2, (Segment(0, 0, 4096, 4096),)).check(QWEN, [1 << 30])
     with pytest.raises(InvalidArgument, match="overlap"):
         EngineLayout(2, (Segment(0, 0, 100, 200),))
-    with pytest.raises(InvalidArgument, match="opaque"):
-        cl.check(KVSpec.opaque("x"), [1 << 30])
+    opaque = KVSpec.opaque("x")  # its blocks are whole pages: memory a session is read into
+    with pytest.raises(InvalidArgument, match="bytes per block"):
+        cl.check(opaque, [1 << 30])
+    EngineLayout.cross_layer(opaque, 4).check(opaque, [4 * opaque.page_bytes])
 
 
 def test_a_page_is_at_least_4_KiB():
