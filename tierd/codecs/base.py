@@ -26,7 +26,8 @@ from tierd.layout import DTYPE_BYTES, KVSpec
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Arrangements tierd knows the axes of, by how the arrangement string ends: each
 # (layer, K/V) slab of a page is [tokens, heads, dim] (token-major) or [heads, tokens, dim].
-HEAD_MAJOR = ("layer,kv,head,token,dim", "[blocks,kv_heads,block_size,C]")
+# (vLLM's is not among them until its pages' K/V order is checked against a real engine.)
+HEAD_MAJOR = ("layer,kv,head,token,dim",)
 TOKEN_MAJOR = ("layer,kv,token,head,dim",)
 
 

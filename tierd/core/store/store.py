@@ -25,8 +25,8 @@ from tierd.core.store.pending import PendingWrite
 from tierd.core.store.snapshot_reader import SnapshotReader
 from tierd.errors import FailedPrecondition, TierdError, Unavailable
 from tierd.layout import KVSpec
-from tierd.tiers.ioqueue import IOClass
 from tierd.policy import PolicyConfig
+from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine, EngineMemory
 from tierd.types import Lease, LookupResult, RestoreResult, SessionInfo, SessionKey
 
