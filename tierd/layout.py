@@ -208,7 +208,8 @@ class EngineLayout:
         if self.page_bytes != spec.page_bytes:
             raise InvalidArgument(
                 f"the segments hold {self.page_bytes} bytes per block but the spec needs {spec.page_bytes} "
-                f"({spec.block_tokens} tokens x {spec.bytes_per_token} bytes)",
+                + ("(its pages' size)" if spec.is_opaque else
+                   f"({spec.block_tokens} tokens x {spec.bytes_per_token} bytes)"),
                 field="segments",
                 got=self.page_bytes,
                 want=spec.page_bytes,

@@ -13,7 +13,16 @@ import pytest
 
 from tests.helpers import SPEC, flip_in_arena, metric, wait_for
 from tests.security.test_isolation import TOKENS, tokens_file
-from tierd.client import DataLoss, IdentityMismatch, InvalidArgument, KVSpec, NotFound, SharedKVCache
+from tierd.client import (
+    Arena,
+    DataLoss,
+    IdentityMismatch,
+    InvalidArgument,
+    KVSpec,
+    NotFound,
+    ResourceExhausted,
+    SharedKVCache,
+)
 from tierd.testing import Daemon
 
 OPAQUE = KVSpec.opaque("test/state", page_bytes=8192)
@@ -149,3 +158,79 @@ def test_a_local_buffer_reads_only_its_tenants_sessions_and_never_damaged_bytes(
                 mine.read("mine")
     finally:
         d.close()
+
+
+def test_a_short_last_page_hands_out_nothing_past_the_sessions_end(tmp_path):
+    """The rest of an opaque session's last page is never another session's
+    bytes: not in memory the daemon reads into, not in a lent segment."""
+    d = Daemon(tmp_path, "--auth-tokens", tokens_file(tmp_path, TOKENS)).start()
+    try:
+        with d.client(token=TOKENS["alice"]) as alice, d.client(token=TOKENS["bob"]) as bob:
+            alice.put("secret", b"ALICE-SECRET-" * 5042, OPAQUE, 0)  # 8 pages of it, then its place freed
+            alice.drop("secret")
+            with bob.local_buffer(OPAQUE, 8192) as buf:
+                for i in range(8):  # into the room alice's pages had
+                    bob.put(f"tiny{i}", b"x", OPAQUE, 0)
+                    assert bytes(buf.read(f"tiny{i}")) == b"x"
+                    assert bytes(buf.memory.regions[0][1:]) == bytes(8191)
+            arena = Arena()
+            try:
+                bob.put("big", state(4 * 8192, seed=5), OPAQUE, 0)
+                bob.put("small", state(2 * 8192 + 100, seed=6), OPAQUE, 0)
+                for name in ("big", "small"):  # small's lease takes the segment big's had
+                    lease = bob.begin_restore(name)
+                    segment = arena._slab(lease.slots[0].shm_name)
+                    assert bytes(segment[lease.nbytes :]) == bytes(segment.size - lease.nbytes)
+                    bob.end_restore(lease)
+            finally:
+                arena.close()
+    finally:
+        d.close()
+
+
+def test_a_local_buffer_never_returns_part_of_a_version_stored_while_it_reads(daemon):
+    two, three, shorter = state(2 * 8192, seed=7), state(3 * 8192, seed=8), state(8192 + 5, seed=9)
+    with daemon.client() as c, c.local_buffer(OPAQUE, 4 * 8192) as buf:
+        for then in (three, shorter):  # grown, and shrunk, between the look at its size and the read
+            c.put("racing", two, OPAQUE, 0)
+            stat, once = c.stat, []
+
+            def stat_then_store(session_id, then=then, stat=stat, once=once):
+                info = stat(session_id)
+                if not once:
+                    once.append(c.put("racing", then, OPAQUE, 0))
+                return info
+
+            c.stat = stat_then_store
+            try:
+                assert bytes(buf.read("racing")) == then
+            finally:
+                c.stat = stat
+
+
+DIES = """
+import os, sys
+from tierd.client import Client, KVSpec
+c = Client(sys.argv[1])
+held = [c.local_buffer(KVSpec.opaque("test/state", page_bytes=8192), 8192) for _ in range(64)]
+print(len(held), flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_the_local_buffers_of_a_process_that_died_are_let_go(daemon):
+    child = subprocess.run([sys.executable, "-c", DIES, daemon.socket], capture_output=True, text=True, timeout=60)
+    assert child.returncode == -9 and child.stdout.strip() == "64", child.stderr
+    with daemon.client() as c:
+        c.put("after", b"y" * 10, OPAQUE, 0)
+
+        def registers():
+            try:
+                with c.local_buffer(OPAQUE, 8192) as buf:
+                    return bytes(buf.read("after")) == b"y" * 10
+            except ResourceExhausted:  # the dead process's 64 engines, until the daemon lets them go
+                return False
+
+        wait_for(registers, 30, "the daemon to unregister the dead process's buffers")
+        with pytest.raises(InvalidArgument, match="positive"):
+            c.local_buffer(OPAQUE, 0)

@@ -80,7 +80,7 @@ class EngineCalls:
             with self.ctx.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 r = self.ctx.store.restore(key, engine.memory, engine.spec, ids, prompt, req.cache_salt)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
-                                  seconds=r.seconds, nbytes=r.nbytes)
+                                  seconds=r.seconds, nbytes=r.nbytes, stored_bytes=r.stored_bytes)
 
 
 def _layout(req: Any, spec: Any) -> EngineLayout:

@@ -80,7 +80,7 @@ def _lease(lease: Lease | str) -> pb.LeaseRequest:
 
 
 def _restore(r: pb.RestoreResponse) -> RestoreResult:
-    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds, r.nbytes)
+    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds, r.nbytes, r.stored_bytes)
 
 
 def _stats(r: pb.StatsResponse) -> dict[str, Any]:

@@ -8,6 +8,7 @@ Run in the client's process."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -77,11 +78,13 @@ class LocalBuffer:
     READS = 3  # a session stored again between the look at its size and the read: looked at again
 
     def __init__(self, client: Client, spec: KVSpec, nbytes: int) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument(f"a local buffer takes a positive number of bytes, not {nbytes!r}", field="nbytes")
         self.client, self.spec = client, spec
-        self.pages = max(1, -(-int(nbytes) // spec.page_bytes))
+        self.pages = -(-nbytes // spec.page_bytes)
         self.memory = SharedKVCache(spec, self.pages, kind="cross_layer")
-        try:
-            self.engine = client.register_engine(spec, self.memory)
+        try:  # let go by the daemon if this process dies
+            self.engine = client.register_engine(spec, self.memory, pid=os.getpid())
         except BaseException:
             self.memory.close()
             raise
@@ -92,8 +95,13 @@ class LocalBuffer:
             if info.num_pages > self.pages:
                 raise InvalidArgument(f"session {session_id!r} holds {info.size_bytes} bytes; this buffer takes "
                                       f"{self.pages * self.spec.page_bytes}", field="nbytes", need=info.size_bytes)
-            r = self.engine.restore(session_id, range(info.num_pages))
-            if r.nbytes == info.size_bytes:  # else stored again meanwhile: its pages and size are looked at again
+            try:
+                r = self.engine.restore(session_id, range(info.num_pages))
+            except InvalidArgument:
+                if self.client.stat(session_id).num_pages < info.num_pages:
+                    continue  # stored again, shorter, since its size was looked at
+                raise
+            if r.nbytes == r.stored_bytes:  # every page of the snapshot as it was then; else stored again meanwhile
                 return memoryview(self.memory.regions[0][: r.nbytes]).toreadonly()
         raise FailedPrecondition(f"session {session_id!r} was stored again during each of {self.READS} reads")
 

@@ -168,6 +168,15 @@ class Segment:
         """Write views, in order, at offset."""
         _each_batch(os.pwritev, self.fd, views, offset, "written")
 
+    def clear_from(self, offset: int) -> None:
+        """Zero the file's bytes from offset to its end: a segment kept from an
+        earlier lease hands out nothing of it past what this one holds."""
+        zeros = memoryview(bytes(min(1 << 20, max(self.size - offset, 0))))
+        while offset < self.size:
+            take = min(len(zeros), self.size - offset)
+            _each_batch(os.pwritev, self.fd, [zeros[:take]], offset, "written")
+            offset += take
+
     def close(self) -> None:
         """Unlink (an engine that mapped it keeps its mapping)."""
         if self.fd >= 0:

@@ -149,7 +149,10 @@ class PageWriter:
         for span in sorted(dst, key=lambda s: s.first_page):
             buf = copier.view(span.tier, span.offset, span.n_pages * geom.stride)
             for i in range(span.n_pages):
-                self._slots.append(buf[i * geom.stride : i * geom.stride + geom.size_of(span.first_page + i)])
+                size = geom.size_of(span.first_page + i)
+                self._slots.append(buf[i * geom.stride : i * geom.stride + size])
+                if size < geom.stride:  # a short last page: the rest of its room holds zeros, not what was there
+                    buf[i * geom.stride + size : (i + 1) * geom.stride] = 0
         self.capacity = sum(v.nbytes for v in self._slots)
         self.received = 0
         self._slot = self._within = 0

@@ -146,6 +146,20 @@ class EngineCopies(PageCopier):
             self.add_copies(len(pairs))
             self.record(f"{tier}->engine", count * geom.page_bytes, time.perf_counter() - t0)
         self._launch(launch, launched_bytes, io_class, t_call)
+        if geom.last_bytes < geom.page_bytes and geom.n_pages <= n:  # nothing past the snapshot's end
+            self._clear_tail(engine, int(block_ids[geom.n_pages - 1]), geom.last_bytes)
+
+    @staticmethod
+    def _clear_tail(engine: EngineMemory, block: int, keep: int) -> None:
+        """Zero a block's bytes past its page's first `keep`: what the copy
+        brought of a short last page's room is not the snapshot's."""
+        layout = engine.layout
+        for seg, at in zip(layout.segments, layout.page_offsets):
+            lo = max(keep - at, 0)
+            if lo < seg.nbytes:
+                memory.clear(memory.rows(engine.regions[seg.region], seg.offset + block * seg.stride + lo, 1,
+                                         seg.stride, seg.nbytes - lo))
+        memory.synchronize(*engine.regions)
 
     def _copy_and_check(self, tier: str, buf: np.ndarray, first: int, count: int, pairs: list, geom: Geometry,
                         checksums: np.ndarray) -> None:

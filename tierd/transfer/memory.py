@@ -40,6 +40,14 @@ def copy(dst: Any, src: Any) -> None:
     d.copy_(s)
 
 
+def clear(buf: Any) -> None:
+    """Zero a numpy array or a torch tensor."""
+    if isinstance(buf, np.ndarray):
+        buf[...] = 0
+    else:
+        buf.zero_()
+
+
 def to_host(buf: Any) -> np.ndarray:
     """A numpy view (host buffers) or copy (device tensors) of a 1-D byte buffer."""
     if isinstance(buf, np.ndarray):

@@ -133,6 +133,12 @@ class Leases:
         except BaseException:
             self.writer.abort_write(w)
             raise
+        try:
+            segment.clear_from(nbytes)  # past the pages to write, nothing of a kept segment's earlier lease
+        except BaseException:
+            self.segments.close_one(key.tenant, segment, nbytes)
+            self.writer.abort_write(w)
+            raise
         lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, w)
         with self._lock:
             self._leases[lease.lease_id] = lease
@@ -214,9 +220,11 @@ class Leases:
         source = max((sp.tier for sp in spans), key=tier_rank)
         nbytes = n * snap.spec.page_bytes
         segment = self.segments.open(key.tenant, nbytes)
+        held = min(snap.nbytes, nbytes)
         try:
             self.reader.read_out(session, lambda: self.copier.to_segment(spans, snap.geometry, snap.checksums, n,
                                                                    segment))
+            segment.clear_from(held)  # past the snapshot's end, nothing (a kept segment held an earlier lease's)
         except BaseException:
             self.segments.close_one(key.tenant, segment, nbytes)
             raise
@@ -227,7 +235,7 @@ class Leases:
         with self._lock:
             self._leases[lease.lease_id] = lease
         return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
-                     0, n, min(snap.num_tokens, n * bt), ttl, min(snap.nbytes, nbytes))
+                     0, n, min(snap.num_tokens, n * bt), ttl, held)
 
     def end_restore(self, tenant: str, lease_id: str) -> None:
         """The engine has read its pages: the segment goes. A lease that

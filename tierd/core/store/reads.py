@@ -102,7 +102,7 @@ class Reader:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(source, n_pages * spec.page_bytes, seconds)
         return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds,
-                             min(nbytes, n_pages * spec.page_bytes))
+                             min(nbytes, n_pages * spec.page_bytes), nbytes)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         """The snapshot's info and a reader of its bytes, checked against their
