@@ -234,3 +234,26 @@ def test_the_local_buffers_of_a_process_that_died_are_let_go(daemon):
         wait_for(registers, 30, "the daemon to unregister the dead process's buffers")
         with pytest.raises(InvalidArgument, match="positive"):
             c.local_buffer(OPAQUE, 0)
+
+
+def test_the_asyncio_client_reads_locally_too(daemon):
+    import asyncio
+
+    from tierd.client import AsyncClient
+
+    data = state(2 * 8192 + 77, seed=10)
+
+    async def main():
+        async with AsyncClient(daemon.socket) as c:
+            await c.put("llama", data, OPAQUE, 0)
+            async with c.read_local("llama") as view:
+                assert view.readonly and bytes(view) == data
+            out = np.zeros(len(data), dtype=np.uint8)
+            assert await c.get_into("llama", out) == len(data) and out.tobytes() == data
+            with pytest.raises(InvalidArgument, match="bytes; the buffer takes"):
+                await c.get_into("llama", bytearray(10))
+            with pytest.raises(NotFound):
+                async with c.read_local("nowhere"):
+                    pass
+
+    asyncio.run(main())

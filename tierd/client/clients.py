@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 import grpc
@@ -170,6 +170,8 @@ class AsyncClient(Calls):
                          grpc.aio.insecure_channel(self.address, options=OPTIONS))
         self._stub = pb_grpc.TierdStub(self._channel)
         self._get, self._put = byte_streams(self._channel)
+        self._arena: Arena | None = None  # the lease segments read_local maps
+        self._arena_lock = threading.Lock()
 
     async def _call(self, rpc: str, request: Any, parse: Callable[[Any], Any], timeout: float | None = None) -> Any:
         try:
@@ -180,6 +182,14 @@ class AsyncClient(Calls):
 
     def _engine(self, engine_id: str, spec: KVSpec) -> AsyncEngine:
         return AsyncEngine(self, engine_id, spec)
+
+    def read_local(self, session_id: str, ttl: float = 60.0) -> AbstractAsyncContextManager[memoryview]:
+        """Client.read_local, as an async context manager."""
+        return local.read_local_async(self, session_id, ttl)
+
+    async def get_into(self, session_id: str, out: Any, ttl: float = 60.0) -> int:
+        """Client.get_into, awaited."""
+        return await local.get_into_async(self, session_id, out, ttl)
 
     async def list(self, all_tenants: bool = False) -> list[SessionInfo]:
         out, token = [], ""
@@ -239,6 +249,8 @@ class AsyncClient(Calls):
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._arena is not None:
+            self._arena.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -4,13 +4,13 @@ the read (a lease's segment, mapped here); get_into: those bytes copied
 into a buffer of the caller's; LocalBuffer: memory of this process the
 daemon reads sessions into itself (a registered engine of whole pages).
 Every page is checked against its checksum on the way, as for any read.
-Run in the client's process."""
+read_local and get_into also for AsyncClient. Run in the client's process."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,9 +18,10 @@ import numpy as np
 from tierd.client.shm import Arena, SharedKVCache
 from tierd.errors import FailedPrecondition, InvalidArgument
 from tierd.layout import KVSpec
+from tierd.types import Lease
 
 if TYPE_CHECKING:
-    from tierd.client.clients import Client
+    from tierd.client.clients import AsyncClient, Client
 
 
 @contextmanager
@@ -33,37 +34,71 @@ def read_local(client: Client, session_id: str, ttl: float = 60.0) -> Iterator[m
     the bytes were read, and they may have changed)."""
     lease = client.begin_restore(session_id, ttl=ttl)
     try:
-        with client._arena_lock:
-            if client._arena is None:
-                client._arena = Arena()
-            rows = [rows for _, rows in client._arena.runs(lease)]
-        data = np.concatenate(rows).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
-        view = memoryview(data[: lease.nbytes]).toreadonly()
-        try:
+        with lent(client, lease) as view:
             yield view
-        finally:
-            try:
-                view.release()  # no reading it once the lease has ended
-            except BufferError:
-                pass  # a view of it is still alive: the caller's
     finally:
         client.end_restore(lease)
+
+
+@asynccontextmanager
+async def read_local_async(client: AsyncClient, session_id: str, ttl: float = 60.0) -> AsyncIterator[memoryview]:
+    """read_local, for the asyncio client."""
+    lease = await client.begin_restore(session_id, ttl=ttl)
+    try:
+        with lent(client, lease) as view:
+            yield view
+    finally:
+        await client.end_restore(lease)
+
+
+@contextmanager
+def lent(client: Client | AsyncClient, lease: Lease) -> Iterator[memoryview]:
+    """A read-only view of a restore lease's bytes, in its segment mapped by
+    the client's arena; released when the block ends."""
+    with client._arena_lock:
+        if client._arena is None:
+            client._arena = Arena()
+        rows = [rows for _, rows in client._arena.runs(lease)]
+    data = np.concatenate(rows).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
+    view = memoryview(data[: lease.nbytes]).toreadonly()
+    try:
+        yield view
+    finally:
+        try:
+            view.release()  # no reading it once the lease has ended
+        except BufferError:
+            pass  # a view of it is still alive: the caller's
 
 
 def get_into(client: Client, session_id: str, out: Any, ttl: float = 60.0) -> int:
     """Copy the session's bytes into `out` (a writable buffer: bytearray,
     numpy array, ...), read as read_local reads them; returns how many."""
+    target = writable(out)
+    with read_local(client, session_id, ttl) as data:
+        return copy_into(session_id, data, target)
+
+
+async def get_into_async(client: AsyncClient, session_id: str, out: Any, ttl: float = 60.0) -> int:
+    """get_into, for the asyncio client."""
+    target = writable(out)
+    async with read_local_async(client, session_id, ttl) as data:
+        return copy_into(session_id, data, target)
+
+
+def writable(out: Any) -> memoryview:
     target = memoryview(out)
     if target.readonly:
         raise InvalidArgument("get_into writes into a writable buffer (a bytearray or a numpy array, say)",
                               field="out")
-    target = target.cast("B")
-    with read_local(client, session_id, ttl) as data:
-        if target.nbytes < len(data):
-            raise InvalidArgument(f"session {session_id!r} holds {len(data)} bytes; the buffer takes "
-                                  f"{target.nbytes}", field="out", need=len(data), got=target.nbytes)
-        target[: len(data)] = data
-        return len(data)
+    return target.cast("B")
+
+
+def copy_into(session_id: str, data: memoryview, target: memoryview) -> int:
+    if target.nbytes < len(data):
+        raise InvalidArgument(f"session {session_id!r} holds {len(data)} bytes; the buffer takes "
+                              f"{target.nbytes}", field="out", need=len(data), got=target.nbytes)
+    target[: len(data)] = data
+    return len(data)
 
 
 class LocalBuffer:
