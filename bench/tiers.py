@@ -60,16 +60,14 @@ class _RawFile:
         self.pool = ThreadPoolExecutor(depth) if depth > 1 else None
 
     def _each(self, call: Callable) -> None:
-        offsets = range(0, self.nbytes, self.chunk)
+        def lane(i: int) -> None:  # each thread its own buffer and every depth-th chunk
+            for off in range(i * self.chunk, self.nbytes, self.depth * self.chunk):
+                call(self.fd, [self.bufs[i][: min(self.chunk, self.nbytes - off)]], off)
+
         if self.pool is None:
-            for off in offsets:
-                call(self.fd, [self.bufs[0][: min(self.chunk, self.nbytes - off)]], off)
-            return
-        # each thread its own buffer: thread i takes every depth-th chunk
-        jobs = [self.pool.submit(lambda i: [call(self.fd, [self.bufs[i][: min(self.chunk, self.nbytes - off)]], off)
-                                            for off in offsets[i :: self.depth]], i) for i in range(self.depth)]
-        for job in jobs:
-            job.result()
+            lane(0)
+        else:
+            list(self.pool.map(lane, range(self.depth)))
 
     def write(self) -> None:
         self._each(os.pwritev)

@@ -68,7 +68,6 @@ class RestoreResult:
     source_tier: str
     seconds: float
     nbytes: int = 0  # bytes the restored pages hold (a snapshot's last page may be short)
-    stored_bytes: int = 0  # bytes the whole snapshot holds
 
 
 @dataclass(frozen=True, slots=True)

@@ -191,21 +191,20 @@ def test_a_short_last_page_hands_out_nothing_past_the_sessions_end(tmp_path):
 def test_a_local_buffer_never_returns_part_of_a_version_stored_while_it_reads(daemon):
     two, three, shorter = state(2 * 8192, seed=7), state(3 * 8192, seed=8), state(8192 + 5, seed=9)
     with daemon.client() as c, c.local_buffer(OPAQUE, 4 * 8192) as buf:
-        for then in (three, shorter):  # grown, and shrunk, between the look at its size and the read
+        for then in (three, shorter, state(100, seed=11)):  # grown, shrunk, to one page: as the read goes out
             c.put("racing", two, OPAQUE, 0)
-            stat, once = c.stat, []
+            restore, once = buf.engine.restore, []
 
-            def stat_then_store(session_id, then=then, stat=stat, once=once):
-                info = stat(session_id)
+            def store_then_restore(*args, then=then, restore=restore, once=once, **kw):
                 if not once:
                     once.append(c.put("racing", then, OPAQUE, 0))
-                return info
+                return restore(*args, **kw)
 
-            c.stat = stat_then_store
+            buf.engine.restore = store_then_restore
             try:
                 assert bytes(buf.read("racing")) == then
             finally:
-                c.stat = stat
+                buf.engine.restore = restore
 
 
 DIES = """

@@ -78,9 +78,9 @@ class EngineCalls:
             raw = req.id_field("token_ids")  # no more of the prompt than the pages restored hold can matter
             prompt = token_ids(raw, limit=int(ids.size) * engine.spec.block_tokens) if raw else None
             with self.ctx.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
-                r = self.ctx.store.restore(key, engine.memory, engine.spec, ids, prompt, req.cache_salt)
+                r = self.ctx.store.restore(key, engine.memory, engine.spec, ids, prompt, req.cache_salt, req.whole)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
-                                  seconds=r.seconds, nbytes=r.nbytes, stored_bytes=r.stored_bytes)
+                                  seconds=r.seconds, nbytes=r.nbytes)
 
 
 def _layout(req: Any, spec: Any) -> EngineLayout:

@@ -80,7 +80,7 @@ def _lease(lease: Lease | str) -> pb.LeaseRequest:
 
 
 def _restore(r: pb.RestoreResponse) -> RestoreResult:
-    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds, r.nbytes, r.stored_bytes)
+    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds, r.nbytes)
 
 
 def _stats(r: pb.StatsResponse) -> dict[str, Any]:
@@ -257,13 +257,15 @@ class EngineCalls:
                              token_ids=_ids(token_ids), cache_salt=cache_salt)
         return self.client._call("Save", req, info_from_pb)
 
-    def restore(self, session_id: str, block_ids: Any, token_ids: Any = None, cache_salt: str = "") -> RestoreResult:
-        """Scatter the session's first len(block_ids) pages into these blocks.
+    def restore(self, session_id: str, block_ids: Any, token_ids: Any = None, cache_salt: str = "",
+                whole: bool = False) -> RestoreResult:
+        """Scatter the session's first len(block_ids) pages into these blocks
+        (with whole, every page of it, into the first of them).
         With token_ids (the prompt, under its cache salt), pages holding other
         tokens are FAILED_PRECONDITION, and a session that does not exist
         starts from pages other sessions of the tenant hold (as lookup() says)."""
         req = pb.RestoreRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids],
-                                token_ids=_ids(token_ids), cache_salt=cache_salt)
+                                token_ids=_ids(token_ids), cache_salt=cache_salt, whole=whole)
         return self.client._call("Restore", req, _restore)
 
     def close(self) -> Any:

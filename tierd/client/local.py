@@ -13,10 +13,9 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from tierd.client.shm import Arena, SharedKVCache
-from tierd.errors import FailedPrecondition, InvalidArgument
+from tierd.errors import InvalidArgument
 from tierd.layout import KVSpec
 from tierd.types import Lease
 
@@ -58,9 +57,8 @@ def lent(client: Client | AsyncClient, lease: Lease) -> Iterator[memoryview]:
     with client._arena_lock:
         if client._arena is None:
             client._arena = Arena()
-        rows = [rows for _, rows in client._arena.runs(lease)]
-    data = np.concatenate(rows).reshape(-1) if len(rows) > 1 else rows[0].reshape(-1)
-    view = memoryview(data[: lease.nbytes]).toreadonly()
+        [(_, rows)] = client._arena.runs(lease)  # a restore lease is one segment, its pages back to back
+    view = memoryview(rows.reshape(-1)[: lease.nbytes]).toreadonly()
     try:
         yield view
     finally:
@@ -110,8 +108,6 @@ class LocalBuffer:
     (llama.cpp state, say) and KV pages alike; a session of another spec is
     IDENTITY_MISMATCH, one larger than the buffer INVALID_ARGUMENT."""
 
-    READS = 3  # a session stored again between the look at its size and the read: looked at again
-
     def __init__(self, client: Client, spec: KVSpec, nbytes: int) -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidArgument(f"a local buffer takes a positive number of bytes, not {nbytes!r}", field="nbytes")
@@ -125,20 +121,8 @@ class LocalBuffer:
             raise
 
     def read(self, session_id: str) -> memoryview:
-        for _ in range(self.READS):
-            info = self.client.stat(session_id)
-            if info.num_pages > self.pages:
-                raise InvalidArgument(f"session {session_id!r} holds {info.size_bytes} bytes; this buffer takes "
-                                      f"{self.pages * self.spec.page_bytes}", field="nbytes", need=info.size_bytes)
-            try:
-                r = self.engine.restore(session_id, range(info.num_pages))
-            except InvalidArgument:
-                if self.client.stat(session_id).num_pages < info.num_pages:
-                    continue  # stored again, shorter, since its size was looked at
-                raise
-            if r.nbytes == r.stored_bytes:  # every page of the snapshot as it was then; else stored again meanwhile
-                return memoryview(self.memory.regions[0][: r.nbytes]).toreadonly()
-        raise FailedPrecondition(f"session {session_id!r} was stored again during each of {self.READS} reads")
+        r = self.engine.restore(session_id, range(self.pages), whole=True)  # one call: never part of a version
+        return memoryview(self.memory.regions[0][: r.nbytes]).toreadonly()
 
     def close(self) -> None:
         try:

@@ -118,34 +118,34 @@ class SaveRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("engine_id", "session_id", "block_ids", "token_ids", "cache_salt")
+    __slots__ = ("engine_id", "session_id", "block_ids", "token_ids", "cache_salt", "whole")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     session_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    whole: bool
+    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., whole: bool = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("num_tokens", "num_pages", "source_tier", "seconds", "nbytes", "stored_bytes")
+    __slots__ = ("num_tokens", "num_pages", "source_tier", "seconds", "nbytes")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
-    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     num_pages: int
     source_tier: str
     seconds: float
     nbytes: int
-    stored_bytes: int
-    def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token", "token_ids", "cache_salt")

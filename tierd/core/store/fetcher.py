@@ -101,9 +101,9 @@ class Fetcher:
         into engine blocks on the way, see _Into); False if the remote tier
         holds none. One fetch per key at once: a second caller waits for the
         first."""
-        done = self.busy.start_fetch(key)  # after a drop of the key, never across it
-        if done is None:  # another fetch of the key runs: its outcome
-            self.busy.wait_fetch(key, 60.0)
+        done, mine = self.busy.start_fetch(key)  # after a drop of the key, never across it
+        if not mine:  # another fetch of the key runs: its outcome
+            done.wait(60.0)
             return self.table.has(key)
         try:
             m = m or self.finder.stale(key)
@@ -113,7 +113,6 @@ class Fetcher:
             return True
         finally:
             self.busy.end_fetch(key, done)
-
 
     def _adopt(self, key: SessionKey, m: Manifest, into: _Into | None = None) -> None:
         spec = spec_of(key, m, self.roles.versions)
@@ -187,14 +186,16 @@ class Fetcher:
             raise DataLoss(f"page {page} of session {shown(key.session_id)} failed its checksum in the remote tier",
                            page=page, tier=self.roles.versions) from None
 
-    def restore(self, key: SessionKey, m: Manifest, engine: EngineMemory, spec: KVSpec,
-                block_ids: Iterable[int]) -> RestoreResult | None:
+    def restore(self, key: SessionKey, m: Manifest, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
+                whole: bool = False) -> RestoreResult | None:
         """A Restore of a session whose current version is manifest m's, held
         by the remote tier alone: fetched, and where the call would succeed on
         the version fetched, its pages go into the blocks as they arrive (the
         scatter overlaps the fetch); the result, or None where the restore
         then reads the session as it is (and says why not)."""
         ids = check_blocks(block_ids, engine.layout.num_blocks)
+        if whole and ids.size >= m.n_pages:
+            ids = ids[: m.n_pages]
         fetched = spec_of(key, m, self.roles.versions)
         into = _Into(engine, ids) if fetched.fingerprint == spec.fingerprint and 0 < ids.size <= m.n_pages else None
         t0 = time.perf_counter()

@@ -15,7 +15,6 @@ from tierd.core.model import Session
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
 from tierd.core.move_queue import Job, MoveQueue
-from tierd.core.store.checks import check_priority
 from tierd.core.store.describe import Describe, IdleChecks
 from tierd.core.store.table import SessionTable
 from tierd.errors import (
@@ -90,14 +89,10 @@ class Lifecycle:
             self.events.evicted(t, reason)
         self.table.notify()
 
-    def prefetch(self, key: SessionKey, tier: str | None = None, priority: int = 0,
-                 deadline: float | None = None) -> str:
-        """Start promoting the session toward `tier` (a memory tier; None: the
-        landing tier); returns "ready" if it is there already, else "queued".
-        Never waits for the move."""
-        tier = tier or self.roles.landing
-        check_priority(priority)
-        self.check_prefetch_target(tier)
+    def prefetch(self, key: SessionKey, tier: str, priority: int, deadline: float | None) -> str:
+        """Start promoting the session toward `tier` (a memory tier; the
+        facade checked it and the priority); returns "ready" if it is there
+        already, else "queued". Never waits for the move."""
         session = self.table.get(key)
         if session.damaged:
             raise DataLoss(f"session {shown(key.session_id)} is damaged", session_id=key.session_id)

@@ -15,7 +15,7 @@ import numpy as np
 from tierd.core import tokens
 from tierd.clock import Clock
 from tierd.core.events import StoreEvents
-from tierd.core.model import Session
+from tierd.core.model import Session, Snapshot
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_blocks, check_identity, check_readable
@@ -59,8 +59,10 @@ class Reader:
             raise self.placement.faults.io_failed("read", exc, session.key) from None
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
-                token_ids: Iterable[int] | None = None, salt: str = "") -> RestoreResult:
-        """Scatter the snapshot's first len(block_ids) pages into those blocks.
+                token_ids: Iterable[int] | None = None, salt: str = "", whole: bool = False) -> RestoreResult:
+        """Scatter the snapshot's first len(block_ids) pages into those blocks
+        (with whole, every page of it into the first of them: whatever size
+        it has when the call comes, never a part).
         Waits for a move of the session in flight rather than starting another.
         With token_ids (the request's prompt, under its cache salt), pages that
         hold other tokens are refused (never replaced), and a session that
@@ -78,6 +80,8 @@ class Reader:
             assert session is not None
             check_identity(session, spec)
             snap = session.snap
+            if whole:
+                ids = whole_of(key, snap, ids)
             if not 0 < ids.size <= snap.n_pages:
                 raise InvalidArgument(f"the snapshot has {snap.n_pages} pages; give 1 to {snap.n_pages} block ids, "
                                       f"not {ids.size}", field="block_ids", have=snap.n_pages, got=int(ids.size))
@@ -102,7 +106,7 @@ class Reader:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         self.events.restored(source, n_pages * spec.page_bytes, seconds)
         return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds,
-                             min(nbytes, n_pages * spec.page_bytes), nbytes)
+                             min(nbytes, n_pages * spec.page_bytes))
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         """The snapshot's info and a reader of its bytes, checked against their
@@ -239,3 +243,13 @@ class Reader:
         session = self.table.find(key)
         own = session.snap.num_tokens if session is not None else 0
         return max(own, self.sharing.deepest(key.tenant))
+
+
+def whole_of(key: SessionKey, snap: Snapshot, ids: np.ndarray) -> np.ndarray:
+    """The block ids a whole snapshot goes into: the first of ids, as many as its pages."""
+    if ids.size < snap.n_pages:
+        raise InvalidArgument(f"session {shown(key.session_id)} holds {snap.nbytes} bytes in {snap.n_pages} pages; "
+                              f"this buffer takes {ids.size * snap.spec.page_bytes} ({ids.size} blocks): give at "
+                              f"least {snap.n_pages} block ids to restore it whole", field="block_ids",
+                              have=snap.n_pages, got=int(ids.size))
+    return ids[: snap.n_pages]

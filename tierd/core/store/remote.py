@@ -132,21 +132,17 @@ class RemoteBusy:
     def end_publish(self, key: SessionKey) -> None:
         self._end(self._publishing, key)
 
-    def start_fetch(self, key: SessionKey) -> threading.Event | None:
-        """After a drop of the key, never across it: the event of this fetch,
-        or None where another fetch of the key runs (wait_fetch waits for it)."""
+    def start_fetch(self, key: SessionKey) -> tuple[threading.Event, bool]:
+        """After a drop of the key, never across it: the event set when the
+        key's fetch ends, and whether that fetch is the caller's (else
+        another runs, and the caller waits for its event)."""
         with self.changed:
             self.changed.wait_for(lambda: key not in self._dropping)
-            if key in self._fetching:
-                return None
-            done = self._fetching[key] = threading.Event()
-            return done
-
-    def wait_fetch(self, key: SessionKey, timeout: float) -> None:
-        with self.changed:
             running = self._fetching.get(key)
-        if running is not None:
-            running.wait(timeout)
+            if running is not None:
+                return running, False
+            done = self._fetching[key] = threading.Event()
+            return done, True
 
     def end_fetch(self, key: SessionKey, done: threading.Event) -> None:
         with self.changed:

@@ -36,7 +36,6 @@ log = logging.getLogger("tierd.core.store")
 class Store:
     def __init__(self, parts: Parts, index: DiskIndex | None, copier: CopyEngine, clock: Clock, policy: PolicyConfig,
                  events: StoreEvents, recovery_problems: list[Problem]) -> None:
-        self.parts = parts
         self.tiers, self.roles, self.placement, self.moves = parts.tiers, parts.roles, parts.placement, parts.moves
         self.table, self.saves, self.reader, self.leases = parts.table, parts.saves, parts.reader, parts.leases
         self.lifecycle, self.upkeep, self.inspection = parts.lifecycle, parts.upkeep, parts.inspection
@@ -116,14 +115,14 @@ class Store:
     # -- reading ----------------------------------------------------------------------------
 
     def restore(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
-                token_ids: Iterable[int] | None = None, salt: str = "") -> RestoreResult:
+                token_ids: Iterable[int] | None = None, salt: str = "", whole: bool = False) -> RestoreResult:
         m = self._stale(key)
         if m is not None:
             assert self._remote is not None
-            done = self._remote.fetcher.restore(key, m, engine, spec, block_ids)
+            done = self._remote.fetcher.restore(key, m, engine, spec, block_ids, whole)
             if done is not None:
                 return done
-        return self.reader.restore(key, engine, spec, block_ids, token_ids, salt)
+        return self.reader.restore(key, engine, spec, block_ids, token_ids, salt, whole)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         self._bring(key)
