@@ -6,7 +6,6 @@ byte-exact, and the accounting holds."""
 
 import logging
 import os
-import shutil
 import sqlite3
 from pathlib import Path
 
@@ -222,28 +221,24 @@ def test_a_daemon_starts_on_a_garbled_index(tmp_path):
         d.close()
 
 
-@pytest.mark.parametrize("remote", [False, True])
-def test_a_store_whose_recovery_fails_starts_no_thread(tmp_path, monkeypatch, remote):
+def test_a_store_whose_recovery_fails_starts_no_thread(tmp_path, monkeypatch):
     """Recovery comes before the store's threads: a build it fails leaves
-    none running (movers, publisher, sweep)."""
+    none running (the movers; with a remote tier, tests/remote: also the
+    publisher and the sweep)."""
+    assert_no_thread_left(str(tmp_path / "n"), "", monkeypatch)
+
+
+def assert_no_thread_left(data_dir: str, remote: str, monkeypatch, **kw) -> None:
+    """Open a store whose recovery fails: it raises, and no thread of tierd's is left running."""
     import threading
 
     from tierd.core import recovery
-    from tierd.testing import RedisCluster
-
-    if remote and shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    cluster = RedisCluster(tmp_path / "redis", masters=3, replicas=0).start() if remote else None
 
     def unreadable(*args, **kw):
         raise OSError(5, "the index cannot be read")
 
-    try:
-        before = {t.ident for t in threading.enumerate()}
-        monkeypatch.setattr(recovery, "recover", unreadable)
-        with pytest.raises(OSError, match="cannot be read"):
-            Harness(str(tmp_path / "n"), remote=cluster.url if cluster else "").open()
-        assert [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tierd")] == []
-    finally:
-        if cluster is not None:
-            cluster.close()
+    before = {t.ident for t in threading.enumerate()}
+    monkeypatch.setattr(recovery, "recover", unreadable)
+    with pytest.raises(OSError, match="cannot be read"):
+        Harness(data_dir, remote=remote, **kw).open()
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tierd")] == []

@@ -1160,3 +1160,10 @@ def test_a_prefetch_past_the_landing_tier_is_not_ready_until_its_promotion_is_do
     finally:
         go.set()
     assert b.wait_ready(key, "device", timeout=30) == (True, "device")
+
+
+def test_a_store_with_a_remote_tier_whose_recovery_fails_starts_no_thread(cluster, tmp_path, monkeypatch):
+    """Recovery comes before the movers, the publisher and the sweep start."""
+    from tests.core.test_recovery import assert_no_thread_left
+
+    assert_no_thread_left(str(tmp_path / "n"), cluster.url, monkeypatch, remote_prefix=f"t{time.monotonic_ns()}")
