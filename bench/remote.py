@@ -11,6 +11,12 @@ replicas, started here from redis-server).
   checked, into the host tier, scattered) against redis-py's pipelined GETs
   of the same chunks, in turns (likewise); the note adds the store's own
   reader alone (its GETs in flight, into one buffer, nothing checked).
+- remote_restore_lossless_vs_none, remote_save_lossless_vs_none: the same
+  session of real KV (a random-weight Llama's, bfloat16), published by a
+  node that codes its remote pages lossless and by one that does not, and
+  restored from each on a third node: our time with lossless over our time
+  without (below 1.0: the coding pays on this link); the note gives the
+  bytes each version takes in the store.
 - trace_multinode_served: three daemons and one cluster; a router sends each
   turn of each session to a random node, which is told to prefetch it a
   lead time before. The share of resumes served from tierd, beside the same
@@ -60,15 +66,16 @@ def run(quick: bool) -> list[Result]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as root:
         cluster = RedisCluster(os.path.join(root, "redis")).start()
         try:
-            return _copies(root, cluster, quick) + _trace(root, cluster, quick)
+            return _copies(root, cluster, quick) + _coded(root, cluster, quick) + _trace(root, cluster, quick)
         finally:
             cluster.close()
 
 
-def _machine(root: str, name: str, url: str, nbytes: int):
+def _machine(root: str, name: str, url: str, nbytes: int, codec: str = "none"):
     budget = -(-(nbytes * 2 + 64 * MiB) // 4096) * 4096
     cfg = Config(data_dir=os.path.join(root, name), host_budget=budget, host_slab=budget, disk_budget=nbytes * 2,
-                 disk_io="posix", device="none", remote=url, remote_write="off", remote_prefix="bench")
+                 disk_io="posix", device="none", remote=url, remote_write="off", remote_prefix="bench",
+                 codec={"remote": codec})
     return build(cfg, policy=PolicyConfig(writeback_idle=None), clock=FakeClock())
 
 
@@ -189,6 +196,58 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
         kv.close()
         a.close(flush=False)
         b.close(flush=False)
+
+
+def _coded(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
+    from bench.codecs import real_kv
+
+    spec, kv_pages = real_kv(1024)
+    pages = np.tile(kv_pages, ((64 if quick else 256) * MiB // kv_pages.nbytes, 1))
+    n, nbytes = len(pages), pages.nbytes
+    repeat = 7 if quick else 15
+    nodes = {codec: _machine(root, f"coded-{codec}", cluster.url, nbytes, codec) for codec in ("none", "lossless")}
+    reader = _machine(root, "coded-reader", cluster.url, nbytes)
+    keys = {codec: make_key("default", f"bench-{codec}") for codec in nodes}
+    kv = SharedKVCache(spec, n, kind="layer_major")
+    try:
+        memory, blocks = EngineMemory(kv.layout, kv.regions), np.arange(n)
+        for codec, node in nodes.items():
+            node.store.put(keys[codec], spec, n * spec.block_tokens, nbytes, [pages])
+        times: dict[str, dict[str, list[float]]] = {"save": {}, "restore": {}}
+
+        def forget(key) -> None:
+            try:
+                reader.store.drop(key)  # this node's copy only (writes off): the next restore fetches again
+            except NotFound:
+                pass
+
+        for codec in nodes:  # warm: connections, scripts
+            assert nodes[codec].store.publish(keys[codec])
+            reader.store.restore(keys[codec], memory, spec, blocks)
+        for _ in range(repeat):
+            for codec, node in nodes.items():
+                key = keys[codec]
+                times["save"].setdefault(codec, []).extend(
+                    timed(lambda: node.store.publish(key), 1,
+                          lambda: node.store.put(key, spec, n * spec.block_tokens, nbytes, [pages])))
+                times["restore"].setdefault(codec, []).extend(
+                    timed(lambda: reader.store.restore(key, memory, spec, blocks), 1, lambda: forget(key)))
+        stored = {c: nodes[c].store.remote.store.head(keys[c])[0].stored for c in nodes}
+        out = []
+        for what, got in times.items():
+            ratio = statistics.median(c / p for c, p in zip(got["lossless"], got["none"]))
+            out.append(Result(f"remote_{what}_lossless_vs_none", nbytes / statistics.median(got["lossless"]) / 1e9,
+                              "GB/s", nbytes / statistics.median(got["none"]) / 1e9, round(ratio, 3),
+                              "ratio <= 0.8" if what == "restore" else "", ratio <= 0.8 if what == "restore" else None,
+                              {"lossless_seconds": spread(got["lossless"]), "none_seconds": spread(got["none"])},
+                              f"{nbytes >> 20} MiB of real KV (bfloat16, a random-weight Llama's); ratio: our time "
+                              f"coded lossless over our time as it is, same run (value: lossless GB/s, limit: as it "
+                              f"is); the version takes {stored['lossless'] / nbytes:.3f} of its bytes coded"))
+        return out
+    finally:
+        kv.close()
+        for node in (*nodes.values(), reader):
+            node.close(flush=False)
 
 
 def _trace(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:

@@ -23,9 +23,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--config", help="TOML file with settings (flags and TIERD_* override it)")
     for name, f in FIELDS.items():
         switch = f.metadata["parse"] is parse_bool  # --insecure-tcp alone means true; --flush-on-stop false works too
+        more = {"action": "append"} if f.metadata["repeat"] else \
+            {"nargs": "?" if switch else None, "const": "true" if switch else None}
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=name.upper(),
-                       nargs="?" if switch else None, const="true" if switch else None,
-                       help=f"{f.metadata['help']} (env TIERD_{name.upper()})")
+                       help=f"{f.metadata['help']} (env TIERD_{name.upper()})", **more)
 
 
 def _client(args: argparse.Namespace) -> Any:

@@ -24,6 +24,7 @@ from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.store import Store
 from tierd.core.store import build as build_store
+from tierd.core.store.coding import check_codec
 from tierd.core.store.remote import Remote
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -149,13 +150,15 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
 
     options = registry.Options(cfg.remote_prefix, cfg.remote_ttl, cfg.remote_timeout, remote_password(cfg),
                                cfg.remote_tls_ca or None)
+    codec = cfg.codec.get("remote", "none")
     try:
+        check_codec(codec)
         store = registry.open_backend(cfg.remote, options)
     except TierdError as exc:
         raise RemoteUnavailable(f"cannot use the remote tier: {exc}") from None
     sweep = min(60.0, cfg.remote_ttl / 10) if cfg.remote_ttl else 60.0  # well within a tombstone's life
-    return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep),
-            f"{store.describe()}; write {cfg.remote_write}")
+    return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep,
+                   codec), f"{store.describe()}; write {cfg.remote_write}; codec {codec}")
 
 
 # glibc's malloc gives freed memory at the top of a heap back to the kernel once more than

@@ -61,6 +61,11 @@ class Metrics:
         self.prefix_pages = Counter("tierd_prefix_pages_total", "Pages taken from other sessions of the tenant "
                                     "instead of stored again (save) or computed again (restore)", ["call"],
                                     registry=registry)
+        self.codec_bytes = Counter("tierd_codec_bytes_total", "Bytes of pages coded (op encode) and decoded (op "
+                                   "decode), by codec: form logical (the pages) or coded (what the tier holds)",
+                                   ["codec", "op", "form"], registry=registry)
+        self.codec_seconds = Counter("tierd_codec_seconds_total", "Seconds spent coding and decoding pages, by "
+                                     "codec", ["codec", "op"], registry=registry)
         self.remote_reachable: Gauge | None = None  # made by set_backends where there is a remote tier
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
@@ -112,6 +117,11 @@ class Metrics:
 
     def remote_op(self, op: str, outcome: str) -> None:
         self.remote_ops.labels(op, outcome).inc()
+
+    def coded(self, codec: str, op: str, nbytes: int, coded: int, seconds: float) -> None:
+        self.codec_bytes.labels(codec, op, "logical").inc(nbytes)
+        self.codec_bytes.labels(codec, op, "coded").inc(coded)
+        self.codec_seconds.labels(codec, op).inc(seconds)
 
     def remote_up(self, up: bool) -> None:
         if self.remote_reachable is not None:

@@ -6,7 +6,7 @@ daemon's). Standard library only, plus the identity of a snapshot's bytes
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class SessionInfo:
     spec: KVSpec
     remote_durable: bool = False  # the remote tier holds this content: any node can serve it
     shared_bytes: int = 0  # of size_bytes, in pages other sessions of the tenant hold too (prefix sharing)
+    codecs: dict[str, str] = field(default_factory=dict)  # tier -> the codec its copy is in (absent: as it is)
+    coded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes its coded copy takes there
 
     @property
     def own_bytes(self) -> int:

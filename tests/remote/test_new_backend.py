@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine, wait_for
 from tierd.errors import FailedPrecondition, NotFound
 from tierd.remote import registry
-from tierd.remote.manifest import FIRST_VERSIONS, Head, Manifest, owner_of
+from tierd.remote.manifest import FIRST_VERSIONS, Head, made, owner_of
 from tierd.types import SessionKey
 
 # -- the backend's module: versions in a dict every "node" of this process reaches --
@@ -43,16 +43,16 @@ class ToyBackend:
     def tombstones(self, keys):
         return [v if m is None else 0 for v, m, _ in (self.held.get(k, (0, None, b"")) for k in keys)]
 
-    def publish(self, key, expect, spec, fingerprint, num_tokens, page_bytes, checksums, token_hashes, data):
+    def publish(self, key, expect, spec, fingerprint, num_tokens, page_bytes, checksums, token_hashes, data,
+                coding=None):
         blob = b"".join(bytes(piece) for piece, _ in data)
         with self.lock:
             have = self.held.get(key, (0, None, b""))[0]
             if have != expect:
                 raise FailedPrecondition(f"another node published version {have} of this session first",
                                          version=have)
-            m = Manifest(expect + 1 if expect else FIRST_VERSIONS, "toy", fingerprint, spec, num_tokens, len(blob),
-                         page_bytes, np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), 0.0,
-                         owner_of(key))
+            m = made(expect + 1 if expect else FIRST_VERSIONS, "toy", fingerprint, spec, num_tokens, len(blob),
+                     page_bytes, checksums, token_hashes, owner_of(key), coding)
             self.held[key] = (m.version, m, blob)
         return m
 

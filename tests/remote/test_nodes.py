@@ -5,8 +5,11 @@ a master killed fails over and the sessions it held are served again while
 the local tiers serve throughout; a wrong or missing password is a clear
 start-up error."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -260,3 +263,22 @@ def test_each_call_reads_a_local_published_session_s_manifest_once_at_most(daemo
             call()
             counted[name] = reads(cluster) - before
     assert counted == dict.fromkeys(calls, 1)
+
+
+def test_a_daemon_coding_its_remote_pages_says_so_in_stat_and_metrics(daemons):
+    a, b = daemons("a", "--codec", "remote=lossless"), daemons("b")
+    data = b"a conversation's state " * 40_000  # repetitive: codes far smaller
+    with a.client() as ca:
+        ca.put("coded", data, KVSpec.opaque("llama.cpp/tiny", page_bytes=1 << 18), 0)
+        wait_for(lambda: ca.stat("coded").remote_durable, what="the session published")
+        info = ca.stat("coded")
+    assert info.codecs == {"remote": "lossless"} and 0 < info.coded_bytes["remote"] < len(data) // 20
+    assert metric(a, "tierd_codec_bytes_total", 'codec="lossless",form="logical",op="encode"') == len(data)
+    with b.client() as cb:
+        assert cb.stat("coded").codecs == {"remote": "lossless"}  # from the manifest
+        assert cb.get("coded") == data
+    assert metric(b, "tierd_codec_bytes_total", 'codec="lossless",form="coded",op="decode"') == \
+        info.coded_bytes["remote"]
+    stat = subprocess.run([sys.executable, "-m", "tierd", "stat", "coded", "--json", "--address", b.socket],
+                          capture_output=True, text=True, timeout=60)
+    assert json.loads(stat.stdout)["codecs"] == {"remote": "lossless"}

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
-from tierd.config.values import (AUTO, _choice, _count, _host_port, _optional_seconds, _positive_int, _remote_url,
+from tierd.config.values import (AUTO, _choice, _codecs, _count, _host_port, _optional_seconds, _positive_int, _remote_url,
                                  _seconds, _size_or_auto, _text, default_data_dir, default_runtime_dir, parse_bool)
 from tierd.errors import InvalidArgument
 from tierd.sizes import parse_size
@@ -25,8 +25,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-def _opt(parse: Callable[[Any], Any], help: str, default: Any = None, factory: Callable[[], Any] | None = None) -> Any:
-    meta = {"parse": parse, "help": help}
+def _opt(parse: Callable[[Any], Any], help: str, default: Any = None, factory: Callable[[], Any] | None = None,
+         repeat: bool = False) -> Any:
+    meta = {"parse": parse, "help": help, "repeat": repeat}  # repeat: the flag may be given more than once
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -104,6 +105,9 @@ class Config:
     remote_timeout: float = _opt(_seconds, "seconds a remote call may take before it fails (one retry at once)", 0.5)
     remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
                                      "sharing a cluster)", "tierd")
+    codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to a tier (remote=lossless: bit-exact, "
+                                          "smaller; remote=none: as they are); the flag may be repeated",
+                                 factory=dict, repeat=True)
 
     def __post_init__(self) -> None:
         if not self.socket and not self.listen:
@@ -120,6 +124,8 @@ class Config:
                                   f"{self.remote_prefix!r}")
         if not 0.01 <= self.remote_timeout <= 60:
             raise InvalidArgument(f"remote_timeout is 0.01 to 60 seconds, not {self.remote_timeout}")
+        if self.codec.get("remote", "none") != "none" and not self.remote:
+            raise InvalidArgument("--codec remote=... needs a remote tier (--remote)")
         if self.remote_tls_ca and not self.remote.startswith("rediss://"):
             raise InvalidArgument("--remote-tls-ca needs a rediss:// remote tier")
         if self.chunk_bytes <= 0 or self.chunk_bytes > self.max_message_bytes - 4096:

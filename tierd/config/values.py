@@ -94,6 +94,38 @@ def _host_port(text: Any) -> str:
     return value
 
 
+# Tiers a --codec may name: those whose pages are coded on their way there.
+CODED_TIERS = ("remote",)
+
+
+def _codecs(text: Any) -> dict[str, str]:
+    """TIER=CODEC pairs: a flag given more than once (a list), a variable's
+    or a string's comma-separated pairs, or a TOML table. The codec's name is
+    checked where the tier is built (the codecs are the daemon's)."""
+    if isinstance(text, dict):
+        pairs = [(str(k), str(v)) for k, v in text.items()]
+    else:
+        items = text if isinstance(text, list) else [text]
+        pairs = []
+        for item in items:
+            for part in str(item).split(","):
+                if part.strip():
+                    tier, sep, name = part.partition("=")
+                    if not sep:
+                        raise InvalidArgument(f"expected TIER=CODEC (remote=lossless, say), got {part.strip()!r}")
+                    pairs.append((tier, name))
+    out: dict[str, str] = {}
+    for tier, name in pairs:
+        tier, name = tier.strip().lower(), name.strip().lower()
+        if tier not in CODED_TIERS:
+            raise InvalidArgument(f"pages are coded on their way to the {' or '.join(CODED_TIERS)} tier, not "
+                                  f"{tier!r}")
+        if not name:
+            raise InvalidArgument(f"{tier}= names no codec")
+        out[tier] = name
+    return out
+
+
 def _text(text: Any) -> str:
     return str(text)
 

@@ -32,6 +32,10 @@ class StoreEvents(Protocol):
 
     def remote_up(self, up: bool) -> None: ...
 
+    def coded(self, codec: str, op: str, nbytes: int, coded: int, seconds: float) -> None:
+        """Pages of nbytes coded into (op "encode") or decoded from ("decode") coded bytes, taking seconds."""
+        ...
+
     def shared(self, call: str, pages: int, nbytes: int) -> None:
         """A call answered from pages other sessions of the tenant hold: a
         save that stored `pages` of them no more, a restore that started a
@@ -71,6 +75,9 @@ class NullEvents:
         pass
 
     def remote_up(self, up: bool) -> None:
+        pass
+
+    def coded(self, codec: str, op: str, nbytes: int, coded: int, seconds: float) -> None:
         pass
 
     def shared(self, call: str, pages: int, nbytes: int) -> None:

@@ -191,6 +191,13 @@ class Session:
     remote_write: str = ""
     remote_at: int = -1
     remote_fresh: int = -1
+    remote_stored: int = 0  # bytes the remote version takes in the store (coded, or as it is)
+    remote_codec: str = "none"  # the codec its pages are coded with there
+
+    def remote_is(self, m: Any) -> None:
+        """Record the remote version this content builds on: manifest m's."""
+        self.remote_version, self.remote_write = m.version, m.write
+        self.remote_stored, self.remote_codec = m.stored, m.codec
 
     @property
     def durable(self) -> bool:

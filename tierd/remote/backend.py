@@ -62,9 +62,12 @@ class RemoteBackend(Protocol):
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
-                data: Iterable[tuple[bytes | memoryview, bool]]) -> Any:
+                data: Iterable[tuple[bytes | memoryview, bool]], coding: Any = None) -> Any:
         """A new version replacing `expect` (0: none); data is the logical
-        bytes in pieces, each with whether it stays valid until this returns.
+        bytes in pieces, each with whether it stays valid until this returns;
+        or, with coding (a manifest.Coding, filled once data is read), the
+        pages' coded bytes, which the manifest then describes
+        (manifest.made).
         FailedPrecondition (with the version found) where another writer got
         there first: nothing is left behind. Refused, before anything is
         written, for a session past what a manifest may be
@@ -81,7 +84,7 @@ class RemoteBackend(Protocol):
 
     def missing(self, versions: list[tuple[SessionKey, int, str, int]]) -> list[bool]:
         """For each version a node holds a copy of (session, version number,
-        write id, bytes), whether the store lost it, so that no node resumes
+        write id, bytes it takes in the store: Manifest.stored), whether the store lost it, so that no node resumes
         it: nothing at the session's key, or nothing that resumes it there
         (bytes that are no manifest, a manifest of another length than its
         first line says, another session's), or that version with any of its

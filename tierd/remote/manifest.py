@@ -6,7 +6,9 @@ thread.
 
 A manifest is one line `VERSION {json}` (version first, so a backend reads
 it off its first bytes), then the pages' checksums and the token hashes as
-raw arrays. A tombstone is `VERSION dropped`. What a manifest's key holds
+raw arrays, and, for a version whose pages are coded (Coding), each page's
+coded size, the checksum of its coded bytes and the error its codec
+measured. A tombstone is `VERSION dropped`. What a manifest's key holds
 is known by its first line and length alone (held_at: what missing() asks).
 """
 
@@ -17,6 +19,7 @@ import json
 import math
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from tierd.errors import DataLoss
 from tierd.remote.backend import Refused
+from tierd.remote.coded import CODED_BYTES_PER_PAGE, Coding
 from tierd.types import SessionKey
 
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
@@ -51,10 +55,20 @@ class Manifest:
     token_hashes: np.ndarray  # one row per page where token ids were given, else empty
     saved: float = 0.0  # when it was published (seconds since the epoch)
     owner: str = ""  # owner_of(the session): a manifest copied under another session's keys is refused
+    coding: Coding | None = None  # how its pages are coded (None: as they are)
 
     @property
     def n_pages(self) -> int:
         return len(self.checksums)
+
+    @property
+    def codec(self) -> str:
+        return self.coding.codec if self.coding is not None else "none"
+
+    @property
+    def stored(self) -> int:
+        """Bytes the version takes in the store (its coded pages', or its logical bytes)."""
+        return self.coding.stored if self.coding is not None else self.nbytes
 
     def size_of(self, page: int) -> int:
         """Logical bytes of a page (the last may be short)."""
@@ -65,9 +79,13 @@ class Manifest:
                 "num_tokens": self.num_tokens, "nbytes": self.nbytes, "page_bytes": self.page_bytes,
                 "pages": self.n_pages, "saved": self.saved, "hash_dtype": self.token_hashes.dtype.str,
                 "hash_shape": list(self.token_hashes.shape), "owner": self.owner}
+        coded = b""
+        if self.coding is not None:
+            meta.update(codec=self.coding.codec, stored=self.coding.stored)
+            coded = self.coding.encode()
         sums = np.ascontiguousarray(self.checksums, dtype="<u8").tobytes()
         return f"{self.version} ".encode() + json.dumps(meta).encode() + b"\n" + sums + \
-            np.ascontiguousarray(self.token_hashes).tobytes()
+            np.ascontiguousarray(self.token_hashes).tobytes() + coded
 
     @classmethod
     def listed(cls, head: Head) -> Manifest:
@@ -94,14 +112,17 @@ class Manifest:
             raise DataLoss(f"a remote manifest of {len(raw)} bytes where its head says {head.length}", tier="remote")
         try:
             meta, n, rest = head.meta, head.pages, raw[len(head.line) + 1 :]
+            hash_end = 8 * n + np.dtype(meta["hash_dtype"]).itemsize * math.prod(head.hash_shape)
             sums = np.frombuffer(rest[: 8 * n], dtype="<u8").copy()
-            hashes = np.frombuffer(rest[8 * n :], dtype=np.dtype(meta["hash_dtype"])).reshape(head.hash_shape).copy()
+            hashes = np.frombuffer(rest[8 * n : hash_end], dtype=np.dtype(meta["hash_dtype"]))
+            hashes = hashes.reshape(head.hash_shape).copy()
             if head.hash_shape and head.hash_shape[0] not in (0, n):
                 raise ValueError("its token hashes do not add up")
             sums.flags.writeable = hashes.flags.writeable = False
+            coding = Coding.decode(head.codec, rest[hash_end:], sums, head.nbytes, head.stored) if head.coded else None
             m = cls(head.version, head.write, str(meta["fingerprint"]), dict(meta["spec"]),
                     whole(meta["num_tokens"], 0, 1 << 40), head.nbytes, whole(meta["page_bytes"], 1, 1 << 34), sums,
-                    hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")))
+                    hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")), coding)
             if not (n - 1) * m.page_bytes < m.nbytes <= n * m.page_bytes:
                 raise ValueError("its pages do not hold its bytes")
             return m
@@ -122,6 +143,12 @@ class Head:
     pages: int
     hash_shape: tuple[int, ...]
     length: int  # of the whole manifest
+    codec: str = "none"  # its pages' codec
+    stored: int = 0  # bytes the version takes in the store
+
+    @property
+    def coded(self) -> bool:
+        return self.codec != "none"
 
     @classmethod
     def parse(cls, raw: bytes) -> Head:
@@ -137,9 +164,15 @@ class Head:
                 raise ValueError("not an object with a spec")
             n = whole(meta["pages"], 1, MAX_PAGES)
             shape = tuple(whole(d, 0, 1 << 20) for d in meta["hash_shape"])
-            length = len(line) + 1 + 8 * n + np.dtype(meta["hash_dtype"]).itemsize * math.prod(shape)
-            head = cls(line, whole(version.decode(), 1, MAX_VERSION), meta, str(meta["write"]),
-                       whole(meta["nbytes"], 1, 1 << 50), n, shape, length)
+            codec = meta.get("codec", "none")
+            if not isinstance(codec, str):
+                raise ValueError("its codec is not a name")
+            length = len(line) + 1 + 8 * n + np.dtype(meta["hash_dtype"]).itemsize * math.prod(shape) + \
+                (CODED_BYTES_PER_PAGE * n if codec != "none" else 0)
+            nbytes = whole(meta["nbytes"], 1, 1 << 50)
+            stored = whole(meta["stored"], 1, 1 << 50) if codec != "none" else nbytes
+            head = cls(line, whole(version.decode(), 1, MAX_VERSION), meta, str(meta["write"]), nbytes, n, shape,
+                       length, codec, stored)
             if not head.write.isalnum() or length > MAX_MANIFEST_BYTES:
                 raise ValueError(f"write {head.write[:40]!r}, {length} bytes")
             return head
@@ -147,11 +180,29 @@ class Head:
             raise DataLoss(f"a remote manifest does not parse ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
-def check_bounds(n_pages: int, token_hashes: np.ndarray) -> None:
-    """Refused where a manifest of n_pages and these token hashes would be past
-    what readers take (MAX_PAGES, MAX_MANIFEST_BYTES): known before a byte of
-    the version is written; the session stays in the node's own tiers."""
-    length = HEAD_BYTES + 8 * n_pages + token_hashes.nbytes  # its first line within HEAD_BYTES
+def made(version: int, write: str, fingerprint: str, spec: dict[str, Any], num_tokens: int, stored: int,
+         page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray, owner: str,
+         coding: Coding | None) -> Manifest:
+    """The manifest of a version a backend has just stored `stored` bytes of:
+    its pages as they are (checksums: theirs), or coded as `coding` says
+    (filled by then: the coded pages' records, and the checksums and
+    logical bytes of the pages a reader decodes)."""
+    if coding is None:
+        return Manifest(version, write, fingerprint, spec, num_tokens, stored, page_bytes,
+                        np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(), owner)
+    if coding.stored != stored or len(coding.sizes) != len(checksums):
+        raise ValueError(f"{stored} bytes stored of pages whose coding says {coding.stored}")
+    return Manifest(version, write, fingerprint, spec, num_tokens, coding.nbytes, page_bytes,
+                    np.asarray(coding.checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(), owner,
+                    coding)
+
+
+def check_bounds(n_pages: int, token_hashes: np.ndarray, coded: bool = False) -> None:
+    """Refused where a manifest of n_pages and these token hashes (and, coded,
+    each page's records) would be past what readers take (MAX_PAGES,
+    MAX_MANIFEST_BYTES): known before a byte of the version is written; the
+    session stays in the node's own tiers."""
+    length = HEAD_BYTES + (8 + CODED_BYTES_PER_PAGE * coded) * n_pages + token_hashes.nbytes  # first line: HEAD_BYTES
     if n_pages > MAX_PAGES or length > MAX_MANIFEST_BYTES:
         raise Refused(f"a session of {n_pages} pages ({length >> 20} MiB of manifest) is past what the remote tier "
                       f"takes ({MAX_PAGES} pages, {MAX_MANIFEST_BYTES >> 20} MiB): it stays in this node's tiers")

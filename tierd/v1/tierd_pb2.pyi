@@ -206,8 +206,22 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable", "shared_bytes")
+    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable", "shared_bytes", "codecs", "coded_bytes")
     class TierBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CodecsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class CodedBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +245,8 @@ class SessionInfo(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REMOTE_DURABLE_FIELD_NUMBER: _ClassVar[int]
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    CODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tier: str
     tier_bytes: _containers.ScalarMap[str, int]
@@ -248,7 +264,9 @@ class SessionInfo(_message.Message):
     tenant: str
     remote_durable: bool
     shared_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ..., shared_bytes: _Optional[int] = ...) -> None: ...
+    codecs: _containers.ScalarMap[str, str]
+    coded_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ..., shared_bytes: _Optional[int] = ..., codecs: _Optional[_Mapping[str, str]] = ..., coded_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_id", "tier", "priority", "deadline_seconds")

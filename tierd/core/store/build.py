@@ -23,6 +23,7 @@ from tierd.core.move_queue import MoveQueue
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
 from tierd.core.rows import Problem
+from tierd.core.store.coding import PageCoder
 from tierd.core.store.describe import Describe, IdleChecks
 from tierd.core.store.fetcher import Fetcher
 from tierd.core.store.finder import Finder
@@ -91,10 +92,12 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
     fetcher = None
     if remote is not None:
         assert link is not None and queue is not None and busy is not None
+        coder = PageCoder(remote.codec, roles.versions, events)
         finder = Finder(table, lifecycle, link, remote, queue, roles)
-        fetcher = Fetcher(table, finder, writer, reader, lifecycle, idle, moves, busy, link, remote, copier, roles,
-                          clock, events)
-        publisher = Publisher(queue, table, finder, busy, placement, link, remote, copier, roles, clock, events)
+        fetcher = Fetcher(table, finder, writer, reader, lifecycle, idle, moves, busy, link, remote, copier, coder,
+                          roles, clock, events)
+        publisher = Publisher(queue, table, finder, busy, placement, link, remote, copier, coder, roles, clock,
+                              events)
         sweeper = Sweeper(table, finder, link, remote)
         calls = RemoteCalls(table, lifecycle, fetcher, publisher, queue, busy, link, remote, roles)
         parts = RemoteParts(remote, link, queue, finder, fetcher, publisher, sweeper, calls)

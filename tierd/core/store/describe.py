@@ -12,6 +12,7 @@ import numpy as np
 from tierd.core.holders import Holders
 from tierd.core.model import Session, Snapshot
 from tierd.core.roles import TierRoles
+from tierd.core.store.remote_info import coded_copy
 from tierd.core.store.sharing import Sharing
 from tierd.core.store.table import SessionTable
 from tierd.policy import PolicyConfig, SessionView, idle_due
@@ -69,7 +70,9 @@ class Describe:
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self.durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,
-            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s))
+            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s),
+            **(coded_copy(self.roles.versions, s.remote_codec, s.remote_stored)
+               if s.remote_durable and self.roles.versions else {}))
 
     def view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
         return SessionView(s.key, self.shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,

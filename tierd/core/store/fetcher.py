@@ -22,6 +22,7 @@ from tierd.core.model import UNKNOWN, Session
 from tierd.core.move_queue import Job, MoveQueue
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_blocks
+from tierd.core.store.coding import PageCoder
 from tierd.core.store.describe import IdleChecks
 from tierd.core.store.finder import Finder
 from tierd.core.store.lifecycle import Lifecycle, merge_prefetch
@@ -61,8 +62,9 @@ class _Into:
 class Fetcher:
     def __init__(self, table: SessionTable, finder: Finder, writer: Writer, reader: Reader, lifecycle: Lifecycle,
                  idle: IdleChecks, moves: MoveQueue, busy: RemoteBusy, link: RemoteLink, remote: Remote,
-                 copier: CopyEngine, roles: TierRoles, clock: Clock, events: StoreEvents) -> None:
+                 copier: CopyEngine, coder: PageCoder, roles: TierRoles, clock: Clock, events: StoreEvents) -> None:
         self.table = table
+        self.coder = coder
         self.finder = finder
         self.writer = writer
         self.reader = reader
@@ -119,6 +121,7 @@ class Fetcher:
         n = m.n_pages
         geom = Geometry(m.page_bytes, n, m.nbytes - (n - 1) * m.page_bytes)
         hashes = m.token_hashes if len(m.token_hashes) else None
+        decoder = self.coder.decoder(m, spec)  # (coded pages: read into a buffer of its own, decoded into theirs)
         t0 = time.perf_counter()
         # Every page of the manifest is read into pages of its own (the fetch writes them all as they come).
         w = self.writer.begin_write(key, spec, self.roles.landing, 0, m.num_tokens, m.nbytes, geom, hashes, None,
@@ -127,8 +130,10 @@ class Fetcher:
             writer = self.copier.page_writer(w.spans, geom)
             want = into.ids.size if into is not None else 0
             step, scattered = max(1, self.copier.window_bytes // geom.stride), 0
-            for received in self.remote.store.read_into(key, m, writer.claim):  # read into its pages
-                done = min(n if received == m.nbytes else received // geom.page_bytes, want)
+            for received in self.remote.store.read_into(key, m, decoder.claim if decoder else writer.claim):
+                arrived = decoder.decode_upto(received, writer) if decoder else \
+                    n if received == m.nbytes else received // geom.page_bytes
+                done = min(arrived, want)
                 if done - scattered >= step or scattered < done == want:  # while the next chunks are fetched
                     assert into is not None
                     self._scatter_fetched(key, w.spans, geom, m.checksums, into, scattered, done)
@@ -164,8 +169,8 @@ class Fetcher:
             if into is not None:
                 into.session = session
             with self.table.lock:
-                session.remote_version, session.remote_at = m.version, session.snap.version
-                session.remote_write = m.write
+                session.remote_is(m)
+                session.remote_at = session.snap.version
                 session.released_at = self.clock.now()
                 self.idle.schedule(session)
         finally:

@@ -98,7 +98,8 @@ class Finder:
             if session.remote_version != UNKNOWN or snap.spec.fingerprint != m.fingerprint or \
                     not np.array_equal(snap.checksums, m.checksums):
                 return False
-            session.remote_version, session.remote_write, session.remote_at = m.version, m.write, snap.version
+            session.remote_is(m)
+            session.remote_at = snap.version
             return True
 
     def _own(self, session: Session) -> None:
@@ -135,7 +136,7 @@ class Finder:
     def _lost(self, key: SessionKey, m: Manifest) -> bool:
         """Whether a chunk of manifest m's version is gone from the remote tier (False where it does not answer)."""
         try:
-            return self.link.call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.nbytes)])[0]
+            return self.link.call("manifest", self.remote.store.missing, [(key, m.version, m.write, m.stored)])[0]
         except Unavailable:
             return False
 

@@ -18,6 +18,7 @@ from tierd.core.events import StoreEvents
 from tierd.core.model import Session
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
+from tierd.core.store.coding import PageCoder
 from tierd.core.store.link import RemoteLink
 from tierd.core.store.finder import Finder
 from tierd.core.store.remote import PublishQueue, Remote, RemoteBusy
@@ -34,9 +35,10 @@ log = logging.getLogger("tierd.core.store")
 
 class Publisher:
     def __init__(self, queue: PublishQueue, table: SessionTable, finder: Finder, busy: RemoteBusy,
-                 placement: Placement, link: RemoteLink, remote: Remote, copier: CopyEngine, roles: TierRoles,
-                 clock: Clock, events: StoreEvents) -> None:
+                 placement: Placement, link: RemoteLink, remote: Remote, copier: CopyEngine, coder: PageCoder,
+                 roles: TierRoles, clock: Clock, events: StoreEvents) -> None:
         self.queue = queue
+        self.coder = coder
         self.table = table
         self.finder = finder
         self.busy = busy
@@ -149,9 +151,12 @@ class Publisher:
             # manifest, so a page damaged here is never served from there either.
             data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
                                       handout=False)
+            coding = self.coder.coding_for(spec, geom.n_pages)
+            if coding is not None:  # coded as they are read
+                data = self.coder.encode(data, spec, geom, sums, coding)
             new = self.link.call("publish", backend.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
-                             hashes if tokens.known(hashes) else tokens.empty(0), data)
+                             hashes if tokens.known(hashes) else tokens.empty(0), data, coding=coding)
             seconds = time.perf_counter() - t0
             self.copier.record(f"{self.roles.landing}->{self.roles.versions}", geom.nbytes, seconds)
             self.events.moved(max((s.tier for s in spans), key=tier_rank), self.roles.versions, "publish",
@@ -189,6 +194,6 @@ class Publisher:
     def _published(self, session: Session, version: int, m: Manifest) -> None:
         """Record that the remote tier holds snapshot `version` as manifest m."""
         with self.table.lock:
-            session.remote_version, session.remote_write = m.version, m.write
+            session.remote_is(m)
             if session.snap.version == version:
                 session.remote_at = version

@@ -97,6 +97,7 @@ class Remote:
     queue: int = 256  # sessions waiting to be published, at most
     tenant_quota: int = 0  # bytes each tenant's sessions may take in the remote tier (0: no limit)
     sweep: float = 60.0  # seconds between looks for drops on other nodes of the sessions this node holds
+    codec: str = "none"  # what pages are coded with on their way there (coding.py)
 
 
 class RemoteBusy:

@@ -38,4 +38,10 @@ def info_of(key: SessionKey, m: Manifest, versions: str) -> SessionInfo:
     return SessionInfo(tenant=key.tenant, session_id=key.session_id, tier=versions, tier_bytes={versions: m.nbytes},
                        state=versions, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
                        durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
-                       model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True)
+                       model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True,
+                       **coded_copy(versions, m.codec, m.stored))
+
+
+def coded_copy(tier: str, codec: str, stored: int) -> dict:
+    """SessionInfo's codecs and coded_bytes of a tier's copy coded with codec, taking `stored` bytes (none: {})."""
+    return {"codecs": {tier: codec}, "coded_bytes": {tier: stored}} if codec != "none" else {}

@@ -50,7 +50,7 @@ class Sweeper:
         if self.link.down.is_set():
             return 0
         with self.table.lock:
-            held = [(s, s.remote_version, s.remote_write, s.snap.nbytes)
+            held = [(s, s.remote_version, s.remote_write, s.remote_stored)
                     for s in self.table.sessions(lambda s: s.remote_durable and not s.dropped)]
         gone = 0
         for i in range(0, len(held), SWEEP_BATCH):

@@ -19,8 +19,9 @@ from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 from tierd.remote.backend import RECOUNT
 from tierd.remote.files import fsio
 from tierd.remote.files.listing import TenantLists
+from tierd.remote.coded import Coding
 from tierd.remote.manifest import (HEAD_BYTES, MAX_MANIFEST_BYTES, MAX_VERSION, Head, Manifest, check_bounds,
-                                   dropped_at, held_at, listed_head, next_version, owned, owner_of, tag_of,
+                                   dropped_at, held_at, listed_head, made, next_version, owned, owner_of, tag_of,
                                    version_at)
 from tierd.types import SessionKey
 
@@ -185,8 +186,8 @@ class FileBackend:
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
-                data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
-        check_bounds(len(checksums), np.asarray(token_hashes))
+                data: Iterable[tuple[bytes | memoryview, bool]], coding: Coding | None = None) -> Manifest:
+        check_bounds(len(checksums), np.asarray(token_hashes), coding is not None)
         self._mounted()  # else it would write into the mount point
         where = self.dir_of(key)
         write = secrets.token_hex(8)
@@ -195,9 +196,8 @@ class FileBackend:
             fsio.call("a page write", os.makedirs, where, exist_ok=True)
             nbytes = fsio.call("a page write", fsio.write_file, path, data)
             number = next_version(expect)
-            manifest = Manifest(number, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
-                                np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(),
-                                owner_of(key))
+            manifest = made(number, write, fingerprint, spec, num_tokens, nbytes, page_bytes, checksums, token_hashes,
+                            owner_of(key), coding)
             with self._locked(where):
                 old = self._current(where)
                 have = version_at(old)
@@ -236,15 +236,16 @@ class FileBackend:
 
     def read_into(self, key: SessionKey, manifest: Manifest, claim: Callable[[int], list[Any]]) -> Iterator[int]:
         step = self.chunk_bytes
-        sinks = [claim(min(step, manifest.nbytes - at)) for at in range(0, manifest.nbytes, step)]
+        stored = manifest.stored
+        sinks = [claim(min(step, stored - at)) for at in range(0, stored, step)]
         opened = self._file(os.path.join(self.dir_of(key), f"w{manifest.write}"), "a page read")
         if opened is None:
             raise NotFound("the remote copy of this session is gone (dropped or replaced)")
         fd, st = opened
         try:
             size = st.st_size
-            if size != manifest.nbytes:
-                raise DataLoss(f"the remote copy holds {size} bytes, not the {manifest.nbytes} its manifest says "
+            if size != stored:
+                raise DataLoss(f"the remote copy holds {size} bytes, not the {stored} its manifest says "
                                "(torn or damaged)", tier="remote")
             at = 0
             for bufs in sinks:

@@ -36,7 +36,8 @@ class Fetcher:
         checks the pages they make up against the manifest's checksums.
         NotFound if any chunk is gone (the session is incomplete: recompute);
         nothing is written into claimed memory once this returns or raises."""
-        sinks = [claim(min(CHUNK_BYTES, manifest.nbytes - i * CHUNK_BYTES)) for i in range(chunks_of(manifest.nbytes))]
+        stored = manifest.stored
+        sinks = [claim(min(CHUNK_BYTES, stored - i * CHUNK_BYTES)) for i in range(chunks_of(stored))]
         arrivals = _Arrivals()
         reading = self._sender.submit(self._fetch, key, manifest.write, sinks, arrivals)
         reading.add_done_callback(arrivals.finish)
@@ -46,7 +47,7 @@ class Fetcher:
                 count, finished = arrivals.past(seen)
                 if count > seen:
                     seen = count
-                    yield min(manifest.nbytes, count * CHUNK_BYTES)
+                    yield min(stored, count * CHUNK_BYTES)
             if not reading.result():
                 raise NotFound("the remote copy of this session is incomplete (evicted or expired)")
         finally:
@@ -120,7 +121,10 @@ class Fetcher:
 
     def read(self, key: SessionKey, manifest: Manifest) -> Iterator[bytes]:
         """The session's pages in order, each checked against the manifest's
-        checksum: DataLoss on a mismatch, NotFound if any chunk is gone."""
+        checksum: DataLoss on a mismatch, NotFound if any chunk is gone. (A
+        version stored as it is: coded pages are the core's to decode.)"""
+        if manifest.coding is not None:
+            raise ValueError("a version of coded pages: read_into its coded bytes")
         buf = memoryview(bytearray(manifest.nbytes))
         at = 0
 

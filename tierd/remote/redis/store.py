@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -18,11 +17,13 @@ import numpy as np
 
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable
 from tierd.remote.backend import Refused
+from tierd.remote.coded import Coding
 from tierd.remote.manifest import (
     Head,
     Manifest,
     check_bounds,
     dropped_at,
+    made,
     next_version,
     owner_of,
 )
@@ -84,15 +85,16 @@ class RemoteStore:
 
     def publish(self, key: SessionKey, expect: int, spec: dict[str, Any], fingerprint: str, num_tokens: int,
                 page_bytes: int, checksums: np.ndarray, token_hashes: np.ndarray,
-                data: Iterable[tuple[bytes | memoryview, bool]]) -> Manifest:
-        """Store a new version of the session: `data` is its logical bytes, in
-        pieces of any size, each with whether it stays valid until this
-        returns (sent as it is, no copy) or only until the next piece is asked
-        for (copied). `expect` is the version this one replaces (0: none); if
-        another writer published first, FailedPrecondition and nothing is
-        left behind. Refused, before anything is written, for a session past
-        what a manifest may be (check_bounds)."""
-        check_bounds(len(checksums), np.asarray(token_hashes))
+                data: Iterable[tuple[bytes | memoryview, bool]], coding: Coding | None = None) -> Manifest:
+        """Store a new version of the session: `data` is its logical bytes (or,
+        with coding, its pages' coded bytes, coding filled once they are all
+        read), in pieces of any size, each with whether it stays valid until
+        this returns (sent as it is, no copy) or only until the next piece is
+        asked for (copied). `expect` is the version this one replaces (0:
+        none); if another writer published first, FailedPrecondition and
+        nothing is left behind. Refused, before anything is written, for a
+        session past what a manifest may be (check_bounds)."""
+        check_bounds(len(checksums), np.asarray(token_hashes), coding is not None)
         write = secrets.token_hex(8)
         chunks = nbytes = 0
         batch: list[memoryview] = []
@@ -114,9 +116,8 @@ class RemoteStore:
             if batch:
                 self._put(key, write, chunks, batch)
                 chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
-            manifest = Manifest(next_version(expect), write, fingerprint,
-                                spec, num_tokens, nbytes, page_bytes, np.asarray(checksums, dtype=np.uint64),
-                                np.asarray(token_hashes), time.time(), owner_of(key))
+            manifest = made(next_version(expect), write, fingerprint, spec, num_tokens, nbytes, page_bytes, checksums,
+                            token_hashes, owner_of(key), coding)
             # Not as a _call: the switch carries the manifest and checks every chunk (each read is bounded).
             reply = self.link.run("the manifest switch", self._cas,
                                keys=[self.link.key(key, "m")] + [self.link.key(key, f"w{write}", str(i))
@@ -148,7 +149,7 @@ class RemoteStore:
                 previous = Head.parse(old)
             except DataLoss:
                 return manifest  # unreadable: its chunks go by their TTL
-            self._delete(key, previous.write, chunks_of(previous.nbytes))  # the version replaced: reclaimed
+            self._delete(key, previous.write, chunks_of(previous.stored))  # the version replaced: reclaimed
         return manifest
 
     def _take_buffers(self, count: int) -> list[bytearray]:
@@ -190,7 +191,7 @@ class RemoteStore:
         except DataLoss:
             return True  # unreadable: its chunks go by their TTL
         if head.meta.get("owner", "") == owner_of(key):  # (another session's manifest names chunks of its own)
-            self._delete(key, head.write, chunks_of(head.nbytes))
+            self._delete(key, head.write, chunks_of(head.stored))
         return True
 
 

@@ -82,10 +82,10 @@ class Tenants:
         if heads:
             pipe = self.link.client.pipeline(transaction=False)
             for key, head in heads.items():
-                pipe.exists(*[self.link.key(key, f"w{head.write}", str(i)) for i in range(chunks_of(head.nbytes))])
+                pipe.exists(*[self.link.key(key, f"w{head.write}", str(i)) for i in range(chunks_of(head.stored))])
             there = self.link.call("a recount", pipe.execute, raise_on_error=False)
             for (key, head), count in zip(heads.items(), there):
-                held[key.session_id] = head.nbytes if count == chunks_of(head.nbytes) else 0
+                held[key.session_id] = head.stored if count == chunks_of(head.stored) else 0
         return held
 
     def relist(self, tenant: str, entries: list[tuple[str, int]], own: str = "",

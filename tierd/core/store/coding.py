@@ -1,0 +1,163 @@
+"""Pages coded on their way to the remote tier, and decoded on the way back.
+
+A publish of a tier with a codec (`--codec remote=lossless`) reads the
+session's pages as it would publish them (checked as any move), codes them a
+batch at a time and hands the store each page's coded bytes, recording per
+page its coded size, the XXH3 of its coded bytes, and the checksum of the
+page a reader will decode (the page's own, for a lossless codec): the
+version's manifest.Coding. A fetch reads the coded bytes into a buffer of
+its own and, as each page's bytes are in, checks them against their XXH3
+(damaged coded bytes are DATA_LOSS, never handed to a decoder), decodes the
+page into its place in the landing tier; the fetch then checks every page
+it wrote against the manifest's checksums, as any fetch does. The codec a
+version was coded with is the manifest's: one this node does not know is a
+clear error (FAILED_PRECONDITION), not a page.
+
+Runs where publishes and fetches run: the publisher's thread (or the RPC
+thread of publish()), the RPC thread of the call that fetches, or a mover.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from tierd import codecs
+from tierd.checksum import page_checksum
+from tierd.core.events import StoreEvents
+from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
+from tierd.layout import KVSpec
+from tierd.remote.coded import Coding
+from tierd.remote.manifest import Manifest
+from tierd.transfer.copier import PageWriter
+from tierd.transfer.runs import Geometry
+
+BATCH_BYTES = 4 << 20  # pages coded at a time: large enough for the coder, small enough to stay in cache
+
+
+def check_codec(name: str) -> str:
+    """The remote tier's codec by name: InvalidArgument for a name no codec
+    has, or a lossy one (the remote tier's pages are coded losslessly)."""
+    codec = codecs.get(name)
+    if codec.lossy:
+        raise InvalidArgument(f"the codec {shown(name)} is lossy: the remote tier codes pages losslessly (none or "
+                              "lossless)", field="codec", value=name)
+    return codec.name
+
+
+class PageCoder:
+    """The remote tier's codec (`codec`: a registered codec's name; "none":
+    pages as they are), and the coding and decoding of versions."""
+
+    def __init__(self, codec: str, tier: str, events: StoreEvents) -> None:
+        self.codec = check_codec(codec)
+        self.tier = tier  # the remote tier's name, for errors
+        self.events = events
+
+    def coding_for(self, spec: KVSpec, n_pages: int) -> Coding | None:
+        """What a publish of the spec's pages records of them (None: as they are)."""
+        return None if self.codec == "none" else Coding.empty(self.codec, n_pages)
+
+    def encode(self, data: Iterable[tuple[bytes | memoryview, bool]], spec: KVSpec, geom: Geometry,
+               checksums: np.ndarray, coding: Coding) -> Iterator[tuple[bytes, bool]]:
+        """The coded bytes of the pages whose logical bytes data holds (in
+        pieces of any size, each valid until the next is asked for), a page's
+        blob at a time (each stays valid), with coding filled as they go; the
+        pages decode to themselves (lossless): their checksums are theirs."""
+        codec, shape = codecs.get(coding.codec), codecs.page_shape(spec)
+        per_batch = max(1, BATCH_BYTES // geom.page_bytes)
+        flat = np.empty(per_batch * geom.page_bytes, dtype=np.uint8)
+        pieces = (memoryview(piece).cast("B") for piece, _ in data)
+        rest, page, seconds = memoryview(b""), 0, 0.0
+        while page < geom.n_pages:
+            count = min(per_batch, geom.n_pages - page)
+            want, filled = (count - 1) * geom.page_bytes + geom.size_of(page + count - 1), 0
+            while filled < want:
+                if not len(rest):
+                    rest = next(pieces)
+                take = min(len(rest), want - filled)
+                flat[filled : filled + take] = np.frombuffer(rest[:take], dtype=np.uint8)
+                filled, rest = filled + take, rest[take:]
+            t0 = time.perf_counter()
+            blobs = self._code(codec, shape, flat[:want], page, count, geom, checksums, coding)
+            seconds += time.perf_counter() - t0
+            for blob in blobs:
+                yield blob, True
+            page += count
+        coding.nbytes = geom.nbytes
+        self.events.coded(coding.codec, "encode", geom.nbytes, coding.stored, seconds)
+
+    @staticmethod
+    def _code(codec: codecs.Codec, shape: codecs.PageShape | None, flat: np.ndarray, page: int, count: int,
+              geom: Geometry, checksums: np.ndarray, coding: Coding) -> list[bytes]:
+        """The blobs of `count` pages from page `page` on, back to back in flat, recorded in coding."""
+        whole = count if geom.size_of(page + count - 1) == geom.page_bytes else count - 1
+        blobs = codec.encode(flat[: whole * geom.page_bytes].reshape(whole, geom.page_bytes), shape) if whole else []
+        if whole < count:  # a short last page (opaque bytes): coded alone, as bytes
+            blobs += codec.encode(flat[whole * geom.page_bytes :].reshape(1, -1), None)
+        at = slice(page, page + count)
+        coding.sizes[at] = [len(b) for b in blobs]
+        coding.sums[at] = [page_checksum(b) for b in blobs]
+        coding.checksums[at] = checksums[at]
+        return blobs
+
+    def decoder(self, m: Manifest, spec: KVSpec) -> Decoder | None:
+        """How a fetch of m's version reads its pages (None: as they are, straight into theirs)."""
+        if m.coding is None:
+            return None
+        try:
+            codec = codecs.get(m.coding.codec)
+        except InvalidArgument:
+            raise FailedPrecondition(f"the remote tier holds this session's version coded with "
+                                     f"{shown(m.coding.codec)}, a codec this node does not know (it knows "
+                                     f"{', '.join(codecs.names())}): a newer tierd wrote it",
+                                     codec=m.coding.codec) from None
+        return Decoder(codec, m, spec, self.tier, self.events)
+
+
+class Decoder:
+    """A fetch of a coded version: its coded bytes read into a buffer of its
+    own (claim), each page decoded into the pages a PageWriter gives once
+    its bytes are in (decode_upto)."""
+
+    def __init__(self, codec: codecs.Codec, m: Manifest, spec: KVSpec, tier: str, events: StoreEvents) -> None:
+        assert m.coding is not None
+        self.codec, self.m, self.coding, self.tier, self.events = codec, m, m.coding, tier, events
+        self.shape = codecs.page_shape(spec)
+        self.coded = np.empty(m.coding.stored, dtype=np.uint8)
+        self.offsets = m.coding.offsets
+        self._claimed = 0
+        self.decoded = 0  # pages decoded
+        self.seconds = 0.0
+
+    def claim(self, nbytes: int) -> list[np.ndarray]:
+        """Memory for the next nbytes of the version's coded bytes."""
+        self._claimed += nbytes
+        return [self.coded[self._claimed - nbytes : self._claimed]]
+
+    def decode_upto(self, received: int, pages: PageWriter) -> int:
+        """Decode every page whose coded bytes lie within the first `received`
+        bytes and is not decoded yet, into the pages `pages` (a PageWriter)
+        claims for it; how many pages are decoded."""
+        t0 = time.perf_counter()
+        m, offsets = self.m, self.offsets
+        while self.decoded < m.n_pages and offsets[self.decoded + 1] <= received:
+            i = self.decoded
+            blob = self.coded[offsets[i] : offsets[i + 1]]
+            if page_checksum(blob) != int(self.coding.sums[i]):
+                raise DataLoss(f"page {i} failed its checksum in the remote tier (its coded bytes)", page=i,
+                               tier=self.tier)
+            (out,) = pages.claim(m.size_of(i))
+            short = m.size_of(i) < m.page_bytes
+            try:
+                self.codec.decode(memoryview(blob), None if short else self.shape, out)
+            except DataLoss as exc:
+                raise DataLoss(f"page {i} of the remote tier's copy does not decode: {exc}", page=i,
+                               tier=self.tier) from None
+            self.decoded += 1
+        self.seconds += time.perf_counter() - t0
+        if self.decoded == m.n_pages:
+            self.events.coded(self.coding.codec, "decode", m.nbytes, self.coding.stored, self.seconds)
+        return self.decoded
