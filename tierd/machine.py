@@ -150,6 +150,8 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
 
     options = registry.Options(cfg.remote_prefix, cfg.remote_ttl, cfg.remote_timeout, remote_password(cfg),
                                cfg.remote_tls_ca or None)
+    from tierd import codecs
+
     codec = cfg.codec.get("remote", "none")
     try:
         check_codec(codec)
@@ -157,8 +159,11 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
     except TierdError as exc:
         raise RemoteUnavailable(f"cannot use the remote tier: {exc}") from None
     sweep = min(60.0, cfg.remote_ttl / 10) if cfg.remote_ttl else 60.0  # well within a tombstone's life
+    lossy = f" (lossy for {', '.join(sorted(cfg.lossy_tenants)) or 'no tenant'}, within {cfg.lossy_max_error})" \
+        if codecs.get(codec).lossy else ""
     return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep,
-                   codec), f"{store.describe()}; write {cfg.remote_write}; codec {codec}")
+                   codec, cfg.lossy_tenants, cfg.lossy_max_error),
+            f"{store.describe()}; write {cfg.remote_write}; codec {codec}{lossy}")
 
 
 # glibc's malloc gives freed memory at the top of a heap back to the kernel once more than

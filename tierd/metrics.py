@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tierd import __version__
 
+_ERRORS = (0.0, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2)
 _LATENCY = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -66,6 +67,8 @@ class Metrics:
                                    ["codec", "op", "form"], registry=registry)
         self.codec_seconds = Counter("tierd_codec_seconds_total", "Seconds spent coding and decoding pages, by "
                                      "codec", ["codec", "op"], registry=registry)
+        self.codec_errors = Histogram("tierd_codec_page_rel_error", "Relative L2 error of each page a lossy codec "
+                                      "coded, by codec", ["codec"], buckets=_ERRORS, registry=registry)
         self.remote_reachable: Gauge | None = None  # made by set_backends where there is a remote tier
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
@@ -122,6 +125,11 @@ class Metrics:
         self.codec_bytes.labels(codec, op, "logical").inc(nbytes)
         self.codec_bytes.labels(codec, op, "coded").inc(coded)
         self.codec_seconds.labels(codec, op).inc(seconds)
+
+    def coding_errors(self, codec: str, rel_errors: Any) -> None:
+        histogram = self.codec_errors.labels(codec)
+        for value in rel_errors:
+            histogram.observe(float(value))
 
     def remote_up(self, up: bool) -> None:
         if self.remote_reachable is not None:

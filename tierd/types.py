@@ -45,6 +45,8 @@ class SessionInfo:
     shared_bytes: int = 0  # of size_bytes, in pages other sessions of the tenant hold too (prefix sharing)
     codecs: dict[str, str] = field(default_factory=dict)  # tier -> the codec its copy is in (absent: as it is)
     coded_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes its coded copy takes there
+    tier_errors: dict[str, float] = field(default_factory=dict)  # tier -> worst relative error of a page there (lossy)
+    rel_error: float = 0.0  # worst relative L2 error of a page a restore of it serves here (0: every page exact)
 
     @property
     def own_bytes(self) -> int:
@@ -123,4 +125,5 @@ class Advice:
 
     @property
     def restore(self) -> bool:
-        return self.restore_seconds <= self.recompute_seconds
+        """Whether to restore: there are tokens to restore, and moving their bytes takes no longer than computing."""
+        return 0 < self.recompute_seconds and self.restore_seconds <= self.recompute_seconds

@@ -136,6 +136,11 @@ def test_damaged_blobs_are_data_loss(kv, name):
     if name == "lossless":
         with pytest.raises(DataLoss):
             codec.decode(blob[:1] + bytes(len(blob) - 1), shape, out)  # the coded bytes zeroed
+        lengths = [int(x) for x in np.frombuffer(blob[1:9], dtype="<u4")]  # bfloat16: two planes
+        assert lengths[0] == 0 < lengths[1]  # the low mantissa bytes kept as they are, the high ones coded
+        for wrong in (lengths[::-1], [1, lengths[1] - 1], [0, lengths[1] + 1]):
+            with pytest.raises(DataLoss):
+                codec.decode(blob[:1] + np.array(wrong, dtype="<u4").tobytes() + blob[9:], shape, out)
 
 
 def test_names_and_specs_a_codec_cannot_serve_are_clear_errors():

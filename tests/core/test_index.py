@@ -1,5 +1,6 @@
 import os
 import sqlite3
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -50,18 +51,35 @@ def test_pages_without_token_ids_recover_as_unknown(tmp_path):
     assert not rec.token_hashes[:2].any() and rec.token_hashes[2].tolist() == hashes(2, 1)[0].tolist()
 
 
-def test_a_format_1_index_is_upgraded_in_place(tmp_path):
+@pytest.mark.parametrize("found", ["1", "2"])
+def test_an_index_of_an_earlier_format_is_upgraded_in_place(tmp_path, found):
     path = str(tmp_path / "i.db")
     db = sqlite3.connect(path)
-    db.executescript(SCHEMA.replace("    tokens BLOB NOT NULL DEFAULT x'',\n", ""))
-    db.execute("INSERT INTO meta VALUES ('format', '1')")
+    schema = SCHEMA.replace("    errors BLOB NOT NULL DEFAULT x'',\n", "")
+    if found == "1":
+        schema = schema.replace("    tokens BLOB NOT NULL DEFAULT x'',\n", "")
+    db.executescript(schema)
+    db.execute("INSERT INTO meta VALUES ('format', ?)", (found,))
     db.execute("INSERT INTO sessions VALUES ('t', 's', ?, 32, 2, ?, 1.0, 2.0, 0)", (SPEC.to_json(), 2 * SPEC.page_bytes))
-    db.execute("INSERT INTO pieces VALUES ('t', 's', 0, 2, 0, 8192, ?)", (sums(0, 2).astype("<u8").tobytes(),))
+    db.execute(f"INSERT INTO pieces VALUES ('t', 's', 0, 2, 0, 8192, ?{', x' if found == '2' else ''}"
+               f"{chr(39) * 2 if found == '2' else ''})", (sums(0, 2).astype("<u8").tobytes(),))
     db.commit()
     db.close()
     (rec,), problems = DiskIndex(path).recover()
     assert problems == [] and rec.checksums.tolist() == sums(0, 2).tolist() and not rec.token_hashes.any()
-    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "2"
+    assert rec.row.errors == b""  # exact, as every page of an earlier format was
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "3"
+
+
+def test_the_errors_pages_carry_are_recovered_and_cut_with_them(tmp_path):
+    idx = DiskIndex(str(tmp_path / "i.db"))
+    errors = np.array([0.0, 0.02, 0.03], dtype="<f4").tobytes()
+    idx.add_pieces(K, [piece(0, 8192, 0, 3)], replace(row(3), errors=errors))
+    idx.add_pieces(SessionKey("t", "garbled"), [piece(8192, 8192, 0, 3)],
+                   replace(row(3), errors=np.array([0.0, np.nan, 0.1], dtype="<f4").tobytes()))
+    (rec,), problems = idx.recover()
+    assert rec.row.errors == errors and rec.row.cut(1).errors == b"" and rec.row.cut(2).errors == errors[:8]
+    assert [(p.key.session_id, p.reason) for p in problems] == [("garbled", "bad_errors")]
 
 
 def test_pages_past_the_complete_state_are_reclaimed(tmp_path):

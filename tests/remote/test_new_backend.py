@@ -6,7 +6,6 @@ another node, byte-exact and checked, and a drop leaves nothing to resume."""
 
 import threading
 
-import numpy as np
 import pytest
 
 from tests.helpers import SPEC, Harness, HostEngine, wait_for

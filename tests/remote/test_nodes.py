@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.helpers import masters_stopped, metric, wait_for
@@ -282,3 +283,44 @@ def test_a_daemon_coding_its_remote_pages_says_so_in_stat_and_metrics(daemons):
     stat = subprocess.run([sys.executable, "-m", "tierd", "stat", "coded", "--json", "--address", b.socket],
                           capture_output=True, text=True, timeout=60)
     assert json.loads(stat.stdout)["codecs"] == {"remote": "lossless"}
+
+
+def test_a_daemon_killed_while_it_codes_a_publish_leaves_one_whole_version_and_loses_nothing_durable(daemons):
+    a = daemons("a", "--codec", "remote=lossless", "--host-budget", "256MiB")
+    b = daemons("b", "--host-budget", "256MiB")
+    spec = KVSpec.opaque("llama.cpp/tiny", page_bytes=1 << 20)
+    rng = np.random.default_rng(3)
+    first, second = (rng.integers(0, 16, 48 << 20, dtype=np.uint8).tobytes() for _ in range(2))  # codes slowly
+    with a.client() as ca:
+        ca.put("s", first, spec, 0)
+        wait_for(lambda: ca.stat("s").remote_durable, what="the first version remote-durable")
+        ca.put("s", second, spec, 0)  # its publish is coding as the daemon dies
+    a.kill()
+    with b.client() as cb:
+        seen = cb.get("s")
+        assert seen in (first, second)  # the durable version or the next, whole: never a mix, never none
+    a.start()
+    with a.client() as ca:
+        assert ca.get("s") == seen  # (its own copy died with it: the remote tier's version)
+
+
+def test_a_tenant_that_consents_gets_its_kv_coded_lossy_and_sees_what_it_cost(daemons):
+    a = daemons("a", "--codec", "remote=fp8", "--lossy-tenants", "default", "--lossy-max-error", "0.04")
+    b = daemons("b")
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal(5 * SPEC.page_bytes // 2).reshape(-1, SPEC.head_dim) * rng.choice([0.1, 4.0], 64)
+    data = values.astype(np.float16).tobytes()
+    tokens = list(range(5000, 5000 + 80))
+    with a.client() as ca:
+        ca.put("kv", data, SPEC, 80, token_ids=tokens)
+        wait_for(lambda: ca.stat("kv").remote_durable, what="the session published")
+        info = ca.stat("kv")
+    assert info.codecs == {"remote": "fp8"} and 0 < info.tier_errors["remote"] <= 0.04 and info.rel_error == 0
+    assert info.coded_bytes["remote"] < 0.55 * len(data)
+    assert metric(a, "tierd_codec_page_rel_error_count", 'codec="fp8"') == 5
+    with b.client() as cb:
+        assert cb.lookup("kv", tokens, SPEC, max_error=0.0).num_tokens == 0  # no page of it exact
+        assert cb.lookup("kv", tokens, SPEC).num_tokens == 80
+        got = cb.get("kv")
+        assert got != data and len(got) == len(data)
+        assert cb.stat("kv").rel_error == pytest.approx(info.tier_errors["remote"])

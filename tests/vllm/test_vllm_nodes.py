@@ -1,7 +1,8 @@
 """Two engine replicas, each a real vLLM server (CPU) beside its own tierd
 daemon, the daemons sharing one real Redis Cluster: turn 1 on the first,
 turn 2 on the second, served from tierd with the same greedy outputs as a
-server without the connector. The servers run one after the other (two
+server without the connector; the first codes its pages lossless on their
+way to the remote tier. The servers run one after the other (two
 cores). Runs with the other vLLM tests (`make test-vllm`)."""
 
 import shutil
@@ -31,13 +32,14 @@ def test_turn_two_on_another_replica_is_served_from_the_remote_tier(model, tmp_p
     cluster = RedisCluster(tmp_path / "redis").start()
     a = b = None
     try:
-        a = Daemon(tmp_path / "a", "--remote", cluster.url).start()
+        a = Daemon(tmp_path / "a", "--remote", cluster.url, "--codec", "remote=lossless").start()
         first = VllmServer(path, tmp_path / "first.log", tierd_socket=a.socket).wait()
         try:
             r1 = first.complete(p1, OUT, session="chat")
             assert r1["token_ids"] == out1 and served(r1) == 0
             with a.client() as c:
                 wait_for(lambda: c.stat("chat").remote_durable, timeout=60)
+                assert c.stat("chat").codecs == {"remote": "lossless"}
         finally:
             first.close()
         a.kill()  # the first replica's node is gone; its disk with it

@@ -121,7 +121,8 @@ class ControlCalls:
 
     @unary()
     def Advise(self, req: Any, caller: Caller) -> pb.AdviseResponse:
-        a = self.ctx.store.advise(make_key(caller.tenant, req.session_id), req.prefill_tokens_per_s)
+        a = self.ctx.store.advise(make_key(caller.tenant, req.session_id), req.prefill_tokens_per_s,
+                                  req.max_error if req.HasField("max_error") else None)
         return pb.AdviseResponse(restore=a.restore, restore_seconds=a.restore_seconds,
                                  recompute_seconds=a.recompute_seconds, source_tier=a.source_tier,
                                  bandwidth_bytes_per_s=a.bandwidth_bytes_per_s)

@@ -57,7 +57,8 @@ class LeaseCalls:
         key = make_key(caller.tenant, req.session_id)
         spec = optional_spec_from_pb(req)
         prompt = packed.decode(req.id_field("token_ids"), limit=self._prompt_limit(key, spec))
-        return lookup_to_pb(self.ctx.store.lookup(key, prompt, spec, req.cache_salt))
+        return lookup_to_pb(self.ctx.store.lookup(key, prompt, spec, req.cache_salt,
+                                                  req.max_error if req.HasField("max_error") else None))
 
     def _prompt_limit(self, key: SessionKey, spec: KVSpec | None) -> int:
         """How many of a prompt's ids can match (the rest stay undecoded):

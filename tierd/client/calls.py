@@ -122,15 +122,17 @@ class Calls:
         return self._call("WaitReady", req, lambda r: (r.ready, r.tier or None), timeout=timeout + 10)
 
     def lookup(self, session_id: str, token_ids: Any, spec: KVSpec | None = None,
-               cache_salt: str = "") -> LookupResult:
+               cache_salt: str = "", max_error: float | None = None) -> LookupResult:
         """How many leading tokens of a prompt (its token ids, under its cache
         salt) the session's snapshot supplies; with spec, another identity is
         FAILED_PRECONDITION, and where the session does not exist (or its
         pages are a prefix of the prompt, fewer than other sessions of the
         tenant hold), their pages answer (begin_restore with the same token
-        ids starts the session from them)."""
+        ids starts the session from them). With max_error, only the leading
+        pages within that relative L2 error count (0: only exact pages: a
+        page restored from a copy coded lossily carries its error)."""
         req = pb.LookupRequest(session_id=session_id, token_ids=_ids(token_ids),
-                               spec=optional_spec_to_pb(spec), cache_salt=cache_salt)
+                               spec=optional_spec_to_pb(spec), cache_salt=cache_salt, max_error=max_error)
         return self._call("Lookup", req, lookup_from_pb)
 
     def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
@@ -199,9 +201,11 @@ class Calls:
         return self._call("SetBudget", req, lambda r: BudgetResult(r.tier, r.old_budget, r.new_budget,
                                                                    r.released_bytes, r.moved_sessions, r.seconds))
 
-    def advise(self, session_id: str, prefill_tokens_per_s: float) -> Advice:
-        """Whether restoring beats recomputing the session's tokens."""
-        req = pb.AdviseRequest(session_id=session_id, prefill_tokens_per_s=prefill_tokens_per_s)
+    def advise(self, session_id: str, prefill_tokens_per_s: float, max_error: float | None = None) -> Advice:
+        """Whether restoring beats recomputing the session's tokens (with
+        max_error: those of its leading pages within that relative error)."""
+        req = pb.AdviseRequest(session_id=session_id, prefill_tokens_per_s=prefill_tokens_per_s,
+                               max_error=max_error)
         return self._call("Advise", req, lambda r: Advice(r.restore_seconds, r.recompute_seconds, r.source_tier,
                                                           r.bandwidth_bytes_per_s))
 

@@ -9,6 +9,7 @@ L2 error and largest absolute error). See base.py for what a page is to a
 codec and where they run."""
 
 from tierd.codecs import kivi, lossless, scaled  # noqa: F401 - each registers its codecs
-from tierd.codecs.base import Codec, Coded, PageShape, code, error, for_spec, get, names, page_shape, register
+from tierd.codecs.base import (Codec, Coded, PageShape, as_is, code, error, for_spec, get, names, page_shape,
+                               register)
 
-__all__ = ["Codec", "Coded", "PageShape", "code", "error", "for_spec", "get", "names", "page_shape", "register"]
+__all__ = ["Codec", "Coded", "PageShape", "as_is", "code", "error", "for_spec", "get", "names", "page_shape", "register"]

@@ -62,7 +62,10 @@ class PageShape:
 
     def values(self, pages: np.ndarray) -> torch.Tensor:
         """Pages' bytes ([n, page_bytes], or one page) as float32 [n, layers, 2, heads, tokens, dim]."""
-        x = torch.from_numpy(np.ascontiguousarray(pages).reshape(-1, self.page_bytes)).view(self.torch_dtype)
+        pages = np.ascontiguousarray(pages)
+        if not pages.flags.writeable:  # (torch takes no read-only array: read, never written here)
+            pages = pages.copy()
+        x = torch.from_numpy(pages.reshape(-1, self.page_bytes)).view(self.torch_dtype)
         if self.head_major:
             x = x.view(-1, self.layers, 2, self.heads, self.tokens, self.dim)
         else:
@@ -173,24 +176,28 @@ class Coded:
     blobs: list[bytes]
     rel_error: np.ndarray  # float32 [n]
     max_error: np.ndarray  # float32 [n]
+    decoded: np.ndarray | None = None  # with keep: each page as its blob decodes, [n, page_bytes] (lossy codecs)
 
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.blobs)
 
 
-def code(codec: Codec, pages: np.ndarray, shape: PageShape | None) -> Coded:
+def code(codec: Codec, pages: np.ndarray, shape: PageShape | None, keep: bool = False) -> Coded:
     """Encode pages [n, page_bytes]; for a lossy codec, decode each blob
-    again and measure what it changed, against the page."""
+    again and measure what it changed, against the page (keep: and keep
+    what it decoded to)."""
     blobs = codec.encode(pages, shape)
     n = len(blobs)
     rel, worst = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+    decoded = None
     if codec.lossy and shape is not None and shape.codable:
-        back = np.empty(pages.shape[1], dtype=np.uint8)
+        decoded = np.empty((n if keep else 1, pages.shape[1]), dtype=np.uint8)
         for i, blob in enumerate(blobs):
+            back = decoded[i if keep else 0]
             codec.decode(blob, shape, back)
             rel[i], worst[i] = error(shape, pages[i], back)
-    return Coded(blobs, rel, worst)
+    return Coded(blobs, rel, worst, decoded if keep else None)
 
 
 def error(shape: PageShape, page: np.ndarray, decoded: np.ndarray) -> tuple[float, float]:

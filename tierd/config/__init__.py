@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
-from tierd.config.values import (AUTO, _choice, _codecs, _count, _host_port, _optional_seconds, _positive_int, _remote_url,
+from tierd.config.values import (AUTO, _choice, _codecs, _count, _fraction, _tenants, _host_port, _optional_seconds, _positive_int, _remote_url,
                                  _seconds, _size_or_auto, _text, default_data_dir, default_runtime_dir, parse_bool)
 from tierd.errors import InvalidArgument
 from tierd.sizes import parse_size
@@ -106,8 +106,13 @@ class Config:
     remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
                                      "sharing a cluster)", "tierd")
     codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to a tier (remote=lossless: bit-exact, "
-                                          "smaller; remote=none: as they are); the flag may be repeated",
-                                 factory=dict, repeat=True)
+                                          "smaller; remote=none: as they are; a lossy codec, fp8, int8, int4 or "
+                                          "k16v8, for the tenants of --lossy-tenants, lossless for the others); the "
+                                          "flag may be repeated", factory=dict, repeat=True)
+    lossy_tenants: frozenset[str] = _opt(_tenants, "TENANT[,TENANT...] whose KV a lossy --codec may code (*: every "
+                                                   "tenant); the others' is coded lossless", factory=frozenset)
+    lossy_max_error: float = _opt(_fraction, "relative L2 error a page coded lossily may carry; a page past it is "
+                                             "stored as it is", 0.05)
 
     def __post_init__(self) -> None:
         if not self.socket and not self.listen:

@@ -126,6 +126,22 @@ def _codecs(text: Any) -> dict[str, str]:
     return out
 
 
+def _tenants(text: Any) -> frozenset[str]:
+    """Tenant names, comma-separated (or a TOML list); * for every tenant."""
+    items = text if isinstance(text, list) else str(text).split(",")
+    return frozenset(str(t).strip() for t in items if str(t).strip())
+
+
+def _fraction(text: Any) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise InvalidArgument(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
 def _text(text: Any) -> str:
     return str(text)
 

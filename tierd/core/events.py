@@ -6,7 +6,7 @@ thread-safe. NullEvents ignores everything.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StoreEvents(Protocol):
@@ -34,6 +34,10 @@ class StoreEvents(Protocol):
 
     def coded(self, codec: str, op: str, nbytes: int, coded: int, seconds: float) -> None:
         """Pages of nbytes coded into (op "encode") or decoded from ("decode") coded bytes, taking seconds."""
+        ...
+
+    def coding_errors(self, codec: str, rel_errors: Any) -> None:
+        """Pages a lossy codec coded, with the relative error each carries (an array)."""
         ...
 
     def shared(self, call: str, pages: int, nbytes: int) -> None:
@@ -78,6 +82,9 @@ class NullEvents:
         pass
 
     def coded(self, codec: str, op: str, nbytes: int, coded: int, seconds: float) -> None:
+        pass
+
+    def coding_errors(self, codec: str, rel_errors: Any) -> None:
         pass
 
     def shared(self, call: str, pages: int, nbytes: int) -> None:

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierd.core import tokens
-from tierd.core.index_schema import (FORMAT_VERSION, SCHEMA, SQLITE_FULL, IndexFormatError, IndexUnavailable, columns,
+from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, SQLITE_FULL, IndexFormatError, IndexUnavailable, columns,
                                      tierd_columns, unsound)
 from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
 from tierd.errors import ResourceExhausted, TierdError, Unavailable
@@ -81,9 +81,9 @@ class DiskIndex:
         found = self._db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
         if found is None:
             self._db.execute("INSERT INTO meta VALUES ('format', ?)", (FORMAT_VERSION,))
-        elif found[0] == "1":
-            self._tx([("ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''", ()),
-                      ("UPDATE meta SET value=? WHERE key='format'", (FORMAT_VERSION,))])
+        elif found[0] in MIGRATIONS:
+            self._tx([(stmt, ()) for stmt in MIGRATIONS[found[0]]] +
+                     [("UPDATE meta SET value=? WHERE key='format'", (FORMAT_VERSION,))])
         elif found[0] != FORMAT_VERSION:
             raise IndexFormatError(f"the index {self.path} has format {found[0]}; this tierd reads format "
                                    f"{FORMAT_VERSION}")
@@ -154,9 +154,9 @@ class DiskIndex:
     @staticmethod
     def _row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
         return (
-            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes,
-             row.created, row.last_access, row.priority),
+             row.created, row.last_access, row.priority, row.errors),
         )
 
     @staticmethod

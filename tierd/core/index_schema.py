@@ -18,6 +18,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     created REAL NOT NULL,
     last_access REAL NOT NULL,
     priority INTEGER NOT NULL,
+    errors BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (tenant, session_id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS pieces (
@@ -33,7 +34,14 @@ CREATE TABLE IF NOT EXISTS pieces (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
-FORMAT_VERSION = "2"  # 2: pieces record the token hashes of their pages (empty: not known)
+FORMAT_VERSION = "3"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
+# the errors their pages carry (empty: exact)
+# What takes an index of an earlier format to this one, by the format found.
+MIGRATIONS = {
+    "1": ["ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''",
+          "ALTER TABLE sessions ADD COLUMN errors BLOB NOT NULL DEFAULT x''"],
+    "2": ["ALTER TABLE sessions ADD COLUMN errors BLOB NOT NULL DEFAULT x''"],
+}
 SQLITE_FULL = 13  # the primary result code of "database or disk is full"
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tierd.core import tokens
+from tierd.errors import InvalidArgument
 from tierd.layout import KVSpec
 from tierd.tiers import tier_order, tier_rank
 from tierd.tiers.allocator import Piece
@@ -23,6 +24,7 @@ from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionKey
 
 
+NO_ERRORS = np.zeros(0, dtype=np.float32)
 UNKNOWN = -1  # Session.remote_version of a copy recovered from disk: what the remote tier holds is asked
 
 class State(str, Enum):
@@ -41,6 +43,24 @@ class Snapshot:
     placement: dict[str, list[Piece]] = field(default_factory=dict)
     version: int = 0  # bumped whenever the content changes
     token_hashes: np.ndarray = field(default_factory=tokens.empty)  # a chained hash per page (tokens.py)
+    # Per page, the relative L2 error it carries against the page first stored (fetched from a copy
+    # coded lossily); empty: every page exact.
+    errors: np.ndarray = field(default_factory=lambda: NO_ERRORS)
+
+    @property
+    def rel_error(self) -> float:
+        """The worst relative error of a page served of it (0: every page exact)."""
+        return float(self.errors.max()) if self.errors.size else 0.0
+
+    def set_errors(self, first_page: int, errors: np.ndarray | None) -> None:
+        """Pages from first_page on are new, with these errors (None: exact)."""
+        kept = self.errors[:first_page]
+        if errors is not None and errors.any():
+            self.errors = np.concatenate([np.pad(kept, (0, first_page - kept.size)), errors]).astype(np.float32)
+        elif kept.size and kept.any():
+            self.errors = np.pad(kept, (0, self.n_pages - kept.size))
+        else:
+            self.errors = NO_ERRORS
 
     @property
     def n_pages(self) -> int:
@@ -143,12 +163,29 @@ class Snapshot:
             self.placement[tier] = kept
         self.checksums = self.checksums[:n_pages].copy()
         self.token_hashes = self.token_hashes[:n_pages].copy()
+        self.errors = self.errors[:n_pages].copy() if self.errors[:n_pages].any() else NO_ERRORS
         self.nbytes = min(self.nbytes, n_pages * self.spec.page_bytes)
         self.num_tokens = 0 if n_pages == 0 else min(self.num_tokens, n_pages * self.spec.block_tokens)
         return freed
 
     def remove_tier(self, tier: str) -> list[Piece]:
         return self.placement.pop(tier, [])
+
+
+def pages_within(errors: np.ndarray, n_pages: int, bound: float | None) -> int:
+    """How many of n_pages leading pages carry at most `bound` relative error
+    (errors: each page's, empty where all are exact; None: no bound)."""
+    if bound is None or not errors.size:
+        return n_pages
+    past = np.flatnonzero(~(errors[:n_pages] <= bound))
+    return int(past[0]) if past.size else n_pages
+
+
+def check_bound(bound: float | None) -> float | None:
+    """An error bound as a call gives it: None, or a number from 0 on (InvalidArgument otherwise)."""
+    if bound is not None and (not isinstance(bound, (int, float)) or not bound >= 0):
+        raise InvalidArgument(f"max_error is a relative error from 0 on, not {bound!r}", field="max_error")
+    return bound
 
 
 def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -193,11 +230,13 @@ class Session:
     remote_fresh: int = -1
     remote_stored: int = 0  # bytes the remote version takes in the store (coded, or as it is)
     remote_codec: str = "none"  # the codec its pages are coded with there
+    remote_error: float = 0.0  # the worst relative error of a page there (coded lossily)
 
     def remote_is(self, m: Any) -> None:
         """Record the remote version this content builds on: manifest m's."""
         self.remote_version, self.remote_write = m.version, m.write
         self.remote_stored, self.remote_codec = m.stored, m.codec
+        self.remote_error = m.rel_error
 
     @property
     def durable(self) -> bool:

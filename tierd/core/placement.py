@@ -244,7 +244,7 @@ class Placement:
             source = max((s.tier for s in src), key=tier_rank)
             self.events.moved(source, durable, reason, moved, time.perf_counter() - t0)
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
-                  session.priority)
+                  session.priority, snap.errors.astype("<f4").tobytes())
         pieces += borrowed
         try:
             self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],

@@ -29,6 +29,7 @@ class Row:
     created: float
     last_access: float
     priority: int
+    errors: bytes = b""  # each page's relative error (float32, little-endian), where any is not exact
 
     def cut(self, n_pages: int) -> Row | None:
         """The row of the session's first n_pages pages (None: no row, where
@@ -37,8 +38,10 @@ class Row:
             return self
         if self.spec.is_opaque or n_pages == 0:
             return None
+        errors = self.errors[: 4 * n_pages]
         return Row(self.spec, min(self.num_tokens, n_pages * self.spec.block_tokens), n_pages,
-                   n_pages * self.spec.page_bytes, self.created, self.last_access, self.priority)
+                   n_pages * self.spec.page_bytes, self.created, self.last_access, self.priority,
+                   errors if any(errors) else b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,7 @@ def _size(blob: object) -> str:
 
 def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     """A session from its row (spec, num_tokens, num_pages, nbytes, created,
-    last_access, priority) and its pieces' rows, checked against the format;
+    last_access, priority, errors) and its pieces' rows, checked against the format;
     raises Damaged."""
     if not all(isinstance(k, str) and ID.fullmatch(k) and ".." not in k for k in key):
         raise Damaged("bad_row", "its tenant or session id is not a valid id")
@@ -97,7 +100,7 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
         spec = _spec(r[0])
     except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
         raise Damaged("bad_spec", f"unreadable spec ({exc})") from None
-    num_tokens, num_pages, nbytes, created, last_access, priority = r[1:]
+    num_tokens, num_pages, nbytes, created, last_access, priority, errors = r[1:]
     if not _ints(num_tokens, num_pages, nbytes, priority) or not all(
             isinstance(v, (int, float)) for v in (created, last_access)):
         raise Damaged("bad_row", "a field of its row has the wrong type")
@@ -107,7 +110,10 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
         raise Damaged("bad_row", f"{num_pages} pages, {nbytes} bytes and {num_tokens} tokens do not fit its spec")
     if not -(1 << 31) <= priority < 1 << 31:
         raise Damaged("bad_row", f"priority {priority} is out of range")
-    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority)
+    if not isinstance(errors, bytes) or len(errors) not in (0, 4 * num_pages) or \
+            not (np.frombuffer(errors, dtype="<f4") >= 0).all():  # (NaN is not)
+        raise Damaged("bad_errors", f"{_size(errors)} of page errors for {num_pages} pages, or errors that are none")
+    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority, errors)
     # Every piece row is checked before anything is allocated for num_pages: their checksum blobs,
     # real bytes, bound the pages (a row claiming 2**40 pages must not take the start down).
     pages_held = 0

@@ -3,6 +3,7 @@ manifest records of each coded page, and how. Plain data: any thread."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ class Coding:
     rel_error: np.ndarray  # float32 [n]
     max_error: np.ndarray  # float32 [n]
     nbytes: int = 0
+    source: str = ""  # source_of(the pages' own checksums): what the version holds, coded or not
 
     @classmethod
     def empty(cls, codec: str, n_pages: int) -> Coding:
@@ -48,8 +50,13 @@ class Coding:
         return b"".join(np.ascontiguousarray(a, dtype=t).tobytes() for a, t in
                         ((self.sizes, "<u4"), (self.sums, "<u8"), (self.rel_error, "<f4"), (self.max_error, "<f4")))
 
+    @property
+    def lossy(self) -> bool:
+        """Whether some page decodes to other than itself."""
+        return bool(self.rel_error.any())
+
     @classmethod
-    def decode(cls, codec: str, raw: bytes, checksums: np.ndarray, nbytes: int, stored: int) -> Coding:
+    def decode(cls, codec: str, raw: bytes, checksums: np.ndarray, nbytes: int, stored: int, source: str) -> Coding:
         n = len(checksums)
         if not isinstance(codec, str) or not codec.isascii() or not codec.isidentifier() or len(codec) > 64:
             raise ValueError(f"codec {str(codec)[:40]!r} is not a codec's name")
@@ -62,7 +69,14 @@ class Coding:
             part.flags.writeable = False
             parts.append(part)
             at += width
-        coding = cls(codec, checksums, *parts, nbytes=nbytes)
+        coding = cls(codec, checksums, *parts, nbytes=nbytes, source=str(source))
         if n and (int(coding.sizes.min()) < 1 or coding.stored != stored):
             raise ValueError(f"its coded pages take {coding.stored} bytes, not the {stored} it says")
+        if not (coding.rel_error >= 0).all() or not (coding.max_error >= 0).all():
+            raise ValueError("its pages' errors are not errors")
         return coding
+
+
+def source_of(checksums: np.ndarray) -> str:
+    """A digest of pages' checksums: the same pages, coded or not, give the same."""
+    return hashlib.sha256(np.ascontiguousarray(checksums, dtype="<u8").tobytes()).hexdigest()[:32]

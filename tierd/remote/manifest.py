@@ -27,7 +27,7 @@ import numpy as np
 
 from tierd.errors import DataLoss
 from tierd.remote.backend import Refused
-from tierd.remote.coded import CODED_BYTES_PER_PAGE, Coding
+from tierd.remote.coded import CODED_BYTES_PER_PAGE, Coding, source_of
 from tierd.types import SessionKey
 
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
@@ -66,6 +66,11 @@ class Manifest:
         return self.coding.codec if self.coding is not None else "none"
 
     @property
+    def rel_error(self) -> float:
+        """The worst relative error of a page of it against the page it was coded from (0: every page exact)."""
+        return float(self.coding.rel_error.max()) if self.coding is not None and self.n_pages else 0.0
+
+    @property
     def stored(self) -> int:
         """Bytes the version takes in the store (its coded pages', or its logical bytes)."""
         return self.coding.stored if self.coding is not None else self.nbytes
@@ -81,7 +86,7 @@ class Manifest:
                 "hash_shape": list(self.token_hashes.shape), "owner": self.owner}
         coded = b""
         if self.coding is not None:
-            meta.update(codec=self.coding.codec, stored=self.coding.stored)
+            meta.update(codec=self.coding.codec, stored=self.coding.stored, source=self.coding.source)
             coded = self.coding.encode()
         sums = np.ascontiguousarray(self.checksums, dtype="<u8").tobytes()
         return f"{self.version} ".encode() + json.dumps(meta).encode() + b"\n" + sums + \
@@ -119,7 +124,8 @@ class Manifest:
             if head.hash_shape and head.hash_shape[0] not in (0, n):
                 raise ValueError("its token hashes do not add up")
             sums.flags.writeable = hashes.flags.writeable = False
-            coding = Coding.decode(head.codec, rest[hash_end:], sums, head.nbytes, head.stored) if head.coded else None
+            coding = Coding.decode(head.codec, rest[hash_end:], sums, head.nbytes, head.stored,
+                                   meta.get("source", "")) if head.coded else None
             m = cls(head.version, head.write, str(meta["fingerprint"]), dict(meta["spec"]),
                     whole(meta["num_tokens"], 0, 1 << 40), head.nbytes, whole(meta["page_bytes"], 1, 1 << 34), sums,
                     hashes, float(meta.get("saved", 0.0)), str(meta.get("owner", "")), coding)
@@ -187,14 +193,11 @@ def made(version: int, write: str, fingerprint: str, spec: dict[str, Any], num_t
     its pages as they are (checksums: theirs), or coded as `coding` says
     (filled by then: the coded pages' records, and the checksums and
     logical bytes of the pages a reader decodes)."""
-    if coding is None:
-        return Manifest(version, write, fingerprint, spec, num_tokens, stored, page_bytes,
-                        np.asarray(checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(), owner)
-    if coding.stored != stored or len(coding.sizes) != len(checksums):
+    if coding is not None and (coding.stored != stored or len(coding.sizes) != len(checksums)):
         raise ValueError(f"{stored} bytes stored of pages whose coding says {coding.stored}")
-    return Manifest(version, write, fingerprint, spec, num_tokens, coding.nbytes, page_bytes,
-                    np.asarray(coding.checksums, dtype=np.uint64), np.asarray(token_hashes), time.time(), owner,
-                    coding)
+    nbytes, sums = (stored, checksums) if coding is None else (coding.nbytes, coding.checksums)
+    return Manifest(version, write, fingerprint, spec, num_tokens, nbytes, page_bytes,
+                    np.asarray(sums, dtype=np.uint64), np.asarray(token_hashes), time.time(), owner, coding)
 
 
 def check_bounds(n_pages: int, token_hashes: np.ndarray, coded: bool = False) -> None:
@@ -215,6 +218,15 @@ def whole(value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{str(value)[:40]!r} is not a whole number from {low} to {high}")
     return value
+
+
+def holds(m: Manifest, fingerprint: str, checksums: np.ndarray) -> bool:
+    """Whether m's version is of these pages (this identity, these page
+    checksums): as a reader decodes them, or the pages they were coded from."""
+    if m.fingerprint != fingerprint or m.n_pages != len(checksums):
+        return False
+    return bool(np.array_equal(m.checksums, checksums)) or \
+        m.coding is not None and m.coding.source == source_of(checksums)
 
 
 def owned(key: SessionKey, m: Manifest) -> Manifest:

@@ -206,7 +206,7 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable", "shared_bytes", "codecs", "coded_bytes")
+    __slots__ = ("session_id", "tier", "tier_bytes", "state", "num_tokens", "size_bytes", "num_pages", "durable", "last_access", "created", "priority", "pins", "spec", "fingerprint", "tenant", "remote_durable", "shared_bytes", "codecs", "coded_bytes", "tier_errors", "rel_error")
     class TierBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,13 @@ class SessionInfo(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TierErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +254,8 @@ class SessionInfo(_message.Message):
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     CODED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tier: str
     tier_bytes: _containers.ScalarMap[str, int]
@@ -266,7 +275,9 @@ class SessionInfo(_message.Message):
     shared_bytes: int
     codecs: _containers.ScalarMap[str, str]
     coded_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ..., shared_bytes: _Optional[int] = ..., codecs: _Optional[_Mapping[str, str]] = ..., coded_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tier_errors: _containers.ScalarMap[str, float]
+    rel_error: float
+    def __init__(self, session_id: _Optional[str] = ..., tier: _Optional[str] = ..., tier_bytes: _Optional[_Mapping[str, int]] = ..., state: _Optional[str] = ..., num_tokens: _Optional[int] = ..., size_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., durable: bool = ..., last_access: _Optional[float] = ..., created: _Optional[float] = ..., priority: _Optional[int] = ..., pins: _Optional[int] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., remote_durable: bool = ..., shared_bytes: _Optional[int] = ..., codecs: _Optional[_Mapping[str, str]] = ..., coded_bytes: _Optional[_Mapping[str, int]] = ..., tier_errors: _Optional[_Mapping[str, float]] = ..., rel_error: _Optional[float] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_id", "tier", "priority", "deadline_seconds")
@@ -408,12 +419,14 @@ class SetBudgetResponse(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., old_budget: _Optional[int] = ..., new_budget: _Optional[int] = ..., released_bytes: _Optional[int] = ..., moved_sessions: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class AdviseRequest(_message.Message):
-    __slots__ = ("session_id", "prefill_tokens_per_s")
+    __slots__ = ("session_id", "prefill_tokens_per_s", "max_error")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prefill_tokens_per_s: float
-    def __init__(self, session_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    max_error: float
+    def __init__(self, session_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., max_error: _Optional[float] = ...) -> None: ...
 
 class AdviseResponse(_message.Message):
     __slots__ = ("restore", "restore_seconds", "recompute_seconds", "source_tier", "bandwidth_bytes_per_s")
@@ -430,16 +443,18 @@ class AdviseResponse(_message.Message):
     def __init__(self, restore: bool = ..., restore_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., source_tier: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "spec", "cache_salt")
+    __slots__ = ("session_id", "token_ids", "spec", "cache_salt", "max_error")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     spec: KVSpec
     cache_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    max_error: float
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., cache_salt: _Optional[str] = ..., max_error: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_tokens", "num_pages", "stored_tokens", "tier")

@@ -49,7 +49,8 @@ def info_to_pb(info: SessionInfo) -> pb.SessionInfo:
         state=info.state, num_tokens=info.num_tokens, size_bytes=info.size_bytes, num_pages=info.num_pages,
         durable=info.durable, last_access=info.last_access, created=info.created, priority=info.priority,
         pins=info.pins, spec=spec_to_pb(info.spec), fingerprint=info.fingerprint, remote_durable=info.remote_durable,
-        shared_bytes=info.shared_bytes, codecs=info.codecs, coded_bytes=info.coded_bytes)
+        shared_bytes=info.shared_bytes, codecs=info.codecs, coded_bytes=info.coded_bytes,
+        tier_errors=info.tier_errors, rel_error=info.rel_error)
 
 
 def info_from_pb(msg: pb.SessionInfo) -> SessionInfo:
@@ -60,7 +61,7 @@ def info_from_pb(msg: pb.SessionInfo) -> SessionInfo:
         durable=msg.durable, last_access=msg.last_access, created=msg.created, priority=msg.priority,
         pins=msg.pins, model_id=spec.model_id, fingerprint=msg.fingerprint, spec=spec,
         remote_durable=msg.remote_durable, shared_bytes=msg.shared_bytes, codecs=dict(msg.codecs),
-        coded_bytes=dict(msg.coded_bytes))
+        coded_bytes=dict(msg.coded_bytes), tier_errors=dict(msg.tier_errors), rel_error=msg.rel_error)
 
 
 def lease_to_pb(lease: Lease) -> pb.Lease:

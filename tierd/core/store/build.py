@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from tierd.clock import Clock, SystemClock
 from tierd.core import recovery
 from tierd.core.events import NullEvents, StoreEvents
@@ -92,7 +94,7 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
     fetcher = None
     if remote is not None:
         assert link is not None and queue is not None and busy is not None
-        coder = PageCoder(remote.codec, roles.versions, events)
+        coder = PageCoder(remote.codec, roles.versions, events, remote.lossy_tenants, remote.lossy_max_error)
         finder = Finder(table, lifecycle, link, remote, queue, roles)
         fetcher = Fetcher(table, finder, writer, reader, lifecycle, idle, moves, busy, link, remote, copier, coder,
                           roles, clock, events)
@@ -119,6 +121,7 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
         held.update(p.offset for p in rec.pieces)
         snap = Snapshot(rec.row.spec, rec.row.num_tokens, rec.row.nbytes, rec.checksums, {durable: rec.pieces},
                         token_hashes=rec.token_hashes)
+        snap.set_errors(0, np.frombuffer(rec.row.errors, dtype="<f4").copy() if rec.row.errors else None)
         session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
                           priority=rec.row.priority, row=rec.row, row_version=snap.version,
                           remote_version=UNKNOWN if with_remote else 0)

@@ -5,7 +5,18 @@ session's pages as it would publish them (checked as any move), codes them a
 batch at a time and hands the store each page's coded bytes, recording per
 page its coded size, the XXH3 of its coded bytes, and the checksum of the
 page a reader will decode (the page's own, for a lossless codec): the
-version's manifest.Coding. A fetch reads the coded bytes into a buffer of
+version's manifest.Coding.
+
+Lossy only by consent: a lossy codec codes the KV of the tenants that
+allow it (lossy_tenants; "*": every tenant) whose pages it can read (a
+known arrangement of 2- or 4-byte elements: an FP8 cache and opaque
+snapshots are coded lossless); every other session of that tier is coded
+lossless. Each page it codes is decoded again at once and its error
+measured (codecs.code); a page past max_error is kept as it is. The
+manifest then records each page's error and the checksum of what it
+decodes to (decoding is deterministic), and a digest of the pages' own
+checksums (Coding.source), by which a node knows its exact copy as the
+content of that version. A fetch reads the coded bytes into a buffer of
 its own and, as each page's bytes are in, checks them against their XXH3
 (damaged coded bytes are DATA_LOSS, never handed to a decoder), decodes the
 page into its place in the landing tier; the fetch then checks every page
@@ -29,7 +40,7 @@ from tierd.checksum import page_checksum
 from tierd.core.events import StoreEvents
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import KVSpec
-from tierd.remote.coded import Coding
+from tierd.remote.coded import Coding, source_of
 from tierd.remote.manifest import Manifest
 from tierd.transfer.copier import PageWriter
 from tierd.transfer.runs import Geometry
@@ -38,34 +49,41 @@ BATCH_BYTES = 4 << 20  # pages coded at a time: large enough for the coder, smal
 
 
 def check_codec(name: str) -> str:
-    """The remote tier's codec by name: InvalidArgument for a name no codec
-    has, or a lossy one (the remote tier's pages are coded losslessly)."""
-    codec = codecs.get(name)
-    if codec.lossy:
-        raise InvalidArgument(f"the codec {shown(name)} is lossy: the remote tier codes pages losslessly (none or "
-                              "lossless)", field="codec", value=name)
-    return codec.name
+    """The codec's name: InvalidArgument for a name no codec has."""
+    return codecs.get(name).name
 
 
 class PageCoder:
     """The remote tier's codec (`codec`: a registered codec's name; "none":
     pages as they are), and the coding and decoding of versions."""
 
-    def __init__(self, codec: str, tier: str, events: StoreEvents) -> None:
+    def __init__(self, codec: str, tier: str, events: StoreEvents, lossy_tenants: frozenset[str] = frozenset(),
+                 max_error: float = 0.05) -> None:
         self.codec = check_codec(codec)
         self.tier = tier  # the remote tier's name, for errors
         self.events = events
+        self.lossy_tenants = lossy_tenants
+        self.max_error = max_error
 
-    def coding_for(self, spec: KVSpec, n_pages: int) -> Coding | None:
-        """What a publish of the spec's pages records of them (None: as they are)."""
-        return None if self.codec == "none" else Coding.empty(self.codec, n_pages)
+    def consents(self, tenant: str, spec: KVSpec) -> bool:
+        """Whether a lossy codec may code this tenant's pages of this spec."""
+        shape = codecs.page_shape(spec)
+        return (tenant in self.lossy_tenants or "*" in self.lossy_tenants) and shape is not None and shape.codable
+
+    def coding_for(self, tenant: str, spec: KVSpec, n_pages: int) -> Coding | None:
+        """What a publish of the tenant's pages of this spec records of them (None: as they are)."""
+        if self.codec == "none":
+            return None
+        lossy = codecs.get(self.codec).lossy
+        return Coding.empty(self.codec if not lossy or self.consents(tenant, spec) else "lossless", n_pages)
 
     def encode(self, data: Iterable[tuple[bytes | memoryview, bool]], spec: KVSpec, geom: Geometry,
                checksums: np.ndarray, coding: Coding) -> Iterator[tuple[bytes, bool]]:
         """The coded bytes of the pages whose logical bytes data holds (in
         pieces of any size, each valid until the next is asked for), a page's
-        blob at a time (each stays valid), with coding filled as they go; the
-        pages decode to themselves (lossless): their checksums are theirs."""
+        blob at a time (each stays valid), with coding filled as they go
+        (and, once all are coded, its source: the digest of the pages'
+        checksums)."""
         codec, shape = codecs.get(coding.codec), codecs.page_shape(spec)
         per_batch = max(1, BATCH_BYTES // geom.page_bytes)
         flat = np.empty(per_batch * geom.page_bytes, dtype=np.uint8)
@@ -81,26 +99,43 @@ class PageCoder:
                 flat[filled : filled + take] = np.frombuffer(rest[:take], dtype=np.uint8)
                 filled, rest = filled + take, rest[take:]
             t0 = time.perf_counter()
-            blobs = self._code(codec, shape, flat[:want], page, count, geom, checksums, coding)
+            blobs = self._code(codec, shape, flat[:want], page, count, geom, checksums, coding, self.max_error)
             seconds += time.perf_counter() - t0
             for blob in blobs:
                 yield blob, True
             page += count
-        coding.nbytes = geom.nbytes
+        coding.nbytes, coding.source = geom.nbytes, source_of(checksums)
         self.events.coded(coding.codec, "encode", geom.nbytes, coding.stored, seconds)
+        if codec.lossy:
+            self.events.coding_errors(coding.codec, coding.rel_error)
 
     @staticmethod
     def _code(codec: codecs.Codec, shape: codecs.PageShape | None, flat: np.ndarray, page: int, count: int,
-              geom: Geometry, checksums: np.ndarray, coding: Coding) -> list[bytes]:
-        """The blobs of `count` pages from page `page` on, back to back in flat, recorded in coding."""
-        whole = count if geom.size_of(page + count - 1) == geom.page_bytes else count - 1
-        blobs = codec.encode(flat[: whole * geom.page_bytes].reshape(whole, geom.page_bytes), shape) if whole else []
-        if whole < count:  # a short last page (opaque bytes): coded alone, as bytes
-            blobs += codec.encode(flat[whole * geom.page_bytes :].reshape(1, -1), None)
+              geom: Geometry, checksums: np.ndarray, coding: Coding, max_error: float) -> list[bytes]:
+        """The blobs of `count` pages from page `page` on, back to back in
+        flat, recorded in coding; a lossy codec's page past max_error is kept
+        as it is."""
         at = slice(page, page + count)
+        coding.checksums[at] = checksums[at]
+        if codec.lossy:  # (consented: whole pages of a shape it reads)
+            pages = flat.reshape(count, geom.page_bytes)
+            coded = codecs.code(codec, pages, shape, keep=True)
+            blobs = coded.blobs
+            assert coded.decoded is not None
+            for i in range(count):
+                if not coded.rel_error[i] <= max_error:  # (NaN: not within it)
+                    blobs[i] = codecs.as_is(pages[i])
+                else:  # (what it decodes to: another page even where no value changed, -0.0 for 0.0 say)
+                    coding.checksums[page + i] = page_checksum(coded.decoded[i])
+                    coding.rel_error[page + i], coding.max_error[page + i] = coded.rel_error[i], coded.max_error[i]
+        else:
+            whole = count if geom.size_of(page + count - 1) == geom.page_bytes else count - 1
+            blobs = codec.encode(flat[: whole * geom.page_bytes].reshape(whole, geom.page_bytes), shape) \
+                if whole else []
+            if whole < count:  # a short last page (opaque bytes): coded alone, as bytes
+                blobs += codec.encode(flat[whole * geom.page_bytes :].reshape(1, -1), None)
         coding.sizes[at] = [len(b) for b in blobs]
         coding.sums[at] = [page_checksum(b) for b in blobs]
-        coding.checksums[at] = checksums[at]
         return blobs
 
     def decoder(self, m: Manifest, spec: KVSpec) -> Decoder | None:

@@ -70,8 +70,8 @@ class Describe:
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self.durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,
-            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s),
-            **(coded_copy(self.roles.versions, s.remote_codec, s.remote_stored)
+            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s), rel_error=snap.rel_error,
+            **(coded_copy(self.roles.versions, s.remote_codec, s.remote_stored, s.remote_error)
                if s.remote_durable and self.roles.versions else {}))
 
     def view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:

@@ -13,7 +13,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import numpy as np
 
 from tierd.core.model import UNKNOWN, Session
 from tierd.core.roles import TierRoles
@@ -22,7 +21,7 @@ from tierd.core.store.link import RemoteLink
 from tierd.core.store.remote import PublishQueue, Remote
 from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss, Unavailable, shown
-from tierd.remote.manifest import Manifest
+from tierd.remote.manifest import Manifest, holds
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.store")
@@ -95,8 +94,7 @@ class Finder:
         identity and page checksums): recorded as published, not fetched."""
         with self.table.lock:
             snap = session.snap
-            if session.remote_version != UNKNOWN or snap.spec.fingerprint != m.fingerprint or \
-                    not np.array_equal(snap.checksums, m.checksums):
+            if session.remote_version != UNKNOWN or not holds(m, snap.spec.fingerprint, snap.checksums):
                 return False
             session.remote_is(m)
             session.remote_at = snap.version

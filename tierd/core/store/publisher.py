@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 
-import numpy as np
 
 from tierd.core import tokens
 from tierd.clock import Clock
@@ -24,7 +23,7 @@ from tierd.core.store.finder import Finder
 from tierd.core.store.remote import PublishQueue, Remote, RemoteBusy
 from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable, shown
-from tierd.remote.manifest import Manifest
+from tierd.remote.manifest import Manifest, holds
 from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine
@@ -138,7 +137,7 @@ class Publisher:
                 self.finder.dropped_elsewhere(session, base)
                 return
             if m is not None and (m.version != base or (base_write and m.write != base_write)) and not fresh:
-                if m.fingerprint == spec.fingerprint and np.array_equal(m.checksums, sums):
+                if holds(m, spec.fingerprint, sums):
                     self._published(session, version, m)  # the same content is there already
                     return
                 self.events.remote_op("publish", "conflict")
@@ -151,7 +150,7 @@ class Publisher:
             # manifest, so a page damaged here is never served from there either.
             data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
                                       handout=False)
-            coding = self.coder.coding_for(spec, geom.n_pages)
+            coding = self.coder.coding_for(key.tenant, spec, geom.n_pages)
             if coding is not None:  # coded as they are read
                 data = self.coder.encode(data, spec, geom, sums, coding)
             new = self.link.call("publish", backend.publish, key, expect, spec.to_dict(),

@@ -15,7 +15,7 @@ import numpy as np
 from tierd.core import tokens
 from tierd.clock import Clock
 from tierd.core.events import StoreEvents
-from tierd.core.model import Session, Snapshot
+from tierd.core.model import Session, Snapshot, check_bound, pages_within
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_blocks, check_identity, check_readable
@@ -142,14 +142,16 @@ class Reader:
                              time.perf_counter() - t0)
 
     def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
-               salt: str = "") -> LookupResult:
+               salt: str = "", max_error: float | None = None) -> LookupResult:
         """How many leading tokens of a request (its token ids, under its
         cache salt) the snapshot supplies: whole pages whose chained token
         hashes match. With spec, a snapshot of another identity is refused,
         and where the session does not exist, or its pages are a prefix of
         the request's and fewer than other sessions of the tenant hold, their
         pages answer: a restore with the same token ids starts the session
-        from them."""
+        from them. With max_error, only the leading pages within that
+        relative error count (pages other sessions lend are exact)."""
+        check_bound(max_error)
         request = tokens.check_ids(token_ids)
         salt = tokens.check_salt(salt)
         session = self.table.find(key)
@@ -162,6 +164,7 @@ class Reader:
                 hashes, stored, damaged, n_pages = snap.token_hashes, snap.num_tokens, session.damaged, snap.n_pages
                 bt = snap.spec.block_tokens
             pages = 0 if snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
+            pages = min(pages, pages_within(snap.errors, n_pages, max_error))
             extends = pages == n_pages  # (pages of other tokens are never replaced by a restore)
             pages = 0 if damaged else pages
             with self.table.lock:

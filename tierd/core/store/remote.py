@@ -98,6 +98,8 @@ class Remote:
     tenant_quota: int = 0  # bytes each tenant's sessions may take in the remote tier (0: no limit)
     sweep: float = 60.0  # seconds between looks for drops on other nodes of the sessions this node holds
     codec: str = "none"  # what pages are coded with on their way there (coding.py)
+    lossy_tenants: frozenset[str] = frozenset()  # whose KV a lossy codec codes ("*": every tenant's)
+    lossy_max_error: float = 0.05  # a page a lossy codec would give more relative error is kept as it is
 
 
 class RemoteBusy:

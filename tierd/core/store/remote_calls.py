@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
+
 from tierd.core import tokens
-from tierd.core.model import Session, Snapshot
+from tierd.core.model import Session, Snapshot, check_bound, pages_within
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_identity
 from tierd.core.store.fetcher import Fetcher
@@ -44,7 +46,7 @@ class RemoteCalls:
         return info_of(key, m, self.roles.versions)
 
     def lookup(self, key: SessionKey, m: Manifest, token_ids: Iterable[int], spec: KVSpec | None = None,
-               salt: str = "") -> LookupResult:
+               salt: str = "", max_error: float | None = None) -> LookupResult:
         """Lookup, answered from manifest m: the session's current version, which only the remote tier holds."""
         info = info_of(key, m, self.roles.versions)
         if spec is not None:
@@ -54,6 +56,8 @@ class RemoteCalls:
         request = tokens.check_ids(token_ids)
         pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request,
                                                                    tokens.check_salt(salt))
+        errors = m.coding.rel_error if m.coding is not None else np.zeros(0, np.float32)
+        pages = min(pages, pages_within(errors, m.n_pages, check_bound(max_error)))
         return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, self.roles.versions if pages else None)
 
     def list(self, page: list[SessionInfo], token: str, tenant: str | None, after: str,

@@ -39,9 +39,12 @@ def info_of(key: SessionKey, m: Manifest, versions: str) -> SessionInfo:
                        state=versions, num_tokens=m.num_tokens, size_bytes=m.nbytes, num_pages=m.n_pages,
                        durable=False, last_access=m.saved, created=m.saved, priority=0, pins=0,
                        model_id=spec.model_id, fingerprint=m.fingerprint, spec=spec, remote_durable=True,
-                       **coded_copy(versions, m.codec, m.stored))
+                       rel_error=m.rel_error, **coded_copy(versions, m.codec, m.stored, m.rel_error))
 
 
-def coded_copy(tier: str, codec: str, stored: int) -> dict:
-    """SessionInfo's codecs and coded_bytes of a tier's copy coded with codec, taking `stored` bytes (none: {})."""
-    return {"codecs": {tier: codec}, "coded_bytes": {tier: stored}} if codec != "none" else {}
+def coded_copy(tier: str, codec: str, stored: int, error: float) -> dict:
+    """SessionInfo's codecs, coded_bytes and tier_errors of a tier's copy coded
+    with codec, taking `stored` bytes, its worst page's relative error `error` (none: {})."""
+    if codec == "none":
+        return {}
+    return {"codecs": {tier: codec}, "coded_bytes": {tier: stored}, "tier_errors": {tier: error} if error else {}}

@@ -57,9 +57,10 @@ class Sharing:
 
     @staticmethod
     def _entry(snap: Snapshot) -> tuple[str, np.ndarray, int]:
-        """What the prefix table records of a snapshot: fingerprint, hashes, tokens of its known pages."""
-        known = tokens.known_pages(snap.token_hashes)
-        return snap.spec.fingerprint, snap.token_hashes, min(snap.num_tokens, known * snap.spec.block_tokens)
+        """What the prefix table records of a snapshot: fingerprint, hashes, tokens of its known pages it lends."""
+        hashes = lendable(snap)
+        known = tokens.known_pages(hashes)
+        return snap.spec.fingerprint, hashes, min(snap.num_tokens, known * snap.spec.block_tokens)
 
     def entered(self, session: Session) -> None:
         """The session's content is new or changed (TableObserver). Store lock held."""
@@ -121,7 +122,7 @@ class Sharing:
         found so far stops matching."""
         donor, found = None, []
         for i, h in enumerate(pages, lo):
-            held = donor.snap.token_hashes if donor is not None else None
+            held = lendable(donor.snap) if donor is not None else None
             if held is None or i >= len(held) or held[i].tobytes() != h.tobytes():
                 lenders = self._lender(tenant, fingerprint, h, exclude)
                 if not lenders:
@@ -250,3 +251,13 @@ class Sharing:
         if hit:
             log.error("%d other sessions of %s hold that copy of page %d and are damaged too: %s", len(hit),
                       session.key.tenant, page, ", ".join(hit[:8]) + (", ..." if len(hit) > 8 else ""))
+
+
+def lendable(snap: Snapshot) -> np.ndarray:
+    """The token hashes of the snapshot's pages another session may take: up
+    to its first page that is not exact (a page fetched from a copy coded
+    lossily is lent to no session: another's exact store of those tokens
+    keeps pages of its own)."""
+    if snap.errors.size:
+        return snap.token_hashes[: int(np.argmax(snap.errors > 0))]
+    return snap.token_hashes

@@ -135,12 +135,12 @@ class Store:
         return self.leases.begin_restore(key, spec, num_pages, ttl, token_ids, salt)
 
     def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
-               salt: str = "") -> LookupResult:
+               salt: str = "", max_error: float | None = None) -> LookupResult:
         m = self._stale(key)
         if m is not None:
             assert self._remote is not None
-            return self._remote.calls.lookup(key, m, token_ids, spec, salt)
-        return self.reader.lookup(key, token_ids, spec, salt)
+            return self._remote.calls.lookup(key, m, token_ids, spec, salt, max_error)
+        return self.reader.lookup(key, token_ids, spec, salt, max_error)
 
     def own_tokens(self, key: SessionKey) -> int:
         """The tokens the session's current version holds (NotFound without one)."""

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tierd.core.model import Session
+from tierd.core.model import Session, check_bound, pages_within
 from tierd.clock import Clock
 from tierd.core.move_queue import Job, MoveQueue
 from tierd.core.roles import TierRoles
@@ -169,14 +169,19 @@ class Upkeep:
         t.set_budget(nbytes)
         return BudgetResult(tier, old, nbytes, max(0, used0 - t.used), moved, time.perf_counter() - t0)
 
-    def advise(self, key: SessionKey, prefill_tokens_per_s: float) -> Advice:
+    def advise(self, key: SessionKey, prefill_tokens_per_s: float, max_error: float | None = None) -> Advice:
+        """Whether restoring the session beats recomputing its tokens (with
+        max_error: the leading pages within that relative error; none: recompute)."""
         if not isinstance(prefill_tokens_per_s, (int, float)) or not prefill_tokens_per_s > 0:
             raise InvalidArgument("prefill_tokens_per_s must be positive", field="prefill_tokens_per_s")
+        check_bound(max_error)
         session = self.table.get(key)
         with self.table.lock:
             snap = session.snap
-            source = snap.slowest_tier() or self.roles.landing
-            nbytes, tokens = snap.nbytes, snap.num_tokens
+            pages = pages_within(snap.errors, snap.n_pages, max_error)
+            source = snap.source_of(pages) or self.roles.landing
+            nbytes = snap.nbytes if pages == snap.n_pages else pages * snap.spec.page_bytes
+            tokens = min(snap.num_tokens, pages * snap.spec.block_tokens) if pages < snap.n_pages else snap.num_tokens
         # Until a copy out of the tier has been measured, its kind's nominal figure.
         bandwidth = self.copier.bandwidth.get(f"{source}->engine", kind_of(source).bandwidth)
         return advise(nbytes, source, bandwidth, tokens, float(prefill_tokens_per_s))

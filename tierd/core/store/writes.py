@@ -81,10 +81,11 @@ class Writer:
     def install(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                 first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None,
-                lent: dict[str, list[Piece]] | None = None) -> Session:
+                lent: dict[str, list[Piece]] | None = None, errors: np.ndarray | None = None) -> Session:
         """Complete a store: replace pages from first_page on with the new ones
         in `tier` and the pieces `lent` by other sessions, by tier (hashes:
-        the token hashes of every page, if known). The index forgets the
+        the token hashes of every page, if known; errors: what the new pages
+        carry, if fetched from a copy coded lossily). The index forgets the
         replaced pages first: if it cannot, this raises before anything
         changed, and the caller still owns `pieces` and `lent`."""
         durable = self.roles.durable
@@ -116,6 +117,7 @@ class Writer:
             new_hashes = hashes[first_page:] if hashes is not None and tokens.known(kept) else tokens.empty(len(sums))
             snap.token_hashes = np.concatenate([kept, new_hashes])
             snap.checksums = np.concatenate([snap.checksums[:first_page], sums])
+            snap.set_errors(first_page, errors)
             snap.add_pieces(tier, pieces)
             for t, lent_pieces in (lent or {}).items():
                 snap.add_pieces(t, lent_pieces)
