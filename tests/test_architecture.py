@@ -100,3 +100,18 @@ def _names_a_tier(path: Path) -> list[str]:
 
 def test_no_module_of_the_core_or_policy_names_a_tier():
     assert [n for path in modules("core", "policy") for n in _names_a_tier(path)] == []
+
+
+def test_a_daemon_that_codes_nothing_lossily_loads_no_torch():
+    """torch takes seconds to load: the daemon, its CLI and the lossless codec
+    start without it (the lossy codecs and the device tier load it when used)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, tierd.machine, tierd.cli, tierd.codecs; tierd.codecs.get('lossless'); " \
+            "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+    probe = "import sys, tierd.codecs; tierd.codecs.get('fp8'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr  # (the probe can tell)

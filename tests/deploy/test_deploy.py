@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tierd.core.index_schema import FORMAT_VERSION
 from tierd.testing import ROOT, Daemon
 
 DEPLOY = ROOT / "deploy"
@@ -163,6 +164,6 @@ def test_an_index_of_another_format_is_refused_at_start(tmp_path):
     db.execute("UPDATE meta SET value='99' WHERE key='format'")
     db.commit()
     db.close()
-    with pytest.raises(RuntimeError, match="this tierd reads format 2; nothing was changed"):
+    with pytest.raises(RuntimeError, match=f"this tierd reads format {FORMAT_VERSION}; nothing was changed"):
         d.start()
     assert d.proc.returncode == 1

@@ -296,3 +296,14 @@ def test_pages_fetched_lossy_are_lent_to_no_exact_save_and_keep_their_error_acro
     assert b.stat(key).rel_error == pytest.approx(worst) and b.stat(again).rel_error == 0
     b.restore(key, out.memory, SPEC, list(range(16)))
     assert out.pages(range(16)) == lossy.pages(range(16))
+
+    # The next turn, stored onto the lossy pages on b (which codes nothing): its version records their error.
+    b.save(key, src.memory, SPEC, list(range(16, 20)), 20 * 16, start_token=16 * 16,
+           token_ids=tokens + tokens_of("more", 4 * 16))
+    published(b, key)
+    m = manifest(b, key)
+    assert m.codec == "lossless" and m.coding.rel_error[:16].max() == pytest.approx(worst)
+    assert not m.coding.rel_error[16:].any()
+    c = nodes("c").store
+    assert c.stat(key).rel_error == pytest.approx(worst)
+    assert c.lookup(key, tokens + tokens_of("more", 4 * 16), max_error=0.0).num_tokens == 0

@@ -16,14 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import importlib
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from tierd.errors import DataLoss, InvalidArgument, shown
 from tierd.layout import DTYPE_BYTES, KVSpec
 
-# Element types a lossy codec reads (wider ones; 1-byte caches pass through unchanged).
-FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# Element types a lossy codec reads (wider ones; 1-byte caches pass through unchanged). torch does a
+# lossy codec's arithmetic; it is imported by the first call that needs it (a daemon that codes
+# nothing lossily never loads it).
+FLOATS = ("float32", "float16", "bfloat16")
 # Arrangements tierd knows the axes of, by how the arrangement string ends: each
 # (layer, K/V) slab of a page is [tokens, heads, dim] (token-major) or [heads, tokens, dim].
 # (vLLM's is not among them until its pages' K/V order is checked against a real engine.)
@@ -49,7 +56,9 @@ class PageShape:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return FLOATS.get(self.dtype, torch.uint8)
+        import torch
+
+        return getattr(torch, self.dtype) if self.dtype in FLOATS else torch.uint8
 
     @property
     def page_bytes(self) -> int:
@@ -62,6 +71,8 @@ class PageShape:
 
     def values(self, pages: np.ndarray) -> torch.Tensor:
         """Pages' bytes ([n, page_bytes], or one page) as float32 [n, layers, 2, heads, tokens, dim]."""
+        import torch
+
         pages = np.ascontiguousarray(pages)
         if not pages.flags.writeable:  # (torch takes no read-only array: read, never written here)
             pages = pages.copy()
@@ -74,6 +85,8 @@ class PageShape:
 
     def write(self, values: torch.Tensor, out: np.ndarray) -> None:
         """float32 [layers, 2, heads, tokens, dim] (one page) into its bytes, in its dtype and order."""
+        import torch
+
         x = values if self.head_major else values.permute(0, 1, 3, 2, 4)
         out[:] = x.to(self.torch_dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
 
@@ -134,6 +147,7 @@ def coded_bytes(name: str, blob: bytes | memoryview, shape: PageShape | None, si
 
 
 _CODECS: dict[str, Codec] = {}
+_LATER: dict[str, str] = {}  # name -> the module that registers it, imported when the codec is first asked for
 
 
 def register(codec: Codec) -> Codec:
@@ -144,12 +158,20 @@ def register(codec: Codec) -> Codec:
     return codec
 
 
+def register_later(name: str, module: str) -> None:
+    """Make a codec known by its name before its module is imported (one
+    that loads torch): get() imports the module, which registers it."""
+    _LATER[name] = module
+
+
 def names() -> list[str]:
-    return sorted(_CODECS)
+    return sorted(set(_CODECS) | set(_LATER))
 
 
 def get(name: str) -> Codec:
     """The codec of this name; InvalidArgument (saying which are known) for any other."""
+    if isinstance(name, str) and name in _LATER and name not in _CODECS:
+        importlib.import_module(_LATER[name])
     codec = _CODECS.get(name) if isinstance(name, str) else None
     if codec is None:
         raise InvalidArgument(f"unknown codec {shown(name)}; codecs are {', '.join(names())}", field="codec",
@@ -205,6 +227,8 @@ def error(shape: PageShape, page: np.ndarray, decoded: np.ndarray) -> tuple[floa
     (a value that is not finite and changed: inf)."""
     if np.array_equal(page, decoded):
         return 0.0, 0.0
+    import torch
+
     x, y = shape.values(page)[0], shape.values(decoded)[0]
     diff = torch.where(x == y, torch.zeros_like(x), y - x).nan_to_num(nan=float("inf"))
     norm = float(torch.linalg.vector_norm(x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)))

@@ -70,20 +70,26 @@ class PageCoder:
         shape = codecs.page_shape(spec)
         return (tenant in self.lossy_tenants or "*" in self.lossy_tenants) and shape is not None and shape.codable
 
-    def coding_for(self, tenant: str, spec: KVSpec, n_pages: int) -> Coding | None:
-        """What a publish of the tenant's pages of this spec records of them (None: as they are)."""
-        if self.codec == "none":
+    def coding_for(self, tenant: str, spec: KVSpec, n_pages: int, carried: np.ndarray) -> Coding | None:
+        """What a publish of the tenant's pages of this spec records of them
+        (None: as they are). Pages that carry errors already (carried: each
+        page's, or empty) are coded, lossless at least, so that their
+        version records them."""
+        codec = self.codec if self.codec != "none" or not carried.size else "lossless"
+        if codec == "none":
             return None
-        lossy = codecs.get(self.codec).lossy
-        return Coding.empty(self.codec if not lossy or self.consents(tenant, spec) else "lossless", n_pages)
+        lossy = codecs.get(codec).lossy
+        return Coding.empty(codec if not lossy or self.consents(tenant, spec) else "lossless", n_pages)
 
     def encode(self, data: Iterable[tuple[bytes | memoryview, bool]], spec: KVSpec, geom: Geometry,
-               checksums: np.ndarray, coding: Coding) -> Iterator[tuple[bytes, bool]]:
+               checksums: np.ndarray, coding: Coding, carried: np.ndarray) -> Iterator[tuple[bytes, bool]]:
         """The coded bytes of the pages whose logical bytes data holds (in
         pieces of any size, each valid until the next is asked for), a page's
         blob at a time (each stays valid), with coding filled as they go
         (and, once all are coded, its source: the digest of the pages'
-        checksums)."""
+        checksums). A page's recorded relative error is what the pages carried
+        already (carried, from a lossy copy they were fetched from) plus what
+        this coding adds: a bound on its error against the page first stored."""
         codec, shape = codecs.get(coding.codec), codecs.page_shape(spec)
         per_batch = max(1, BATCH_BYTES // geom.page_bytes)
         flat = np.empty(per_batch * geom.page_bytes, dtype=np.uint8)
@@ -108,6 +114,8 @@ class PageCoder:
         self.events.coded(coding.codec, "encode", geom.nbytes, coding.stored, seconds)
         if codec.lossy:
             self.events.coding_errors(coding.codec, coding.rel_error)
+        n = min(carried.size, geom.n_pages)
+        coding.rel_error[:n] += carried[:n]
 
     @staticmethod
     def _code(codec: codecs.Codec, shape: codecs.PageShape | None, flat: np.ndarray, page: int, count: int,

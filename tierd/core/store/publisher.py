@@ -119,7 +119,7 @@ class Publisher:
                 self.busy.end_publish(key)
                 return
             snap = session.snap
-            version, spec, sums, hashes = snap.version, snap.spec, snap.checksums, snap.token_hashes
+            version, spec, sums, hashes, errors = snap.version, snap.spec, snap.checksums, snap.token_hashes, snap.errors
             num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
             base, fresh = session.remote_version, session.remote_fresh > session.remote_at
             base_write = session.remote_write
@@ -150,9 +150,9 @@ class Publisher:
             # manifest, so a page damaged here is never served from there either.
             data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
                                       handout=False)
-            coding = self.coder.coding_for(key.tenant, spec, geom.n_pages)
+            coding = self.coder.coding_for(key.tenant, spec, geom.n_pages, errors)
             if coding is not None:  # coded as they are read
-                data = self.coder.encode(data, spec, geom, sums, coding)
+                data = self.coder.encode(data, spec, geom, sums, coding, errors)
             new = self.link.call("publish", backend.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data, coding=coding)
