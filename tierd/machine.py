@@ -160,7 +160,7 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
         raise RemoteUnavailable(f"cannot use the remote tier: {exc}") from None
     sweep = min(60.0, cfg.remote_ttl / 10) if cfg.remote_ttl else 60.0  # well within a tombstone's life
     lossy = f" (lossy for {', '.join(sorted(cfg.lossy_tenants)) or 'no tenant'}, within {cfg.lossy_max_error})" \
-        if codecs.get(codec).lossy else ""
+        if codec != "auto" and codecs.get(codec).lossy else ""
     return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep,
                    codec, cfg.lossy_tenants, cfg.lossy_max_error),
             f"{store.describe()}; write {cfg.remote_write}; codec {codec}{lossy}")

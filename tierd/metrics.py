@@ -69,6 +69,9 @@ class Metrics:
                                      "codec", ["codec", "op"], registry=registry)
         self.codec_errors = Histogram("tierd_codec_page_rel_error", "Relative L2 error of each page a lossy codec "
                                       "coded, by codec", ["codec"], buckets=_ERRORS, registry=registry)
+        self.codec_auto = Gauge("tierd_codec_auto", "With --codec TIER=auto: 1 for the codec auto codes the tier's "
+                                "pages with now (by measured speed), 0 for the other", ["tier", "codec"],
+                                registry=registry)
         self.remote_reachable: Gauge | None = None  # made by set_backends where there is a remote tier
         self.info = Info("tierd_build", "Version and the backends chosen at start", registry=registry)
         ProcessCollector(namespace="tierd", registry=registry)  # RSS, open files, CPU of the daemon
@@ -130,6 +133,10 @@ class Metrics:
         histogram = self.codec_errors.labels(codec)
         for value in rel_errors:
             histogram.observe(float(value))
+
+    def codec_chosen(self, tier: str, codec: str, among: tuple[str, ...]) -> None:
+        for name in among:
+            self.codec_auto.labels(tier, name).set(int(name == codec))
 
     def remote_up(self, up: bool) -> None:
         if self.remote_reachable is not None:

@@ -7,6 +7,7 @@ them is kept; a codec a node does not know is a clear error that changes
 nothing; a codec that is not one, or a lossy one, stops the daemon at
 start."""
 
+import logging
 import shutil
 import time
 
@@ -16,6 +17,8 @@ import pytest
 from tests.helpers import SPEC, Harness, HostEngine, MiB, wait_for
 from tierd import codecs
 from tierd.config import Config, load
+from tierd.core.events import NullEvents
+from tierd.core.store.coding import EXPLORE_EVERY, AutoChoice
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument
 from tierd.layout import KVSpec
 from tierd.machine import RemoteUnavailable, build
@@ -307,3 +310,53 @@ def test_pages_fetched_lossy_are_lent_to_no_exact_save_and_keep_their_error_acro
     c = nodes("c").store
     assert c.stat(key).rel_error == pytest.approx(worst)
     assert c.lookup(key, tokens + tokens_of("more", 4 * 16), max_error=0.0).num_tokens == 0
+
+
+# -- auto -----------------------------------------------------------------------------
+
+
+class Chosen(NullEvents):
+    def __init__(self):
+        self.chosen = []
+
+    def codec_chosen(self, tier, codec, among):
+        self.chosen.append((tier, codec, among))
+
+
+def test_auto_tries_each_way_then_takes_the_faster_and_now_and_then_the_other(caplog):
+    events = Chosen()
+    auto = AutoChoice("remote", events)
+    assert [auto.choose() for _ in range(3)] == ["lossless", "lossless", "lossless"]  # nothing measured yet
+    auto.measured("lossless", "publish", 100 << 20, 0.5)
+    assert auto.choose() == "none"  # not yet measured
+    auto.measured("none", "publish", 100 << 20, 0.1)
+    with caplog.at_level(logging.INFO, logger="tierd.core.store"):
+        ways = [auto.choose() for _ in range(2 * EXPLORE_EVERY)]
+    assert ways.count("lossless") == 2 and set(ways) == {"none", "lossless"}  # one in EXPLORE_EVERY explores
+    assert events.chosen == [("remote", "none", ("lossless", "none"))]  # said once, where it changed
+    assert "codec (auto) is none: measured lossless 0.21 GB/s, none 1.05 GB/s, by publishes" in caplog.text
+    # Fetches, once both ways have some, decide: lossless fetches faster here (a slow link, say).
+    auto.measured("none", "fetch", 100 << 20, 1.0)
+    assert auto.choose() == "none"  # lossless not fetched yet: still by publishes
+    auto.measured("lossless", "fetch", 100 << 20, 0.3)
+    assert auto.choose() == "lossless" and events.chosen[-1][1] == "lossless"
+    for bad in (("zstd", "fetch", 1, 1.0), ("none", "fetch", 0, 1.0), ("none", "fetch", 1, 0.0)):
+        auto.measured(*bad)  # ignored: no way of auto's, no bytes, no time
+    assert auto.choose() == "lossless"
+
+
+def test_a_node_of_auto_publishes_versions_every_node_reads_and_says_which_way(nodes):
+    a = nodes("a", remote_codec="auto").store
+    b = nodes("b").store
+    src = kv_like(HostEngine(seed=12), seed=12)
+    ways = []
+    for i in range(3):
+        key = SessionKey("alice", f"s{i}")
+        a.save(key, src.memory, SPEC, list(range(8 * i, 8 * i + 8)), 8 * 16)
+        published(a, key)
+        ways.append(manifest(a, key).codec)
+        assert a.stat(key).codecs == ({"remote": "lossless"} if ways[-1] == "lossless" else {})
+        _, reader = b.get(key)
+        assert b"".join(bytes(c) for c in reader) == b"".join(src.pages(range(8 * i, 8 * i + 8)))
+    assert ways[:2] == ["lossless", "none"]  # each way tried, then the faster measured
+    assert ways[2] == a._remote.publisher.coder.auto.chosen

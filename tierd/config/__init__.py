@@ -106,7 +106,8 @@ class Config:
     remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
                                      "sharing a cluster)", "tierd")
     codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to a tier (remote=lossless: bit-exact, "
-                                          "smaller; remote=none: as they are; a lossy codec, fp8, int8, int4 or "
+                                          "smaller; remote=none: as they are; auto: lossless or none, whichever "
+                                          "measures faster here; a lossy codec, fp8, int8, int4 or "
                                           "k16v8, for the tenants of --lossy-tenants, lossless for the others); the "
                                           "flag may be repeated", factory=dict, repeat=True)
     lossy_tenants: frozenset[str] = _opt(_tenants, "TENANT[,TENANT...] whose KV a lossy --codec may code (*: every "

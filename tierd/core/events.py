@@ -40,6 +40,10 @@ class StoreEvents(Protocol):
         """Pages a lossy codec coded, with the relative error each carries (an array)."""
         ...
 
+    def codec_chosen(self, tier: str, codec: str, among: tuple[str, ...]) -> None:
+        """`auto` now codes the tier's pages with `codec`, among these."""
+        ...
+
     def shared(self, call: str, pages: int, nbytes: int) -> None:
         """A call answered from pages other sessions of the tenant hold: a
         save that stored `pages` of them no more, a restore that started a
@@ -85,6 +89,9 @@ class NullEvents:
         pass
 
     def coding_errors(self, codec: str, rel_errors: Any) -> None:
+        pass
+
+    def codec_chosen(self, tier: str, codec: str, among: tuple[str, ...]) -> None:
         pass
 
     def shared(self, call: str, pages: int, nbytes: int) -> None:

@@ -24,12 +24,19 @@ it wrote against the manifest's checksums, as any fetch does. The codec a
 version was coded with is the manifest's: one this node does not know is a
 clear error (FAILED_PRECONDITION), not a page.
 
+`auto` chooses, for each publish, lossless or none, whichever measured
+faster on this node end to end (AutoChoice): where decoding is slower than
+the link (lossless in front of a fast network), coding costs more time
+than the bytes it saves.
+
 Runs where publishes and fetches run: the publisher's thread (or the RPC
 thread of publish()), the RPC thread of the call that fetches, or a mover.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -48,9 +55,62 @@ from tierd.transfer.runs import Geometry
 BATCH_BYTES = 4 << 20  # pages coded at a time: large enough for the coder, small enough to stay in cache
 
 
+AUTO = "auto"  # lossless or none, whichever measures faster here (AutoChoice)
+EXPLORE_EVERY = 16  # one publish in this many takes the way auto did not choose, so that both stay measured
+EWMA = 0.3  # weight of the newest measurement in a way's average speed
+
+log = logging.getLogger("tierd.core.store")
+
+
 def check_codec(name: str) -> str:
-    """The codec's name: InvalidArgument for a name no codec has."""
-    return codecs.get(name).name
+    """The codec's name (or auto): InvalidArgument for a name no codec has."""
+    return AUTO if name == AUTO else codecs.get(name).name
+
+
+class AutoChoice:
+    """`auto`: for each publish, lossless or none, whichever way measured
+    faster on this node: the seconds per logical byte its versions took to
+    publish and to fetch (fetches of other nodes' versions too), averaged
+    (EWMA); compared on fetches where both ways have been fetched, else on
+    publishes. A way not yet measured is tried first; after that, one
+    publish in EXPLORE_EVERY takes the other way. The choice is logged where
+    it changes, and shown in tierd_codec_auto. Thread-safe."""
+
+    WAYS = ("lossless", "none")
+
+    def __init__(self, tier: str, events: StoreEvents) -> None:
+        self.tier, self.events = tier, events
+        self._speeds: dict[tuple[str, str], float] = {}  # (way, "publish" or "fetch") -> bytes/s
+        self._lock = threading.Lock()
+        self._publishes = 0
+        self.chosen = ""
+
+    def measured(self, way: str, op: str, nbytes: int, seconds: float) -> None:
+        """A version coded `way` took seconds to publish or fetch (op) nbytes of pages."""
+        if way not in self.WAYS or nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            old = self._speeds.get((way, op))
+            rate = nbytes / seconds
+            self._speeds[(way, op)] = rate if old is None else (1 - EWMA) * old + EWMA * rate
+
+    def choose(self) -> str:
+        """The way the next publish takes."""
+        with self._lock:
+            self._publishes += 1
+            untried = [w for w in self.WAYS if (w, "publish") not in self._speeds]
+            if untried:
+                return untried[0]
+            op = "fetch" if all((w, "fetch") in self._speeds for w in self.WAYS) else "publish"
+            best = max(self.WAYS, key=lambda w: self._speeds[(w, op)])
+            other = next(w for w in self.WAYS if w != best)
+            why = ", ".join(f"{w} {self._speeds[(w, op)] / 1e9:.2f} GB/s" for w in self.WAYS)
+            changed, self.chosen = best != self.chosen, best
+            explore = self._publishes % EXPLORE_EVERY == 0
+        if changed:
+            log.info("the %s tier's codec (auto) is %s: measured %s, by %ses", self.tier, best, why, op)
+            self.events.codec_chosen(self.tier, best, self.WAYS)
+        return other if explore else best
 
 
 class PageCoder:
@@ -62,6 +122,7 @@ class PageCoder:
         self.codec = check_codec(codec)
         self.tier = tier  # the remote tier's name, for errors
         self.events = events
+        self.auto = AutoChoice(tier, events) if self.codec == AUTO else None
         self.lossy_tenants = lossy_tenants
         self.max_error = max_error
 
@@ -75,7 +136,8 @@ class PageCoder:
         (None: as they are). Pages that carry errors already (carried: each
         page's, or empty) are coded, lossless at least, so that their
         version records them."""
-        codec = self.codec if self.codec != "none" or not carried.size else "lossless"
+        codec = self.auto.choose() if self.auto is not None else self.codec
+        codec = codec if codec != "none" or not carried.size else "lossless"
         if codec == "none":
             return None
         lossy = codecs.get(codec).lossy
@@ -145,6 +207,11 @@ class PageCoder:
         coding.sizes[at] = [len(b) for b in blobs]
         coding.sums[at] = [page_checksum(b) for b in blobs]
         return blobs
+
+    def measured(self, way: str, op: str, nbytes: int, seconds: float) -> None:
+        """A version coded `way` ("none": as it is) was published or fetched (op) in `seconds`."""
+        if self.auto is not None:
+            self.auto.measured(way, op, nbytes, seconds)
 
     def decoder(self, m: Manifest, spec: KVSpec) -> Decoder | None:
         """How a fetch of m's version reads its pages (None: as they are, straight into theirs)."""

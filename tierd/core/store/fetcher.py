@@ -178,6 +178,7 @@ class Fetcher:
             lock.release()
         seconds = time.perf_counter() - t0
         self.copier.record(f"{self.roles.versions}->{self.roles.landing}", m.nbytes, seconds)
+        self.coder.measured(m.codec, "fetch", m.nbytes, seconds)
         self.events.moved(self.roles.versions, self.roles.landing, "fetch", m.nbytes, seconds)
 
     def _scatter_fetched(self, key: SessionKey, spans: list, geom: Geometry, sums: np.ndarray, into: _Into,

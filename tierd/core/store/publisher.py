@@ -158,6 +158,7 @@ class Publisher:
                              hashes if tokens.known(hashes) else tokens.empty(0), data, coding=coding)
             seconds = time.perf_counter() - t0
             self.copier.record(f"{self.roles.landing}->{self.roles.versions}", geom.nbytes, seconds)
+            self.coder.measured(coding.codec if coding is not None else "none", "publish", geom.nbytes, seconds)
             self.events.moved(max((s.tier for s in spans), key=tier_rank), self.roles.versions, "publish",
                                     geom.nbytes, seconds)
             self.events.remote_op("publish", "ok")
