@@ -15,8 +15,9 @@ import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
-from tierd.config.values import (AUTO, _choice, _codecs, _count, _fraction, _tenants, _host_port, _optional_seconds, _positive_int, _remote_url,
-                                 _seconds, _size_or_auto, _text, default_data_dir, default_runtime_dir, parse_bool)
+from tierd.config.values import (AUTO, _choice, _codecs, _count, _fraction, _host_port, _optional_seconds, _positive_int,
+                                 _remote_url, _seconds, _size_or_auto, _tenants, _text, default_data_dir,
+                                 default_runtime_dir, parse_bool)
 from tierd.errors import InvalidArgument
 from tierd.sizes import parse_size
 

@@ -32,8 +32,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from tierd.core import tokens
-from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, SQLITE_FULL, IndexFormatError, IndexUnavailable, columns,
-                                     tierd_columns, unsound)
+from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, SQLITE_FULL, IndexFormatError,
+                                     IndexUnavailable, columns, tierd_columns, unsound)
 from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
 from tierd.errors import ResourceExhausted, TierdError, Unavailable
 from tierd.tiers.allocator import Piece

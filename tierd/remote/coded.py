@@ -50,11 +50,6 @@ class Coding:
         return b"".join(np.ascontiguousarray(a, dtype=t).tobytes() for a, t in
                         ((self.sizes, "<u4"), (self.sums, "<u8"), (self.rel_error, "<f4"), (self.max_error, "<f4")))
 
-    @property
-    def lossy(self) -> bool:
-        """Whether some page decodes to other than itself."""
-        return bool(self.rel_error.any())
-
     @classmethod
     def decode(cls, codec: str, raw: bytes, checksums: np.ndarray, nbytes: int, stored: int, source: str) -> Coding:
         n = len(checksums)
