@@ -109,6 +109,16 @@ def test_fewer_bits_cost_more_error(kv):
     assert 0 < worst["int8"] < worst["fp8"] < worst["int4"]
 
 
+def test_a_page_whose_bytes_changed_is_never_said_to_be_exact():
+    shape = codecs.page_shape(spec("float16"))
+    page = np.zeros(shape.page_bytes, dtype=np.uint8)
+    page.view(np.float16)[::3] = -0.0  # -0.0 equals 0.0, but its bytes are others
+    decoded = np.zeros_like(page)
+    rel, largest = codecs.error(shape, page, decoded)
+    assert 0 < rel < 1e-30 and largest == 0
+    assert codecs.error(shape, page, page.copy()) == (0.0, 0.0)
+
+
 @pytest.mark.parametrize("name", LOSSY)
 def test_lossy_codecs_pass_an_fp8_cache_and_pages_that_are_not_finite_through_unchanged(kv, name):
     fp8 = pages_of(kv, torch.float8_e4m3fn)

@@ -360,3 +360,36 @@ def test_a_node_of_auto_publishes_versions_every_node_reads_and_says_which_way(n
         assert b"".join(bytes(c) for c in reader) == b"".join(src.pages(range(8 * i, 8 * i + 8)))
     assert ways[:2] == ["lossless", "none"]  # each way tried, then the faster measured
     assert ways[2] == a._remote.publisher.coder.auto.chosen
+
+
+def test_a_manifest_that_says_lossy_pages_are_exact_is_data_loss(nodes):
+    a = nodes("a", remote_codec="fp8", lossy_tenants=frozenset({"*"})).store
+    key = SessionKey("alice", "claims")
+    a.save(key, kv_like(HostEngine(seed=13), seed=13).memory, SPEC, list(range(4)), 4 * 16)
+    published(a, key)
+    m, store = manifest(a, key), a.remote.store
+    raw = store.client.get(store.link.key(key, "m"))
+    errors_at = len(raw) - 8 * m.n_pages  # the relative errors, then the largest absolute ones (float32 each)
+    store.client.set(store.link.key(key, "m"), raw[:errors_at] + bytes(4 * m.n_pages) + raw[errors_at + 4 * m.n_pages :])
+    b = nodes("b").store
+    with pytest.raises(DataLoss, match="manifest"):
+        b.stat(key)
+    assert b.keys() == []
+
+
+def test_a_page_that_carries_error_is_recoded_lossily_only_within_the_bound_with_what_it_carries(nodes):
+    a = nodes("a", remote_codec="int4", lossy_tenants=frozenset({"*"}), lossy_max_error=0.3).store
+    src = kv_like(HostEngine(seed=14), seed=14)
+    key = SessionKey("alice", "hops")
+    tokens = tokens_of("hops", 8 * 16)
+    a.save(key, src.memory, SPEC, list(range(8)), 8 * 16, token_ids=tokens)
+    published(a, key)
+    carried = manifest(a, key).coding.rel_error.copy()
+    bound = float(carried.max()) + 0.01  # room for little more error than the pages carry
+    hb = nodes("b", remote_codec="fp8", lossy_tenants=frozenset({"*"}), lossy_max_error=bound)
+    b = hb.store
+    b.restore(key, HostEngine().memory, SPEC, list(range(8)))
+    b.save(key, src.memory, SPEC, [8], 9 * 16, start_token=8 * 16, token_ids=tokens + tokens_of("next", 16))
+    published(b, key)
+    recorded = manifest(b, key).coding.rel_error
+    assert (recorded <= bound + 1e-6).all() and (recorded[:8] >= carried - 1e-6).all()

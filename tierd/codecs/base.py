@@ -120,6 +120,8 @@ class Codec(Protocol):
     def decode(self, blob: bytes | memoryview, shape: PageShape | None, out: np.ndarray) -> None: ...
 
 
+SMALLEST_ERROR = float(np.finfo(np.float32).tiny)  # the relative error of a page whose bytes changed, no value
+
 # The first byte of a lossy codec's blob: the page as it is (a 1-byte cache, or a page it must not
 # scale), or coded.
 AS_IS, CODED = 0, 1
@@ -224,7 +226,9 @@ def code(codec: Codec, pages: np.ndarray, shape: PageShape | None, keep: bool = 
 
 def error(shape: PageShape, page: np.ndarray, decoded: np.ndarray) -> tuple[float, float]:
     """(relative L2 error, largest absolute error) of decoded against page
-    (a value that is not finite and changed: inf)."""
+    (a value that is not finite and changed: inf). 0 only where the bytes are
+    the same: a page that differs only where values compare equal (-0.0 for
+    0.0) has the smallest relative error there is, not none."""
     if np.array_equal(page, decoded):
         return 0.0, 0.0
     import torch
@@ -233,4 +237,5 @@ def error(shape: PageShape, page: np.ndarray, decoded: np.ndarray) -> tuple[floa
     diff = torch.where(x == y, torch.zeros_like(x), y - x).nan_to_num(nan=float("inf"))
     norm = float(torch.linalg.vector_norm(x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)))
     err = float(torch.linalg.vector_norm(diff))
-    return err / norm if norm else (0.0 if err == 0 else float("inf")), float(diff.abs().max())
+    rel = err / norm if norm else (0.0 if err == 0 else float("inf"))
+    return max(rel, SMALLEST_ERROR), float(diff.abs().max())

@@ -69,6 +69,8 @@ class Coding:
             raise ValueError(f"its coded pages take {coding.stored} bytes, not the {stored} it says")
         if not (coding.rel_error >= 0).all() or not (coding.max_error >= 0).all():
             raise ValueError("its pages' errors are not errors")
+        if coding.source and not coding.rel_error.any() and coding.source != source_of(checksums):
+            raise ValueError("its pages are said to be exact, and are not the pages they were coded from")
         return coding
 
 

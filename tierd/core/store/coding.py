@@ -167,7 +167,8 @@ class PageCoder:
                 flat[filled : filled + take] = np.frombuffer(rest[:take], dtype=np.uint8)
                 filled, rest = filled + take, rest[take:]
             t0 = time.perf_counter()
-            blobs = self._code(codec, shape, flat[:want], page, count, geom, checksums, coding, self.max_error)
+            blobs = self._code(codec, shape, flat[:want], page, count, geom, checksums, coding,
+                               self.max_error - (carried[page : page + count] if carried.size else 0.0))
             seconds += time.perf_counter() - t0
             for blob in blobs:
                 yield blob, True
@@ -181,10 +182,10 @@ class PageCoder:
 
     @staticmethod
     def _code(codec: codecs.Codec, shape: codecs.PageShape | None, flat: np.ndarray, page: int, count: int,
-              geom: Geometry, checksums: np.ndarray, coding: Coding, max_error: float) -> list[bytes]:
+              geom: Geometry, checksums: np.ndarray, coding: Coding, max_error: float | np.ndarray) -> list[bytes]:
         """The blobs of `count` pages from page `page` on, back to back in
-        flat, recorded in coding; a lossy codec's page past max_error is kept
-        as it is."""
+        flat, recorded in coding; a lossy codec's page past max_error (each
+        page's: the bound less what the page carries already) is kept as it is."""
         at = slice(page, page + count)
         coding.checksums[at] = checksums[at]
         if codec.lossy:  # (consented: whole pages of a shape it reads)
@@ -193,7 +194,7 @@ class PageCoder:
             blobs = coded.blobs
             assert coded.decoded is not None
             for i in range(count):
-                if not coded.rel_error[i] <= max_error:  # (NaN: not within it)
+                if not coded.rel_error[i] <= np.broadcast_to(max_error, (count,))[i]:  # (NaN: not within it)
                     blobs[i] = codecs.as_is(pages[i])
                 else:  # (what it decodes to: another page even where no value changed, -0.0 for 0.0 say)
                     coding.checksums[page + i] = page_checksum(coded.decoded[i])
