@@ -167,10 +167,7 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
             assert r.num_pages == pages
 
         def forget() -> None:
-            try:
-                b.store.drop(KEY)  # this node's copy only: the next restore fetches again
-            except NotFound:
-                pass
+            _forget(b, KEY)
 
         forget()
         restore()  # warm
@@ -198,6 +195,14 @@ def _copies(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
         b.close(flush=False)
 
 
+def _forget(node, key) -> None:  # noqa: ANN001 - a Machine
+    """Drop a node's copy of a session (writes off: the remote copy stays), so that its next restore fetches."""
+    try:
+        node.store.drop(key)
+    except NotFound:
+        pass
+
+
 def _coded(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
     from bench.codecs import real_kv
 
@@ -215,12 +220,6 @@ def _coded(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
             node.store.put(keys[codec], spec, n * spec.block_tokens, nbytes, [pages])
         times: dict[str, dict[str, list[float]]] = {"save": {}, "restore": {}}
 
-        def forget(key) -> None:
-            try:
-                reader.store.drop(key)  # this node's copy only (writes off): the next restore fetches again
-            except NotFound:
-                pass
-
         for codec in nodes:  # warm: connections, scripts
             assert nodes[codec].store.publish(keys[codec])
             reader.store.restore(keys[codec], memory, spec, blocks)
@@ -231,7 +230,7 @@ def _coded(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
                     timed(lambda: node.store.publish(key), 1,
                           lambda: node.store.put(key, spec, n * spec.block_tokens, nbytes, [pages])))
                 times["restore"].setdefault(codec, []).extend(
-                    timed(lambda: reader.store.restore(key, memory, spec, blocks), 1, lambda: forget(key)))
+                    timed(lambda: reader.store.restore(key, memory, spec, blocks), 1, lambda: _forget(reader, key)))
         stored = {c: nodes[c].store.remote.store.head(keys[c])[0].stored for c in nodes}
         out = []
         for what, got in times.items():

@@ -146,6 +146,11 @@ class HostEngine:
             r[:] = 0
 
 
+def published(store: Store, key) -> None:
+    """Wait until the remote tier holds the session's current content."""
+    wait_for(lambda: store.stat(key).remote_durable, what=f"{key} published")
+
+
 def metric(d, name: str, labels: str = "") -> float:
     """A daemon's metric as its endpoint shows it now (0 where absent)."""
     import re

@@ -9,12 +9,11 @@ start."""
 
 import logging
 import shutil
-import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, MiB, wait_for
+from tests.helpers import SPEC, HostEngine, MiB, published
 from tierd import codecs
 from tierd.config import Config, load
 from tierd.core.events import NullEvents
@@ -30,22 +29,6 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
 PAGE = SPEC.page_bytes
 
 
-@pytest.fixture
-def nodes(cluster, tmp_path):
-    prefix = f"c{time.monotonic_ns()}"
-    made = []
-
-    def node(name, remote=None, **kw):
-        h = Harness(str(tmp_path / name), remote=remote or cluster.url, remote_prefix=prefix, **kw)
-        h.open()
-        made.append(h)
-        return h
-
-    yield node
-    for h in made:
-        h.close()
-
-
 def kv_like(engine: HostEngine, seed: int) -> HostEngine:
     """Engine memory holding float16 values with a scale per channel, as KV has, of few significant bits (an
     8-bit cache's values widened): they code much smaller than random bytes."""
@@ -55,10 +38,6 @@ def kv_like(engine: HostEngine, seed: int) -> HostEngine:
         scale = rng.choice([0.05, 1.0, 8.0], SPEC.head_dim)
         values[:] = (np.round(rng.standard_normal(values.shape) * 8) / 8 * scale).astype(np.float16)
     return engine
-
-
-def published(store, key):
-    wait_for(lambda: store.stat(key).remote_durable, what=f"{key} published")
 
 
 def manifest(store, key) -> Manifest:

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, published, wait_for
 from tierd.errors import DataLoss, NotFound, Unavailable
 from tierd.remote.manifest import tag_of
 from tierd.remote.redis.link import chunks_of
@@ -24,22 +24,6 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
 PAGE = SPEC.page_bytes
 
 
-@pytest.fixture
-def nodes(cluster, tmp_path):
-    prefix = f"t{time.monotonic_ns()}"
-    made = []
-
-    def node(name, **kw):
-        h = Harness(str(tmp_path / name), remote=cluster.url, remote_prefix=prefix, **kw)
-        h.open()
-        made.append(h)
-        return h
-
-    yield node
-    for h in made:
-        h.close()
-
-
 def tokens_of(key, num_tokens):
     """A session's token ids: its own, so that no two sessions here share pages (prefix sharing)."""
     base = zlib.crc32(f"{key.tenant}/{key.session_id}".encode()) * 100_000
@@ -49,10 +33,6 @@ def tokens_of(key, num_tokens):
 def save(store, key, engine, blocks, num_tokens, start_token=0, tokens=None):
     return store.save(key, engine.memory, SPEC, blocks, num_tokens, start_token,
                       token_ids=tokens if tokens is not None else tokens_of(key, num_tokens))
-
-
-def published(store, key):
-    wait_for(lambda: store.stat(key).remote_durable, what=f"{key} published")
 
 
 def stored(store, key, engine, blocks, num_tokens, **kw):

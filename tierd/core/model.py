@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from tierd.core import tokens
-from tierd.errors import InvalidArgument
 from tierd.layout import KVSpec
 from tierd.tiers import tier_order, tier_rank
 from tierd.tiers.allocator import Piece
@@ -179,13 +178,6 @@ def pages_within(errors: np.ndarray, n_pages: int, bound: float | None) -> int:
         return n_pages
     past = np.flatnonzero(~(errors[:n_pages] <= bound))
     return int(past[0]) if past.size else n_pages
-
-
-def check_bound(bound: float | None) -> float | None:
-    """An error bound as a call gives it: None, or a number from 0 on (InvalidArgument otherwise)."""
-    if bound is not None and (not isinstance(bound, (int, float)) or not bound >= 0):
-        raise InvalidArgument(f"max_error is a relative error from 0 on, not {bound!r}", field="max_error")
-    return bound
 
 
 def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:

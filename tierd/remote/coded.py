@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tierd.remote.manifest import Manifest
 
 CODED_BYTES_PER_PAGE = 4 + 8 + 4 + 4  # a coded page's size, coded bytes' checksum, relative and largest error
 
@@ -77,3 +81,12 @@ class Coding:
 def source_of(checksums: np.ndarray) -> str:
     """A digest of pages' checksums: the same pages, coded or not, give the same."""
     return hashlib.sha256(np.ascontiguousarray(checksums, dtype="<u8").tobytes()).hexdigest()[:32]
+
+
+def holds(m: Manifest, fingerprint: str, checksums: np.ndarray) -> bool:
+    """Whether m's version is of these pages (this identity, these page
+    checksums): as a reader decodes them, or the pages they were coded from."""
+    if m.fingerprint != fingerprint or m.n_pages != len(checksums):
+        return False
+    return bool(np.array_equal(m.checksums, checksums)) or \
+        m.coding is not None and m.coding.source == source_of(checksums)

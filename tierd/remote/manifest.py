@@ -27,7 +27,7 @@ import numpy as np
 
 from tierd.errors import DataLoss
 from tierd.remote.backend import Refused
-from tierd.remote.coded import CODED_BYTES_PER_PAGE, Coding, source_of
+from tierd.remote.coded import CODED_BYTES_PER_PAGE, Coding
 from tierd.types import SessionKey
 
 FIRST_VERSIONS = 10**12  # a history's first version is one of [FIRST_VERSIONS, 2 * FIRST_VERSIONS)
@@ -38,6 +38,7 @@ HEAD_BYTES = 64 << 10  # a manifest's first line is within this many bytes
 MAX_PAGES = 500_000
 MAX_MANIFEST_BYTES = 16 << 20
 _TOMBSTONE = re.compile(rb"(\d+) dropped")
+_EXACT = np.zeros(0, dtype=np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +67,14 @@ class Manifest:
         return self.coding.codec if self.coding is not None else "none"
 
     @property
+    def errors(self) -> np.ndarray:
+        """Each page's relative error against the page it was coded from (empty: every page exact)."""
+        return self.coding.rel_error if self.coding is not None else _EXACT
+
+    @property
     def rel_error(self) -> float:
-        """The worst relative error of a page of it against the page it was coded from (0: every page exact)."""
-        return float(self.coding.rel_error.max()) if self.coding is not None and self.n_pages else 0.0
+        """The worst relative error of a page of it (0: every page exact)."""
+        return float(self.errors.max()) if self.errors.size else 0.0
 
     @property
     def stored(self) -> int:
@@ -218,15 +224,6 @@ def whole(value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{str(value)[:40]!r} is not a whole number from {low} to {high}")
     return value
-
-
-def holds(m: Manifest, fingerprint: str, checksums: np.ndarray) -> bool:
-    """Whether m's version is of these pages (this identity, these page
-    checksums): as a reader decodes them, or the pages they were coded from."""
-    if m.fingerprint != fingerprint or m.n_pages != len(checksums):
-        return False
-    return bool(np.array_equal(m.checksums, checksums)) or \
-        m.coding is not None and m.coding.source == source_of(checksums)
 
 
 def owned(key: SessionKey, m: Manifest) -> Manifest:

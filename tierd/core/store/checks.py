@@ -115,3 +115,10 @@ def check_ttl(ttl: float) -> float:
         raise InvalidArgument(f"a lease lasts more than 0 and at most {MAX_LEASE_SECONDS:g} seconds, "
                               f"got {shown(ttl)}", field="ttl_seconds", value=ttl)
     return float(ttl)
+
+
+def check_bound(bound: float | None) -> float | None:
+    """An error bound as a call gives it: None, or a number from 0 on (InvalidArgument otherwise)."""
+    if bound is not None and (not isinstance(bound, (int, float)) or not bound >= 0):
+        raise InvalidArgument(f"max_error is a relative error from 0 on, not {bound!r}", field="max_error")
+    return bound

@@ -117,8 +117,8 @@ class PageCoder:
     """The remote tier's codec (`codec`: a registered codec's name; "none":
     pages as they are), and the coding and decoding of versions."""
 
-    def __init__(self, codec: str, tier: str, events: StoreEvents, lossy_tenants: frozenset[str] = frozenset(),
-                 max_error: float = 0.05) -> None:
+    def __init__(self, codec: str, tier: str, events: StoreEvents, lossy_tenants: frozenset[str],
+                 max_error: float) -> None:
         self.codec = check_codec(codec)
         self.tier = tier  # the remote tier's name, for errors
         self.events = events
@@ -193,8 +193,9 @@ class PageCoder:
             coded = codecs.code(codec, pages, shape, keep=True)
             blobs = coded.blobs
             assert coded.decoded is not None
+            bounds = np.broadcast_to(max_error, (count,))
             for i in range(count):
-                if not coded.rel_error[i] <= np.broadcast_to(max_error, (count,))[i]:  # (NaN: not within it)
+                if not coded.rel_error[i] <= bounds[i]:  # (NaN: not within it)
                     blobs[i] = codecs.as_is(pages[i])
                 else:  # (what it decodes to: another page even where no value changed, -0.0 for 0.0 say)
                     coding.checksums[page + i] = page_checksum(coded.decoded[i])

@@ -21,7 +21,8 @@ from tierd.core.store.link import RemoteLink
 from tierd.core.store.remote import PublishQueue, Remote
 from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss, Unavailable, shown
-from tierd.remote.manifest import Manifest, holds
+from tierd.remote.coded import holds
+from tierd.remote.manifest import Manifest
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.store")

@@ -23,7 +23,8 @@ from tierd.core.store.finder import Finder
 from tierd.core.store.remote import PublishQueue, Remote, RemoteBusy
 from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable, shown
-from tierd.remote.manifest import Manifest, holds
+from tierd.remote.coded import holds
+from tierd.remote.manifest import Manifest
 from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine

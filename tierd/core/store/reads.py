@@ -15,7 +15,7 @@ import numpy as np
 from tierd.core import tokens
 from tierd.clock import Clock
 from tierd.core.events import StoreEvents
-from tierd.core.model import Session, Snapshot, check_bound, pages_within
+from tierd.core.model import Session, Snapshot, pages_within
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_blocks, check_identity, check_readable
@@ -151,7 +151,6 @@ class Reader:
         pages answer: a restore with the same token ids starts the session
         from them. With max_error, only the leading pages within that
         relative error count (pages other sessions lend are exact)."""
-        check_bound(max_error)
         request = tokens.check_ids(token_ids)
         salt = tokens.check_salt(salt)
         session = self.table.find(key)

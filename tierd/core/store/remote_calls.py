@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-import numpy as np
 
 from tierd.core import tokens
-from tierd.core.model import Session, Snapshot, check_bound, pages_within
+from tierd.core.model import Session, Snapshot, pages_within
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_identity
 from tierd.core.store.fetcher import Fetcher
@@ -56,8 +55,7 @@ class RemoteCalls:
         request = tokens.check_ids(token_ids)
         pages = 0 if info.spec.is_opaque else tokens.matched_pages(hashes, m.num_tokens, bt, request,
                                                                    tokens.check_salt(salt))
-        errors = m.coding.rel_error if m.coding is not None else np.zeros(0, np.float32)
-        pages = min(pages, pages_within(errors, m.n_pages, check_bound(max_error)))
+        pages = min(pages, pages_within(m.errors, m.n_pages, max_error))
         return LookupResult(min(pages * bt, m.num_tokens), pages, m.num_tokens, self.roles.versions if pages else None)
 
     def list(self, page: list[SessionInfo], token: str, tenant: str | None, after: str,

@@ -19,7 +19,7 @@ from tierd.clock import Clock
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.rows import Problem
-from tierd.core.store.checks import DEFAULT_LEASE_SECONDS, check_priority
+from tierd.core.store.checks import DEFAULT_LEASE_SECONDS, check_bound, check_priority
 from tierd.core.store.parts import Parts
 from tierd.core.store.pending import PendingWrite
 from tierd.core.store.snapshot_reader import SnapshotReader
@@ -136,6 +136,7 @@ class Store:
 
     def lookup(self, key: SessionKey, token_ids: Iterable[int], spec: KVSpec | None = None,
                salt: str = "", max_error: float | None = None) -> LookupResult:
+        check_bound(max_error)  # before the remote tier is asked
         m = self._stale(key)
         if m is not None:
             assert self._remote is not None
