@@ -67,6 +67,7 @@ class Harness:
     remote_timeout: float = 0.5  # seconds a remote call may take
     remote_idle: float = 60.0  # write back: seconds idle on disk before a session is published
     remote_codec: str = "none"  # what pages are coded with on their way to the remote tier
+    disk_codec: str = "none"  # and on their way to the disk tier
     lossy_tenants: frozenset = frozenset()  # whose KV a lossy remote codec codes
     lossy_max_error: float = 0.05
     store: Store | None = None
@@ -83,7 +84,8 @@ class Harness:
                      remote=self.remote, remote_write=self.remote_write, remote_prefix=self.remote_prefix,
                      tenant_remote_quota=self.remote_quota, remote_queue=self.remote_queue,
                      remote_timeout=self.remote_timeout, remote_idle=self.remote_idle,
-                     codec={"remote": self.remote_codec} if self.remote else {}, lossy_tenants=self.lossy_tenants,
+                     codec={"disk": self.disk_codec, **({"remote": self.remote_codec} if self.remote else {})},
+                     lossy_tenants=self.lossy_tenants,
                      lossy_max_error=self.lossy_max_error)
         self.machine = build(cfg, policy=self.policy, clock=self.clock, events=self.events, disk=self.disk,
                              disk_ops=self.disk_ops, window_bytes=self.window_bytes)
@@ -133,17 +135,29 @@ class HostEngine:
     def pages(self, blocks) -> list[bytes]:
         return [self.page(int(b)) for b in blocks]
 
-    def randomize(self, blocks, seed: int) -> None:
-        """New random bytes in these blocks (host regions only)."""
+    def randomize(self, blocks, seed: int, levels: int = 256) -> None:
+        """New random bytes in these blocks (host regions only), of `levels` values (fewer: they code smaller)."""
         rng = np.random.default_rng(seed)
         for b in blocks:
             for s in self.layout.segments:
                 start = s.offset + int(b) * s.stride
-                self.memory.regions[s.region][start : start + s.nbytes] = rng.integers(0, 256, s.nbytes, dtype=np.uint8)
+                self.memory.regions[s.region][start : start + s.nbytes] = rng.integers(0, levels, s.nbytes,
+                                                                                       dtype=np.uint8)
 
     def clear(self) -> None:
         for r in self.memory.regions:
             r[:] = 0
+
+
+def kv_like(engine: HostEngine, seed: int) -> HostEngine:
+    """Engine memory holding float16 values with a scale per channel, as KV has, of few significant bits (an
+    8-bit cache's values widened): they code much smaller than random bytes."""
+    rng = np.random.default_rng(seed)
+    for region in engine.regions:
+        values = region.view(np.float16).reshape(-1, engine.spec.head_dim)
+        scale = rng.choice([0.05, 1.0, 8.0], engine.spec.head_dim)
+        values[:] = (np.round(rng.standard_normal(values.shape) * 8) / 8 * scale).astype(np.float16)
+    return engine
 
 
 def published(store: Store, key) -> None:

@@ -244,7 +244,7 @@ def serve(cfg: Config) -> int:
             machine = build(cfg, events=metrics)
         except (IndexFormatError, IndexUnavailable) as exc:
             raise StartupError(f"{exc}; nothing was changed") from None
-        except (DiskIOUnavailable, RemoteUnavailable) as exc:
+        except (DiskIOUnavailable, RemoteUnavailable, InvalidArgument) as exc:
             raise StartupError(str(exc)) from None
         except (OSError, TierdError) as exc:
             raise StartupError(f"cannot open the tiers under {cfg.data_dir}: {exc}") from None

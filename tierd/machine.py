@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from tierd.clock import Clock
 from tierd.config import AUTO, Config, remote_password, resolve_budgets
 from tierd.core.cuda_ipc import CupyDriver, IpcCache
-from tierd.core.events import StoreEvents
+from tierd.core.events import NullEvents, StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.store import Store
 from tierd.core.store import build as build_store
-from tierd.core.store.coding import check_codec
+from tierd.codecs.auto import check_codec
 from tierd.core.store.remote import Remote
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -33,6 +33,7 @@ from tierd.tiers.disk import DiskTier
 from tierd.tiers.fileops import FileOps
 from tierd.tiers.host import HostTier
 from tierd.tiers.ioqueue import IOExecutor
+from tierd.transfer.coded import TierCoding
 from tierd.transfer.copier import DEFAULT_WINDOW, CopyEngine
 
 log = logging.getLogger("tierd.machine")
@@ -259,11 +260,16 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
     backends["engine_memory"] = "shm+cuda-ipc" if ipc is not None else "shm"
     backends["malloc"] = keep_freed_buffers()
     log.info("malloc: %s", backends["malloc"])
-    copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels)
+    durable = durable_tier(tiers)
+    codings = {durable: TierCoding(durable, cfg.codec.get(durable, "none"), events or NullEvents())} if durable else {}
+    for name, coding in codings.items():
+        backends[f"{name}_codec"] = coding.codec
+        log.info("%s tier: pages coded %s on their way there", name, coding.codec)
+    copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels, codings=codings)
     remote, text = remote_tier(cfg)
     log.info("remote tier: %s", text)
     backends["remote"] = text
-    index = DiskIndex(os.path.join(site.data_dir, "index.db")) if durable_tier(tiers) is not None else None
+    index = DiskIndex(os.path.join(site.data_dir, "index.db")) if durable is not None else None
     try:
         store = build_store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
                             shm_prefix=site.shm_prefix, remote=remote)

@@ -22,9 +22,10 @@ def digest(pages: list[bytes]) -> str:
     return hashlib.sha256(b"".join(pages)).hexdigest()
 
 
-def main(root: str, seed: int) -> None:
+def main(root: str, seed: int, codec: str) -> None:
     rng = np.random.default_rng(seed)
-    h = Harness(root, host_budget=8 << 20, host_slab=4 << 20, disk_budget=64 << 20, disk_slab=16 << 20)
+    h = Harness(root, host_budget=8 << 20, host_slab=4 << 20, disk_budget=64 << 20, disk_slab=16 << 20,
+                disk_codec=codec)
     store = h.open()
     engine = HostEngine(num_blocks=64, seed=seed)
     content: dict[str, list[bytes]] = {}
@@ -49,7 +50,7 @@ def main(root: str, seed: int) -> None:
             continue
         n = int(rng.integers(1, 5))
         blocks = rng.choice(64, size=n, replace=False)
-        engine.randomize(blocks, seed * 100_000 + step)
+        engine.randomize(blocks, seed * 100_000 + step, 256 if codec == "none" else 16)  # (16: pages that code smaller)
         if action == "append" and name in content:
             start = len(content[name])
             pages = content[name] + engine.pages(blocks)
@@ -65,4 +66,4 @@ def main(root: str, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -35,12 +35,13 @@ def _allowed(log: list[list[str]], durable: dict, pending: dict) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path):
+@pytest.mark.parametrize("codec, cycles", [("none", CYCLES), ("lossless", CYCLES // 2)])  # lossless: coded on disk
+def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path, codec, cycles):
     rnd = random.Random(1234)
     durable: dict[str, tuple[int, str] | None] = {}
-    checked_durable = 0
-    for cycle in range(CYCLES):
-        child = subprocess.Popen([sys.executable, "-m", "tests.core.crash_child", str(tmp_path), str(cycle)],
+    checked_durable = coded = 0
+    for cycle in range(cycles):
+        child = subprocess.Popen([sys.executable, "-m", "tests.core.crash_child", str(tmp_path), str(cycle), codec],
                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "READY"
         time.sleep(rnd.uniform(0.0, 0.3))
@@ -49,7 +50,8 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path):
         pending: dict[str, set] = {}
         _allowed([line.split() for line in out.splitlines() if line.strip()], durable, pending)
 
-        h = Harness(str(tmp_path), host_budget=8 << 20, host_slab=4 << 20, disk_budget=64 << 20, disk_slab=16 << 20)
+        h = Harness(str(tmp_path), host_budget=8 << 20, host_slab=4 << 20, disk_budget=64 << 20, disk_slab=16 << 20,
+                    disk_codec=codec)
         store = h.open()
         try:
             found = {}
@@ -67,8 +69,10 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path):
                 durable[name] = got  # what is on disk now is the base of the next cycle
             # Nothing half-written: index and allocator hold exactly the sessions' pieces.
             pieces = sum(len(store.pieces(key, "disk")) for key in store.keys())
+            coded += sum(p.codes is not None for key in store.keys() for p in store.pieces(key, "disk"))
             assert store.index.count() == (len(found), pieces)
             assert store.check_accounting() == []
         finally:
             h.close()
-    assert checked_durable >= CYCLES  # the test did see acknowledged sessions come back
+    assert checked_durable >= cycles  # the test did see acknowledged sessions come back
+    assert (coded > 0) == (codec != "none")  # and, with a codec, pieces coded on disk

@@ -51,24 +51,31 @@ def test_pages_without_token_ids_recover_as_unknown(tmp_path):
     assert not rec.token_hashes[:2].any() and rec.token_hashes[2].tolist() == hashes(2, 1)[0].tolist()
 
 
-@pytest.mark.parametrize("found", ["1", "2"])
+@pytest.mark.parametrize("found", ["1", "2", "3"])
 def test_an_index_of_an_earlier_format_is_upgraded_in_place(tmp_path, found):
     path = str(tmp_path / "i.db")
     db = sqlite3.connect(path)
-    schema = SCHEMA.replace("    errors BLOB NOT NULL DEFAULT x'',\n", "")
-    if found == "1":
-        schema = schema.replace("    tokens BLOB NOT NULL DEFAULT x'',\n", "")
+    added = {"4": ["codec TEXT NOT NULL DEFAULT ''", "codes BLOB NOT NULL DEFAULT x''"],  # the format that added them
+             "3": ["errors BLOB NOT NULL DEFAULT x''"], "2": ["tokens BLOB NOT NULL DEFAULT x''"]}
+    schema = SCHEMA
+    for version, cols in added.items():
+        if version > found:
+            for col in cols:
+                assert f"    {col},\n" in schema
+                schema = schema.replace(f"    {col},\n", "")
     db.executescript(schema)
     db.execute("INSERT INTO meta VALUES ('format', ?)", (found,))
-    db.execute("INSERT INTO sessions VALUES ('t', 's', ?, 32, 2, ?, 1.0, 2.0, 0)", (SPEC.to_json(), 2 * SPEC.page_bytes))
-    db.execute(f"INSERT INTO pieces VALUES ('t', 's', 0, 2, 0, 8192, ?{', x' if found == '2' else ''}"
-               f"{chr(39) * 2 if found == '2' else ''})", (sums(0, 2).astype("<u8").tobytes(),))
+    db.execute(f"INSERT INTO sessions VALUES ('t', 's', ?, 32, 2, ?, 1.0, 2.0, 0{', x' + chr(39) * 2 if found == '3' else ''})",
+               (SPEC.to_json(), 2 * SPEC.page_bytes))
+    db.execute(f"INSERT INTO pieces VALUES ('t', 's', 0, 2, 0, 8192, ?{', x' + chr(39) * 2 if found != '1' else ''})",
+               (sums(0, 2).astype("<u8").tobytes(),))
     db.commit()
     db.close()
     (rec,), problems = DiskIndex(path).recover()
     assert problems == [] and rec.checksums.tolist() == sums(0, 2).tolist() and not rec.token_hashes.any()
     assert rec.row.errors == b""  # exact, as every page of an earlier format was
-    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "3"
+    assert all(p.codes is None for p in rec.pieces)  # as they are, as every page of an earlier format was
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "4"
 
 
 def test_the_errors_pages_carry_are_recovered_and_cut_with_them(tmp_path):

@@ -13,11 +13,11 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.helpers import SPEC, HostEngine, MiB, published
+from tests.helpers import SPEC, HostEngine, MiB, kv_like, published
 from tierd import codecs
 from tierd.config import Config, load
 from tierd.core.events import NullEvents
-from tierd.core.store.coding import EXPLORE_EVERY, AutoChoice
+from tierd.codecs.auto import EXPLORE_EVERY, AutoChoice
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument
 from tierd.layout import KVSpec
 from tierd.machine import RemoteUnavailable, build
@@ -27,17 +27,6 @@ from tierd.types import SessionKey
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (make install installs it)")
 PAGE = SPEC.page_bytes
-
-
-def kv_like(engine: HostEngine, seed: int) -> HostEngine:
-    """Engine memory holding float16 values with a scale per channel, as KV has, of few significant bits (an
-    8-bit cache's values widened): they code much smaller than random bytes."""
-    rng = np.random.default_rng(seed)
-    for region in engine.regions:
-        values = region.view(np.float16).reshape(-1, SPEC.head_dim)
-        scale = rng.choice([0.05, 1.0, 8.0], SPEC.head_dim)
-        values[:] = (np.round(rng.standard_normal(values.shape) * 8) / 8 * scale).astype(np.float16)
-    return engine
 
 
 def manifest(store, key) -> Manifest:
@@ -148,7 +137,7 @@ def test_a_version_coded_with_a_codec_this_node_does_not_know_is_a_clear_error_t
 
 
 @pytest.mark.parametrize("flags, error", [
-    ({"codec": ["disk=lossless"]}, "not 'disk'"),
+    ({"codec": ["host=lossless"]}, "not 'host'"),
     ({"codec": ["remote"]}, "TIER=CODEC"),
     ({"codec": ["remote="]}, "names no codec"),
     ({"codec": ["remote=lossless"]}, "needs a remote tier"),
@@ -304,12 +293,12 @@ class Chosen(NullEvents):
 
 def test_auto_tries_each_way_then_takes_the_faster_and_now_and_then_the_other(caplog):
     events = Chosen()
-    auto = AutoChoice("remote", events)
+    auto = AutoChoice("remote", events.codec_chosen, ("publish", "fetch"))
     assert [auto.choose() for _ in range(3)] == ["lossless", "lossless", "lossless"]  # nothing measured yet
     auto.measured("lossless", "publish", 100 << 20, 0.5)
     assert auto.choose() == "none"  # not yet measured
     auto.measured("none", "publish", 100 << 20, 0.1)
-    with caplog.at_level(logging.INFO, logger="tierd.core.store"):
+    with caplog.at_level(logging.INFO, logger="tierd.codecs"):
         ways = [auto.choose() for _ in range(2 * EXPLORE_EVERY)]
     assert ways.count("lossless") == 2 and set(ways) == {"none", "lossless"}  # one in EXPLORE_EVERY explores
     assert events.chosen == [("remote", "none", ("lossless", "none"))]  # said once, where it changed

@@ -9,12 +9,12 @@ L2 error and largest absolute error). See base.py for what a page is to a
 codec and where they run."""
 
 from tierd.codecs import lossless  # noqa: F401 - registers none and lossless
-from tierd.codecs.base import (Codec, Coded, PageShape, as_is, code, error, for_spec, get, names, page_shape,
-                               register, register_later)
+from tierd.codecs.base import (Codec, Coded, PageShape, as_is, code, error, for_spec, get, lossless_shape, names,
+                               page_shape, register, register_later)
 
 # The lossy codecs do their arithmetic in torch: their modules load when one is first asked for.
 for _name, _module in (("fp8", "scaled"), ("k16v8", "scaled"), ("int8", "kivi"), ("int4", "kivi")):
     register_later(_name, f"tierd.codecs.{_module}")
 
-__all__ = ["Codec", "Coded", "PageShape", "as_is", "code", "error", "for_spec", "get", "names", "page_shape", "register",
-           "register_later"]
+__all__ = ["Codec", "Coded", "PageShape", "as_is", "code", "error", "for_spec", "get", "lossless_shape", "names",
+           "page_shape", "register", "register_later"]

@@ -105,6 +105,16 @@ def page_shape(spec: KVSpec) -> PageShape | None:
     return PageShape(spec.num_layers, spec.num_kv_heads, spec.block_tokens, spec.head_dim, spec.dtype, head_major)
 
 
+def lossless_shape(spec: KVSpec) -> PageShape | None:
+    """The shape a lossless codec reads the spec's pages in: its page_shape,
+    or, for KV of an arrangement tierd does not know, one of the same
+    elements (byte planes need their width alone: every page is whole
+    elements); None for opaque snapshots. Never one a lossy codec is given."""
+    if spec.is_opaque:
+        return None
+    return page_shape(spec) or PageShape(1, 1, spec.page_bytes // DTYPE_BYTES[spec.dtype], 1, spec.dtype, True)
+
+
 class Codec(Protocol):
     """One codec: `name` is what an index row or a manifest records of each
     page coded with it; `lossy` whether decode(encode(page)) may differ from

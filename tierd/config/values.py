@@ -95,7 +95,7 @@ def _host_port(text: Any) -> str:
 
 
 # Tiers a --codec may name: those whose pages are coded on their way there.
-CODED_TIERS = ("remote",)
+CODED_TIERS = ("disk", "remote")
 
 
 def _codecs(text: Any) -> dict[str, str]:

@@ -13,10 +13,8 @@ SQLite's failures (a full file system, an I/O error) come out as tierd errors,
 ResourceExhausted or Unavailable, with the transaction rolled back: callers
 write the index before they change anything in memory. At start, rows that
 do not parse are quarantined (recover), and a file that is not a sound
-database any more is moved aside for a fresh one.
-
-The schema, its format version and how SQLite's failures read are in
-core/index_schema.py; row checks in core/rows.py.
+database any more is moved aside for a fresh one. The schema, its format
+version and how SQLite's failures read: core/index_schema.py; row checks: core/rows.py.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from tierd.codecs.stored import PageCodes
 from tierd.core import tokens
 from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, SQLITE_FULL, IndexFormatError,
                                      IndexUnavailable, columns, tierd_columns, unsound)
@@ -40,6 +39,7 @@ from tierd.tiers.allocator import Piece
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.index")
+
 
 class DiskIndex:
     def __init__(self, path: str) -> None:
@@ -162,10 +162,11 @@ class DiskIndex:
     @staticmethod
     def _piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple[str, tuple]]:
         return [
-            ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
              (key.tenant, key.session_id, p.first_page, p.n_pages, p.offset, p.alloc_bytes,
               np.ascontiguousarray(sums, dtype="<u8").tobytes(),
-              np.ascontiguousarray(hashes, dtype=np.uint8).tobytes() if hashes.any() else b""))
+              np.ascontiguousarray(hashes, dtype=np.uint8).tobytes() if hashes.any() else b"",
+              *((p.codes.codec, p.codes.to_bytes()) if p.codes is not None else ("", b""))))
             for p, sums, hashes in pieces
         ]
 
@@ -192,13 +193,15 @@ class DiskIndex:
         ]
         with self._lock, self._sqlite("read the pieces to cut"):
             cut = self._db.execute(
-                "SELECT first_page, checksums, tokens FROM pieces WHERE tenant=? AND session_id=? "
+                "SELECT first_page, n_pages, checksums, tokens, codes FROM pieces WHERE tenant=? AND session_id=? "
                 "AND first_page<? AND first_page+n_pages>?", (*key, n_pages, n_pages)).fetchall()
-        for first, blob, hashes in cut:
+        for first, n, blob, hashes, codes in cut:
+            keep = n_pages - first
             stmts.append((
-                "UPDATE pieces SET n_pages=?, checksums=?, tokens=? WHERE tenant=? AND session_id=? AND first_page=?",
-                (n_pages - first, blob[: 8 * (n_pages - first)], hashes[: tokens.HASH_BYTES * (n_pages - first)],
-                 *key, first),
+                "UPDATE pieces SET n_pages=?, checksums=?, tokens=?, codes=? WHERE tenant=? AND session_id=? "
+                "AND first_page=?",
+                (keep, blob[: 8 * keep], hashes[: tokens.HASH_BYTES * keep],
+                 PageCodes.cut_bytes(codes, n, keep) if codes else b"", *key, first),
             ))
         if row is None:
             stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
@@ -236,8 +239,8 @@ class DiskIndex:
             with self._lock:
                 rows = self._db.execute("SELECT * FROM sessions").fetchall()
                 all_pieces = self._db.execute(
-                    "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums, tokens "
-                    "FROM pieces ORDER BY tenant, session_id, first_page").fetchall()
+                    "SELECT tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums, tokens, codec, "
+                    "codes FROM pieces ORDER BY tenant, session_id, first_page").fetchall()
                 # After the reads, which leave the pages in the page cache: then
                 # it costs ~25 ms on a million pages; first, on a cold cache, its
                 # own order of reads took ~0.8 s.
@@ -294,6 +297,4 @@ class DiskIndex:
 
     def count(self) -> tuple[int, int]:
         with self._lock, self._sqlite("count its rows"):
-            s = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-            p = self._db.execute("SELECT COUNT(*) FROM pieces").fetchone()[0]
-        return s, p
+            return tuple(self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("sessions", "pieces"))

@@ -30,17 +30,23 @@ CREATE TABLE IF NOT EXISTS pieces (
     alloc_bytes INTEGER NOT NULL,
     checksums BLOB NOT NULL,
     tokens BLOB NOT NULL DEFAULT x'',
+    codec TEXT NOT NULL DEFAULT '',
+    codes BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (tenant, session_id, first_page)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
-FORMAT_VERSION = "3"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
-# the errors their pages carry (empty: exact)
+FORMAT_VERSION = "4"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
+# the errors their pages carry (empty: exact); 4: pieces record the codec their pages are coded with and each
+# page's coded size and checksum (empty: as they are). A codec added later comes with a format of its own.
 # What takes an index of an earlier format to this one, by the format found.
+_CODES = ["ALTER TABLE pieces ADD COLUMN codec TEXT NOT NULL DEFAULT ''",
+          "ALTER TABLE pieces ADD COLUMN codes BLOB NOT NULL DEFAULT x''"]
+_ERRORS = ["ALTER TABLE sessions ADD COLUMN errors BLOB NOT NULL DEFAULT x''"]
 MIGRATIONS = {
-    "1": ["ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''",
-          "ALTER TABLE sessions ADD COLUMN errors BLOB NOT NULL DEFAULT x''"],
-    "2": ["ALTER TABLE sessions ADD COLUMN errors BLOB NOT NULL DEFAULT x''"],
+    "1": ["ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''", *_ERRORS, *_CODES],
+    "2": [*_ERRORS, *_CODES],
+    "3": _CODES,
 }
 SQLITE_FULL = 13  # the primary result code of "database or disk is full"
 

@@ -75,7 +75,7 @@ class Snapshot:
         return self.placement.get(tier, [])
 
     def spans(self, tier: str) -> list[Span]:
-        return [Span(p.first_page, p.n_pages, tier, p.offset) for p in self.pieces(tier)]
+        return [Span(p.first_page, p.n_pages, tier, p.offset, p.codes) for p in self.pieces(tier)]
 
     def bytes_in(self, tier: str) -> int:
         return sum(p.alloc_bytes for p in self.pieces(tier))
@@ -118,7 +118,9 @@ class Snapshot:
             for p in self.pieces(tier):
                 part = todo[p.first_page : p.first_page + p.n_pages]
                 for first, count in _ranges(part):
-                    spans.append(Span(p.first_page + first, count, tier, p.offset + first * stride))
+                    codes = p.codes.part(first, count) if p.codes is not None else None
+                    spans.append(Span(p.first_page + first, count, tier, p.offset + p.bytes_before(first, stride),
+                                      codes))
                 part[:] = False
         if todo.any():
             raise ValueError("some pages are in no tier")
@@ -156,7 +158,7 @@ class Snapshot:
                 if p.first_page >= n_pages:
                     freed.append((tier, p))
                 elif p.first_page + p.n_pages > n_pages:
-                    kept.append(Piece(p.offset, p.alloc_bytes, p.first_page, n_pages - p.first_page))
+                    kept.append(p.head(n_pages - p.first_page))
                 else:
                     kept.append(p)
             self.placement[tier] = kept

@@ -27,6 +27,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
+from tierd import codecs
 from tierd.core.events import StoreEvents
 from tierd.core.faults import Faults
 from tierd.core.holders import Holders
@@ -37,6 +38,7 @@ from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
 from tierd.tiers import durable_tier, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.tiers.ioqueue import IOClass
+from tierd.transfer import coded
 from tierd.transfer.copier import CopyEngine
 from tierd.transfer.runs import Span
 from tierd.types import SessionKey
@@ -228,21 +230,23 @@ class Placement:
         borrowed, missing = self.lending.borrow(session, durable, missing)
         pieces: list[Piece] = []
         if missing:
-            geom = snap.geometry
+            geom, src = snap.geometry, [s for s in snap.best_spans() if s.tier != durable]
+            coding = self.copier.codings.get(durable)
+            codec = coding.choose() if coding is not None else "none"
+            t0, epoch = time.perf_counter(), self.tiers[durable].epoch()
             try:
-                pieces = self.alloc(durable, missing, geom.stride, session.key, io_class, evict)
+                with self._copying(session, durable, pieces, "write"):  # (pieces: as they are allocated)
+                    coded.write(self.copier, durable, src, missing, geom, snap.checksums, codec,
+                                codecs.lossless_shape(snap.spec), lambda ranges, stride: self.alloc(
+                                    durable, ranges, stride, session.key, io_class, evict), pieces, io_class)
+                    self.tiers[durable].sync(epoch)
             except BaseException:
                 self.free(durable, borrowed)
                 raise
-            dst = [Span(p.first_page, p.n_pages, durable, p.offset) for p in pieces]
-            src = [s for s in snap.best_spans() if s.tier != durable]
-            t0 = time.perf_counter()
-            epoch = self.tiers[durable].epoch()
-            with self._copying(session, durable, pieces + borrowed, "write"):
-                moved = self.copier.move(src, dst, geom, snap.checksums, io_class)
-                self.tiers[durable].sync(epoch)
-            source = max((s.tier for s in src), key=tier_rank)
-            self.events.moved(source, durable, reason, moved, time.perf_counter() - t0)
+            moved, seconds = sum(n for _, n in missing) * geom.page_bytes, time.perf_counter() - t0
+            if coding is not None:
+                coding.measured(codec, "write", moved, seconds)
+            self.events.moved(max((s.tier for s in src), key=tier_rank), durable, reason, moved, seconds)
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
                   session.priority, snap.errors.astype("<f4").tobytes())
         pieces += borrowed

@@ -6,8 +6,8 @@ its rows and quarantines those it cannot read (DiskIndex.recover), and here
 each remaining session's pieces are checked against the slab files: aligned,
 inside one slab whose file was whole, and sharing no byte with another
 session's, unless both hold the same allocation of shared prefix pages (same
-tenant, same offset, size and first page, and the same checksums for the
-pages both hold). A session that fails is quarantined too. Each quarantined session
+tenant, same offset, size and first page, and the same checksums and codes
+for the pages both hold). A session that fails is quarantined too. Each quarantined session
 gets one log line and one count in tierd_sessions_quarantined_total{reason},
 and leaves the index; the rest are reserved in the disk tier and served.
 """
@@ -64,7 +64,7 @@ def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int 
             slab, off = divmod(p.offset, slab_bytes)
             survived = lost.get(slab, slab_bytes)  # bytes of the slab's file that were there at start
             where = f"the piece at page {p.first_page} ([{p.offset}, {p.offset + p.alloc_bytes}))"
-            if p.offset < 0 or p.offset % granule or p.alloc_bytes % granule or p.alloc_bytes < p.n_pages * stride \
+            if p.offset < 0 or p.offset % granule or p.alloc_bytes % granule or p.alloc_bytes < p.held_bytes(stride) \
                     or off + p.alloc_bytes > slab_bytes:
                 problem = Problem(rec.key, "bad_extent", f"{where} is unaligned, smaller than its pages or crosses "
                                                          "a slab boundary")
@@ -72,7 +72,7 @@ def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int 
                 problem = Problem(rec.key, "past_end", f"{where} lies past the last slab file")
             elif survived is None:
                 problem = Problem(rec.key, "missing_slab", f"{where} was in slab file {slab}, which is missing")
-            elif survived < off + p.n_pages * stride:
+            elif survived < off + -(-p.held_bytes(stride) // granule) * granule:  # (the aligned bytes read)
                 problem = Problem(rec.key, "truncated_slab", f"{where} lay past the end of slab file {slab}, "
                                                              f"cut to {survived} bytes")
             else:
@@ -91,7 +91,8 @@ def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int 
             n = min(p.n_pages, p0.n_pages)
             pages = slice(p.first_page, p.first_page + n)
             if (rec.key.tenant, rec.row.spec.fingerprint, p.alloc_bytes, p.first_page) != \
-                    (first.key.tenant, first.row.spec.fingerprint, p0.alloc_bytes, p0.first_page) or not np.array_equal(rec.checksums[pages], first.checksums[pages]):
+                    (first.key.tenant, first.row.spec.fingerprint, p0.alloc_bytes, p0.first_page) or not np.array_equal(rec.checksums[pages], first.checksums[pages]) \
+                    or (p.codes is None) != (p0.codes is None) or p.codes is not None and not p.codes.same_as(p0.codes, n):
                 continue  # not one shared allocation: the sweep below finds the overlap
             again.add((p.offset, rec.key))
     reach, holder = -1, None

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierd import codecs
+from tierd.codecs.stored import PageCodes
 from tierd.core import tokens
+from tierd.errors import InvalidArgument, shown
 from tierd.layout import KVSpec
 from tierd.tiers.allocator import Piece
 from tierd.types import ID, SessionKey
@@ -90,6 +93,29 @@ def _size(blob: object) -> str:
     return f"{len(blob)} bytes" if isinstance(blob, bytes) else f"a {type(blob).__name__}"
 
 
+def _codes(spec: KVSpec, first: int, n: int, alloc: int, codec: object, raw: object) -> PageCodes | None:
+    """The codes of a piece's pages (None: as they are), checked against
+    what this tierd writes to the disk tier: a lossless codec it knows, as
+    many records as pages, coded bytes within the piece."""
+    if codec == "" and raw == b"":
+        return None
+    where = f"the piece at page {first}"
+    if not isinstance(codec, str) or not isinstance(raw, bytes):
+        raise Damaged("bad_codes", f"{where} records its pages' codes in the wrong types")
+    try:
+        if codecs.get(codec).lossy:
+            raise Damaged("bad_codes", f"{where} is coded with the lossy {shown(codec)}, which the disk tier "
+                                       "never writes")
+        codes = PageCodes.from_bytes(codec, raw, n, codecs.lossless_shape(spec))
+    except InvalidArgument:
+        raise Damaged("bad_codes", f"{where} is coded with {shown(codec)}, a codec this tierd does not know") from None
+    except ValueError as exc:
+        raise Damaged("bad_codes", f"{where}: {exc}") from None
+    if codes.stored > alloc:
+        raise Damaged("bad_codes", f"{where} holds {codes.stored} bytes of coded pages in {alloc} bytes")
+    return codes
+
+
 def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     """A session from its row (spec, num_tokens, num_pages, nbytes, created,
     last_access, priority, errors) and its pieces' rows, checked against the format;
@@ -117,7 +143,7 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     # Every piece row is checked before anything is allocated for num_pages: their checksum blobs,
     # real bytes, bound the pages (a row claiming 2**40 pages must not take the start down).
     pages_held = 0
-    for first, n, offset, alloc, blob, token_blob in recs:
+    for first, n, offset, alloc, blob, token_blob, _, _ in recs:
         if not _ints(first, n, offset, alloc) or n < 1:
             raise Damaged("bad_row", f"a piece row has the wrong type or no pages (page {first!r})")
         if first >= num_pages:
@@ -133,11 +159,11 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
         raise Damaged("missing_pieces", f"pieces cover {pages_held} of {num_pages} pages")
     pieces, sums, covered = [], np.empty(num_pages, dtype=np.uint64), 0
     hashes = tokens.empty(num_pages)
-    for first, n, offset, alloc, blob, token_blob in recs:
+    for first, n, offset, alloc, blob, token_blob, codec, codes in recs:
         if first != covered or covered >= num_pages:
             break
         keep = min(n, num_pages - first)
-        pieces.append(Piece(offset, alloc, first, keep))
+        pieces.append(Piece(offset, alloc, first, n, _codes(spec, first, n, alloc, codec, codes)).head(keep))
         sums[first : first + keep] = np.frombuffer(blob, dtype="<u8")[:keep]
         if token_blob:
             hashes[first : first + keep] = np.frombuffer(token_blob, dtype=np.uint8).reshape(n, -1)[:keep]

@@ -12,15 +12,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tierd.codecs.stored import PageCodes
+
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Pages [first_page, first_page + n_pages) stored at offset, page_bytes apart."""
+    """Pages [first_page, first_page + n_pages) stored at offset, a page's
+    stride apart; or, with codes, coded and back to back (codes: how)."""
 
     offset: int
     alloc_bytes: int
     first_page: int
     n_pages: int
+    codes: PageCodes | None = None
+
+    def head(self, n_pages: int) -> Piece:
+        """The piece cut to its first n_pages pages (its allocation unchanged)."""
+        if n_pages == self.n_pages:
+            return self
+        codes = self.codes.part(0, n_pages) if self.codes is not None else None
+        return Piece(self.offset, self.alloc_bytes, self.first_page, n_pages, codes)
+
+    def bytes_before(self, k: int, stride: int) -> int:
+        """Where the piece's page k starts, from its offset."""
+        return self.codes.offset_of(k) if self.codes is not None else k * stride
+
+    def held_bytes(self, stride: int) -> int:
+        """The bytes its pages take from its offset on."""
+        return self.codes.stored if self.codes is not None else self.n_pages * stride
 
 
 class ExtentAllocator:

@@ -25,8 +25,8 @@ from tierd.errors import InvalidArgument
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer import memory
 from tierd.transfer.engine_copies import EngineCopies, EngineMemory
-from tierd.transfer.pages import DEFAULT_WINDOW, clip
-from tierd.transfer.runs import Geometry, Span
+from tierd.transfer.pages import DEFAULT_WINDOW
+from tierd.transfer.runs import Geometry, Span, clip
 
 __all__ = ["DEFAULT_WINDOW", "CopyEngine", "EngineMemory", "PageWriter"]
 

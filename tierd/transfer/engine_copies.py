@@ -26,8 +26,8 @@ from tierd.layout import EngineLayout
 from tierd.tiers import FILE
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer import gpu, memory
-from tierd.transfer.pages import PageCopier, clip
-from tierd.transfer.runs import Geometry, Span, block_runs
+from tierd.transfer.pages import PageCopier
+from tierd.transfer.runs import Geometry, Span, block_runs, clip
 
 
 @dataclass(eq=False)

@@ -24,7 +24,8 @@ from tierd.errors import DataLoss
 from tierd.tiers import FILE, MEMORY
 from tierd.tiers.fileops import aligned_buffer
 from tierd.tiers.ioqueue import IOClass, wait_all
-from tierd.transfer import gpu, memory
+from tierd.transfer import coded, gpu, memory
+from tierd.transfer.coded import TierCoding
 from tierd.transfer.routes import route_of
 from tierd.transfer.runs import Geometry, Span, overlap_runs
 
@@ -38,8 +39,9 @@ HASH_CHUNK = 8 << 20  # host saves copy, then hash, this much at a time: it stay
 class PageCopier:
     def __init__(self, tiers: dict[str, Any], window_bytes: int = DEFAULT_WINDOW,
                  verify_tiers: tuple[str, ...] = (), hash_chunk_bytes: int = HASH_CHUNK,
-                 kernels: gpu.Kernels | None = None) -> None:
+                 kernels: gpu.Kernels | None = None, codings: dict[str, TierCoding] | None = None) -> None:
         self.tiers = tiers
+        self.codings = codings or {}  # file tiers whose pages are coded on their way there
         self.window_bytes = window_bytes
         self.hash_chunk_bytes = hash_chunk_bytes
         self.kernels = kernels  # GPU copies and checksums in one launch, where CUDA is present
@@ -145,17 +147,19 @@ class PageCopier:
         says it checks them (as it uses them: in cache, or on the event loop in
         small steps). Spans of memory tiers come out whole, as views (no copy);
         spans of a file tier (disk) through staging buffers (aligned host
-        memory, or GPU memory with on_device), read_ahead windows ahead of the
-        caller."""
+        memory, or GPU memory with on_device; coded spans decoded into host
+        memory), read_ahead windows ahead of the caller."""
         stride = geom.stride
         per_window = max(1, self.window_bytes // stride)
-        file_jobs: list[tuple[int, int, int]] = []  # windows of file_tier, read together
+        file_jobs: list[Span] = []  # windows of file_tier, read together
         file_tier = ""
         for span in spans:
             if self.tiers[span.tier].medium != FILE or span.tier != file_tier:
                 yield from self._read_windows(file_tier, file_jobs, geom, checksums, io_class, on_device, read_ahead)
                 file_jobs, file_tier = [], ""
             if self.tiers[span.tier].medium != FILE:
+                if span.codes is not None:
+                    raise ValueError(f"the {span.tier} tier holds no coded pages")
                 buf = self.view(span.tier, span.offset, span.n_pages * stride)
                 if (handout or span.tier in self.verify_tiers) and not (host_checked_by_caller and
                                                                          self._host_view(span.tier, buf)):
@@ -163,43 +167,59 @@ class PageCopier:
                 yield span.first_page, span.n_pages, span.tier, buf
                 continue
             file_tier = span.tier
-            for k in range(0, span.n_pages, per_window):
-                count = min(per_window, span.n_pages - k)
-                file_jobs.append((span.first_page + k, count, span.offset + k * stride))
+            file_jobs += [span.part(k, min(per_window, span.n_pages - k), stride)
+                          for k in range(0, span.n_pages, per_window)]
         yield from self._read_windows(file_tier, file_jobs, geom, checksums, io_class, on_device, read_ahead)
 
-    def _read_windows(self, tier: str, jobs: list[tuple[int, int, int]], geom: Geometry, checksums: np.ndarray,
+    def _read_windows(self, tier: str, jobs: list[Span], geom: Geometry, checksums: np.ndarray,
                       io_class: int, on_device: bool = False,
                       read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
         """Read windows of a file tier read_ahead deep: while the caller uses
         one window, the next ones are already being read. Each is checked
-        before the caller sees it."""
+        (coded ones decoded first) before the caller sees it."""
         if not jobs:
             return
         file = self.tiers[tier]
         stride = geom.stride
-        size = max(min(self.window_bytes, max(c for _, c, _ in jobs) * stride), stride)
-        buffers = [self._bounce(size, on_device) for _ in range(min(read_ahead, len(jobs)))]
+        size = max(min(self.window_bytes, max(j.n_pages for j in jobs) * stride), stride)
+        depth = min(read_ahead, len(jobs))
+        extents = [coded.extent(j) for j in jobs if j.codes is not None]
+        on_device = on_device and not extents  # coded pages are decoded on the host
+        buffers = [self._bounce(size, on_device) for _ in range(depth)]
+        coded_size = max((hi - lo for lo, hi in extents), default=0)
+        staging = [aligned_buffer(coded_size) for _ in range(depth)] if extents else []
         pending: dict[int, tuple[list[Future], float]] = {}
 
         def start(i: int) -> None:
             if i < len(jobs):
-                _, count, offset = jobs[i]
-                buf = buffers[i % len(buffers)][: count * stride]
-                pending[i] = (file.read_async(offset, buf, io_class), time.perf_counter())
+                job = jobs[i]
+                if job.codes is None:
+                    at, buf = job.offset, buffers[i % depth][: job.n_pages * stride]
+                else:
+                    at, hi = coded.extent(job)
+                    buf = staging[i % depth][: hi - at]
+                pending[i] = (file.read_async(at, buf, io_class), time.perf_counter())
 
-        for i in range(len(buffers)):
+        for i in range(depth):
             start(i)
         try:
-            for i, (page, count, _) in enumerate(jobs):
+            for i, job in enumerate(jobs):
                 futures, t0 = pending.pop(i)
                 wait_all(futures)
-                self.record(f"{tier}->device" if on_device else f"{tier}->host", count * stride,
+                buf = buffers[i % depth][: job.n_pages * stride]
+                if job.codes is not None:
+                    lo, _ = coded.extent(job)
+                    t1 = time.perf_counter()
+                    coded.decode_window(staging[i % depth][job.offset - lo :], job, geom, buf)
+                    self._coded_read(tier, job, geom, time.perf_counter() - t1, time.perf_counter() - t0)
+                elif tier in self.codings:
+                    self.codings[tier].measured("none", "read", job.n_pages * geom.page_bytes,
+                                                time.perf_counter() - t0)
+                self.record(f"{tier}->device" if on_device else f"{tier}->host", job.n_pages * stride,
                             time.perf_counter() - t0)
-                buf = buffers[i % len(buffers)][: count * stride]
-                self.verify(buf, page, count, geom, checksums, tier)
-                yield page, count, tier, buf
-                start(i + len(buffers))  # the caller is done with this buffer
+                self.verify(buf, job.first_page, job.n_pages, geom, checksums, tier)
+                yield job.first_page, job.n_pages, tier, buf
+                start(i + depth)  # the caller is done with this buffer
         finally:
             for futures, _ in pending.values():
                 try:
@@ -207,6 +227,15 @@ class PageCopier:
                 except BaseException:
                     pass
             self._return_bounce(buffers, on_device)
+
+    def _coded_read(self, tier: str, job: Span, geom: Geometry, decoding: float, seconds: float) -> None:
+        """Count a coded window read: decode time in the codec's metrics, read time for auto."""
+        assert job.codes is not None
+        nbytes = job.n_pages * geom.page_bytes
+        coding = self.codings.get(tier)
+        if coding is not None:
+            coding.measured(job.codes.codec, "read", nbytes, seconds)
+            coding.events.coded(job.codes.codec, "decode", nbytes, job.codes.stored, decoding)
 
     # -- tier <-> tier -------------------------------------------------------
 
@@ -229,24 +258,3 @@ class PageCopier:
         spans = sorted(spans, key=lambda s: s.first_page)
         return self._page_sums([(self.view(s.tier, s.offset, s.n_pages * geom.stride), s.first_page, s.n_pages)
                                 for s in spans], geom)
-
-
-def clip(spans: list[Span], n_pages: int) -> list[Span]:
-    """The spans' parts below page n_pages, in page order."""
-    out = []
-    for s in sorted(spans, key=lambda s: s.first_page):
-        if s.first_page >= n_pages:
-            break
-        out.append(Span(s.first_page, min(s.n_pages, n_pages - s.first_page), s.tier, s.offset))
-    return out
-
-
-def between(spans: list[Span], start: int, stop: int, stride: int) -> list[Span]:
-    """The spans' parts in pages [start, stop), in page order (pages stride
-    bytes apart in their tiers)."""
-    out = []
-    for s in clip(spans, stop):
-        skip = max(0, start - s.first_page)
-        if skip < s.n_pages:
-            out.append(Span(s.first_page + skip, s.n_pages - skip, s.tier, s.offset + skip * stride))
-    return out

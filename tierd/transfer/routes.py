@@ -17,6 +17,7 @@ promotion.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ import numpy as np
 from tierd.tiers import FILE, MEMORY
 from tierd.tiers.fileops import aligned_buffer
 from tierd.transfer import memory
-from tierd.transfer.runs import Geometry, MoveRun, Span
+from tierd.transfer.runs import Geometry, MoveRun
 
 if TYPE_CHECKING:
     from tierd.transfer.pages import PageCopier
@@ -100,17 +101,21 @@ def memory_to_file(copier: PageCopier, run: MoveRun, geom: Geometry, checksums: 
 @route(FILE, MEMORY)
 def file_to_memory(copier: PageCopier, run: MoveRun, geom: Geometry, checksums: np.ndarray, io_class: int) -> None:
     """Read straight into the view where the file tier takes that memory
-    (host arrays; VRAM through GPUDirect Storage), else through the copy
-    engine's staging windows (read ahead), each checked before it is copied on."""
+    (host arrays; VRAM through GPUDirect Storage) and its pages lie there as
+    they are, else through the copy engine's staging windows (read ahead;
+    coded pages decoded), each checked before it is copied on."""
     file, stride = copier.tiers[run.src_tier], geom.stride
     dst = copier.view(run.dst_tier, run.dst_offset, run.count * stride)
-    if file.takes(dst):
+    if file.takes(dst) and run.src_codes is None:
+        t0 = time.perf_counter()
         file.read(run.src_offset, dst, io_class)
         copier.add_copies()
         copier.verify(dst, run.page, run.count, geom, checksums, run.src_tier)
+        if run.src_tier in copier.codings:  # (auto weighs reads of pages as they are against coded ones)
+            copier.codings[run.src_tier].measured("none", "read", run.count * geom.page_bytes,
+                                                  time.perf_counter() - t0)
         return
-    span = Span(run.page, run.count, run.src_tier, run.src_offset)
-    for first, count, _, buf in copier.windows([span], geom, checksums, io_class):
+    for first, count, _, buf in copier.windows([run.src], geom, checksums, io_class):
         part = dst[(first - run.page) * stride : (first - run.page + count) * stride]
         memory.copy(part, buf[: count * stride])
         memory.synchronize(part)

@@ -25,7 +25,7 @@ version was coded with is the manifest's: one this node does not know is a
 clear error (FAILED_PRECONDITION), not a page.
 
 `auto` chooses, for each publish, lossless or none, whichever measured
-faster on this node end to end (AutoChoice): where decoding is slower than
+faster on this node end to end (codecs/auto.py): where decoding is slower than
 the link (lossless in front of a fast network), coding costs more time
 than the bytes it saves.
 
@@ -35,8 +35,6 @@ thread of publish()), the RPC thread of the call that fetches, or a mover.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -44,6 +42,7 @@ import numpy as np
 
 from tierd import codecs
 from tierd.checksum import page_checksum
+from tierd.codecs.auto import AUTO, AutoChoice, check_codec
 from tierd.core.events import StoreEvents
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import KVSpec
@@ -55,63 +54,6 @@ from tierd.transfer.runs import Geometry
 BATCH_BYTES = 4 << 20  # pages coded at a time: large enough for the coder, small enough to stay in cache
 
 
-AUTO = "auto"  # lossless or none, whichever measures faster here (AutoChoice)
-EXPLORE_EVERY = 16  # one publish in this many takes the way auto did not choose, so that both stay measured
-EWMA = 0.3  # weight of the newest measurement in a way's average speed
-
-log = logging.getLogger("tierd.core.store")
-
-
-def check_codec(name: str) -> str:
-    """The codec's name (or auto): InvalidArgument for a name no codec has."""
-    return AUTO if name == AUTO else codecs.get(name).name
-
-
-class AutoChoice:
-    """`auto`: for each publish, lossless or none, whichever way measured
-    faster on this node: the seconds per logical byte its versions took to
-    publish and to fetch (fetches of other nodes' versions too), averaged
-    (EWMA); compared on fetches where both ways have been fetched, else on
-    publishes. A way not yet measured is tried first; after that, one
-    publish in EXPLORE_EVERY takes the other way. The choice is logged where
-    it changes, and shown in tierd_codec_auto. Thread-safe."""
-
-    WAYS = ("lossless", "none")
-
-    def __init__(self, tier: str, events: StoreEvents) -> None:
-        self.tier, self.events = tier, events
-        self._speeds: dict[tuple[str, str], float] = {}  # (way, "publish" or "fetch") -> bytes/s
-        self._lock = threading.Lock()
-        self._publishes = 0
-        self.chosen = ""
-
-    def measured(self, way: str, op: str, nbytes: int, seconds: float) -> None:
-        """A version coded `way` took seconds to publish or fetch (op) nbytes of pages."""
-        if way not in self.WAYS or nbytes <= 0 or seconds <= 0:
-            return
-        with self._lock:
-            old = self._speeds.get((way, op))
-            rate = nbytes / seconds
-            self._speeds[(way, op)] = rate if old is None else (1 - EWMA) * old + EWMA * rate
-
-    def choose(self) -> str:
-        """The way the next publish takes."""
-        with self._lock:
-            self._publishes += 1
-            untried = [w for w in self.WAYS if (w, "publish") not in self._speeds]
-            if untried:
-                return untried[0]
-            op = "fetch" if all((w, "fetch") in self._speeds for w in self.WAYS) else "publish"
-            best = max(self.WAYS, key=lambda w: self._speeds[(w, op)])
-            other = next(w for w in self.WAYS if w != best)
-            why = ", ".join(f"{w} {self._speeds[(w, op)] / 1e9:.2f} GB/s" for w in self.WAYS)
-            changed, self.chosen = best != self.chosen, best
-            explore = self._publishes % EXPLORE_EVERY == 0
-        if changed:
-            log.info("the %s tier's codec (auto) is %s: measured %s, by %ses", self.tier, best, why, op)
-            self.events.codec_chosen(self.tier, best, self.WAYS)
-        return other if explore else best
-
 
 class PageCoder:
     """The remote tier's codec (`codec`: a registered codec's name; "none":
@@ -122,7 +64,7 @@ class PageCoder:
         self.codec = check_codec(codec)
         self.tier = tier  # the remote tier's name, for errors
         self.events = events
-        self.auto = AutoChoice(tier, events) if self.codec == AUTO else None
+        self.auto = AutoChoice(tier, events.codec_chosen, ("publish", "fetch")) if self.codec == AUTO else None
         self.lossy_tenants = lossy_tenants
         self.max_error = max_error
 

@@ -64,19 +64,35 @@ class Describe:
 
     def info(self, s: Session) -> SessionInfo:
         snap = s.snap
+        coded = coded_copy(self.roles.versions, s.remote_codec, s.remote_stored, s.remote_error) \
+            if s.remote_durable and self.roles.versions else {}
+        for tier, (codec, stored) in local_codes(snap).items():
+            coded.setdefault("codecs", {})[tier] = codec
+            coded.setdefault("coded_bytes", {})[tier] = stored
         return SessionInfo(
             tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
             tier_bytes=snap.tier_bytes(), state=s.state.value,
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self.durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,
-            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s), rel_error=snap.rel_error,
-            **(coded_copy(self.roles.versions, s.remote_codec, s.remote_stored, s.remote_error)
-               if s.remote_durable and self.roles.versions else {}))
+            remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s), rel_error=snap.rel_error, **coded)
 
     def view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
         return SessionView(s.key, self.shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,
                            s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited, s.retry_at)
+
+
+def local_codes(snap: Snapshot) -> dict[str, tuple[str, int]]:
+    """tier -> (its codec, or codecs joined by "+" where some of its pieces
+    are coded and some not: "lossless+none"; the bytes its pages take
+    there) of each tier holding coded pages."""
+    out = {}
+    for tier, pieces in snap.placement.items():
+        names = {p.codes.codec if p.codes is not None else "none" for p in pieces}
+        if names - {"none"}:
+            stored = sum(p.codes.stored if p.codes is not None else p.n_pages * snap.spec.page_bytes for p in pieces)
+            out[tier] = ("+".join(sorted(names)), stored)
+    return out
 
 
 class IdleChecks:

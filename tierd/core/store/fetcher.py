@@ -38,7 +38,7 @@ from tierd.remote.manifest import Manifest
 from tierd.tiers import tier_rank
 from tierd.tiers.ioqueue import IOClass
 from tierd.transfer.copier import CopyEngine, EngineMemory
-from tierd.transfer.pages import between
+from tierd.transfer.runs import between
 from tierd.transfer.runs import Geometry
 from tierd.types import RestoreResult, SessionKey
 

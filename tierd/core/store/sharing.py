@@ -169,7 +169,7 @@ class Sharing:
         end = lo + (int(gaps[0]) if gaps.size else len(covered))
         lent: dict[str, list[Piece]] = {}
         for tier, pieces in good.items():
-            cut = [Piece(p.offset, p.alloc_bytes, p.first_page, min(p.n_pages, end - p.first_page))
+            cut = [p.head(min(p.n_pages, end - p.first_page))
                    for p in pieces if lo <= p.first_page < end]
             if cut:
                 self.holders.hold(tier, cut)
@@ -223,7 +223,7 @@ class Sharing:
         for p in theirs.pieces(tier):
             if p.first_page == at and at < hi and not self.holders.is_damaged(tier, p):
                 n = min(p.n_pages, hi - at)
-                out.append(Piece(p.offset, p.alloc_bytes, p.first_page, n))
+                out.append(p.head(n))
                 at += n
         return out
 
