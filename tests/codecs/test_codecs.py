@@ -18,6 +18,21 @@ from tierd.layout import KVSpec
 LAYERS, HEADS, DIM, BLOCK = 3, 2, 32, 16
 HEAD_MAJOR = "hf-dynamic-cache:layer,kv,head,token,dim"
 TOKEN_MAJOR = "layer,kv,token,head,dim"
+VLLM_CPU = "vllm:cpu:vec:[blocks,kv_heads,block_size,C]"  # per layer and head: K transposed, then V
+
+
+def in_order(x: torch.Tensor, arrangement: str) -> torch.Tensor:
+    """Pages [n, L, 2, H, T, D] as each arrangement orders them."""
+    if arrangement == TOKEN_MAJOR:
+        return x.permute(0, 1, 2, 4, 3, 5)
+    if arrangement == VLLM_CPU:
+        n = x.shape[0]
+        k = x[:, :, 0].transpose(-1, -2).reshape(n, LAYERS, HEADS, -1)
+        return torch.stack([k, x[:, :, 1].reshape(n, LAYERS, HEADS, -1)], dim=3)
+    return x
+
+
+ARRANGEMENTS = (HEAD_MAJOR, TOKEN_MAJOR, VLLM_CPU)
 # What each lossy codec promises of a page of real KV: its relative L2 error at most.
 BOUNDS = {"fp8": 0.07, "k16v8": 0.07, "int8": 0.02, "int4": 0.3}
 LOSSY = sorted(BOUNDS)
@@ -40,13 +55,11 @@ def kv():
     return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
 
 
-def pages_of(kv: torch.Tensor, dtype: torch.dtype, head_major: bool = True) -> np.ndarray:
+def pages_of(kv: torch.Tensor, dtype: torch.dtype, arrangement: str = HEAD_MAJOR) -> np.ndarray:
     """KV as pages [n, page_bytes] of BLOCK tokens each, in the arrangement's order."""
     n = kv.shape[3] // BLOCK
     x = kv.view(LAYERS, 2, HEADS, n, BLOCK, DIM).permute(3, 0, 1, 2, 4, 5)  # [n, L, 2, H, T, D]
-    if not head_major:
-        x = x.permute(0, 1, 2, 4, 3, 5)
-    return x.to(dtype).contiguous().view(torch.uint8).reshape(n, -1).numpy()
+    return in_order(x, arrangement).to(dtype).contiguous().view(torch.uint8).reshape(n, -1).numpy()
 
 
 def roundtrip(name: str, pages: np.ndarray, shape) -> tuple[codecs.Coded, np.ndarray]:
@@ -77,11 +90,11 @@ def test_lossless_codes_opaque_bytes_and_keeps_what_does_not_shrink():
 
 
 @pytest.mark.parametrize("name", LOSSY)
-@pytest.mark.parametrize("arrangement", [HEAD_MAJOR, TOKEN_MAJOR])
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
 def test_lossy_codecs_stay_within_their_bound_and_report_the_error_a_recomputation_finds(kv, name, arrangement):
     s = spec("bfloat16", arrangement)
     shape = codecs.page_shape(s)
-    pages = pages_of(kv, torch.bfloat16, head_major=arrangement == HEAD_MAJOR)
+    pages = pages_of(kv, torch.bfloat16, arrangement)
     coded, out = roundtrip(name, pages, shape)
     original = torch.from_numpy(pages).view(torch.bfloat16).double()
     decoded = torch.from_numpy(out).view(torch.bfloat16).double()
@@ -93,13 +106,19 @@ def test_lossy_codecs_stay_within_their_bound_and_report_the_error_a_recomputati
         assert coded.max_error[i] == pytest.approx(float(diff.abs().max()), rel=1e-3, abs=1e-6)
     assert coded.nbytes < pages.size / (1.2 if name == "k16v8" else 1.5)
     if name == "k16v8":  # K as it was, to the bit
-        keys = torch.from_numpy(out).view(torch.bfloat16).view(-1, LAYERS, 2, *shape_dims(arrangement))[:, :, 0]
-        want = torch.from_numpy(pages).view(torch.bfloat16).view(-1, LAYERS, 2, *shape_dims(arrangement))[:, :, 0]
-        assert torch.equal(keys, want)
+        assert torch.equal(shape.values(out)[:, :, 0], shape.values(pages)[:, :, 0])
 
 
-def shape_dims(arrangement: str) -> tuple[int, int, int]:
-    return (HEADS, BLOCK, DIM) if arrangement == HEAD_MAJOR else (BLOCK, HEADS, DIM)
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+def test_a_page_shape_reads_each_arrangement_as_the_kv_it_holds_and_writes_it_back(kv, arrangement):
+    shape = codecs.page_shape(spec("float32", arrangement))
+    pages = pages_of(kv, torch.float32, arrangement)
+    n = len(pages)
+    want = kv.view(LAYERS, 2, HEADS, n, BLOCK, DIM).permute(3, 0, 1, 2, 4, 5)
+    assert torch.equal(shape.values(pages), want)  # K is K, V is V, whatever order the bytes hold them in
+    out = np.empty_like(pages[0])
+    shape.write(want[1], out)
+    assert np.array_equal(out, pages[1])
 
 
 def test_fewer_bits_cost_more_error(kv):

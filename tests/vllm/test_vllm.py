@@ -53,7 +53,7 @@ def reference(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def world(model, reference, tmp_path_factory):
     root = tmp_path_factory.mktemp("tierd")
-    daemon = Daemon(root, "--host-idle", "1", "--writeback-idle", "0.3").start()
+    daemon = Daemon(root, "--host-idle", "1", "--writeback-idle", "0.3", "--codec", "disk=lossless").start()
     server = VllmServer(model[0], root / "vllm.log", tierd_socket=daemon.socket)
     try:
         server.wait()
@@ -73,6 +73,7 @@ def test_turn_two_resumes_from_disk_after_prefetch(world, reference):
         wait_for(lambda: c.stat("chat-1").tier_bytes.keys() == {"disk"})
         info = c.stat("chat-1")
         assert info.num_tokens == len(p1) + len(out1) - 1 and info.durable
+        assert info.codecs == {"disk": "lossless"} and info.coded_bytes["disk"] < info.size_bytes
         assert c.prefetch("chat-1") == "queued"
         assert c.wait_ready("chat-1", timeout=30) == (True, "host")
     r2 = server.complete(p2, OUT, session="chat-1")
@@ -81,6 +82,41 @@ def test_turn_two_resumes_from_disk_after_prefetch(world, reference):
     with daemon.client() as c:
         # turn 2 appended its new blocks: the snapshot now covers the whole second turn
         wait_for(lambda: c.stat("chat-1").num_tokens == len(p2) + OUT - 1)
+
+
+def test_the_pages_vllm_saves_hold_its_kv_in_the_order_the_lossy_codecs_read_them(world, reference, model):
+    """vLLM's CPU pages, read as tierd's codecs read them (K and V per
+    layer, head, token, dim), against the K and V transformers computes for
+    the same prompt with the same weights: a lossy codec scales and groups
+    what it thinks it does."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from tierd import codecs
+    from tierd.adapters.hf import forward
+
+    daemon, server = world
+    p1, out1, _, _ = reference[1]
+    assert server.complete(p1, OUT, session="layout")["token_ids"] == out1
+    with daemon.client() as c:
+        wait_for(lambda: c.stat("layout").num_tokens == len(p1) + OUT - 1)
+        info, data = c.stat("layout"), c.get("layout")
+    assert info.spec.arrangement.startswith("vllm:cpu:")  # and the ISA of its attention kernels
+    shape = codecs.page_shape(info.spec)
+    if shape is None:
+        pytest.skip(f"vLLM's pages here ({info.spec.arrangement}) are in a layout the lossy codecs do not read")
+    n = info.num_pages
+    saved = shape.values(np.frombuffer(data, dtype=np.uint8).reshape(n, -1))  # [n, L, 2, H, T, D]
+    saved = saved.permute(1, 2, 3, 0, 4, 5).reshape(shape.layers, 2, shape.heads, n * shape.tokens, shape.dim)
+    hf = AutoModelForCausalLM.from_pretrained(model[0], torch_dtype=torch.float32).eval()
+    cache = DynamicCache(config=hf.config)
+    forward(hf, torch.tensor([p1]), cache)
+    want = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+    t = min(len(p1), n * shape.tokens)
+    for kv in (0, 1):
+        got, ref = saved[:, kv, :, :t], want[:, kv, :, :t]
+        assert float((got - ref).norm() / ref.norm()) < 1e-3, ("K", "V")[kv]
 
 
 def test_a_new_conversation_starts_from_another_ones_system_prompt(world, reference):

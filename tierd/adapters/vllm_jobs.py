@@ -69,7 +69,21 @@ def spec_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVSpec:
     mc = vllm_config.model_config
     return KVSpec(mc.model, mc.revision or "", num_layers=len(group.layer_names), num_kv_heads=s.num_kv_heads,
                   head_dim=s.head_size, dtype=str(s.dtype).removeprefix("torch."), block_tokens=s.block_size,
-                  arrangement=f"vllm:{current_platform.device_name}:[blocks,kv_heads,block_size,C]")
+                  arrangement=f"vllm:{current_platform.device_name}:{_kernels(vllm_config, s)}"
+                              "[blocks,kv_heads,block_size,C]")
+
+
+def _kernels(vllm_config: VllmConfig, s: object) -> str:
+    """On the CPU, the ISA of vLLM's attention kernels and a colon: each lays
+    a block's bytes out its own way (a block saved by one is not another's),
+    so it is part of the pages' identity."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(s.dtype, s.block_size, s.head_size, vllm_config.cache_config.cache_dtype) + ":"
 
 
 def unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:

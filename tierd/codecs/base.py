@@ -13,10 +13,10 @@ code; never the event loop)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Protocol
-
-import importlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,24 +31,54 @@ if TYPE_CHECKING:
 # lossy codec's arithmetic; it is imported by the first call that needs it (a daemon that codes
 # nothing lossily never loads it).
 FLOATS = ("float32", "float16", "bfloat16")
-# Arrangements tierd knows the axes of, by how the arrangement string ends: each
-# (layer, K/V) slab of a page is [tokens, heads, dim] (token-major) or [heads, tokens, dim].
-# (vLLM's is not among them until its pages' K/V order is checked against a real engine.)
-HEAD_MAJOR = ("layer,kv,head,token,dim",)
-TOKEN_MAJOR = ("layer,kv,token,head,dim",)
+# Arrangements tierd knows the order of, by how the arrangement string ends: each names how
+# a layer's part of a page orders K and V, heads, tokens and dim. vLLM's CPU backend keeps a
+# layer's block as [heads, block_size, 2 * dim] in the layout of the kernels of its ISA; with
+# its "vec" kernels (checked against transformers' own K and V: tests/vllm), each head's K
+# transposed ([dim, tokens]), then its V ([tokens, dim]). Its other ISAs' layouts, and its GPU
+# backends', are not among them: their pages are coded lossless only.
+ORDERS = {
+    "layer,kv,head,token,dim": "kv,head,token,dim",
+    "layer,kv,token,head,dim": "kv,token,head,dim",
+    "vllm:cpu:vec:[blocks,kv_heads,block_size,C]": "head,kv:k-transposed",
+}
+
+
+def _in_order(order: str, c: torch.Tensor) -> torch.Tensor:
+    """A layer's canonical [2, heads, tokens, dim] in the order its bytes hold it (flattened)."""
+    import torch
+
+    if order == "kv,head,token,dim":
+        return c.reshape(-1)
+    if order == "kv,token,head,dim":
+        return c.permute(0, 2, 1, 3).reshape(-1)
+    if order == "head,kv:k-transposed":
+        heads = c.shape[1]
+        return torch.stack([c[0].transpose(1, 2).reshape(heads, -1), c[1].reshape(heads, -1)], dim=1).reshape(-1)
+    raise ValueError(f"no KV order {order!r}")
+
+
+@functools.cache
+def _positions(order: str, heads: int, tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index tensors (where, back) over a layer's elements: the layer's bytes
+    in their order are canonical[where], and canonical is layer[back]."""
+    import torch
+
+    where = _in_order(order, torch.arange(2 * heads * tokens * dim).view(2, heads, tokens, dim))
+    return where, torch.argsort(where)
 
 
 @dataclass(frozen=True, slots=True)
 class PageShape:
-    """How a KV page's bytes are laid out: per layer, K then V, each a slab
-    of heads x tokens x dim elements of dtype, head-major or token-major."""
+    """How a KV page's bytes are laid out: per layer, K and V, heads, tokens
+    and dim elements of dtype, in `order` (how a layer's bytes order them)."""
 
     layers: int
     heads: int
     tokens: int
     dim: int
     dtype: str
-    head_major: bool
+    order: str = "kv,head,token,dim"  # one of ORDERS' values
 
     @property
     def itemsize(self) -> int:
@@ -76,18 +106,19 @@ class PageShape:
         pages = np.ascontiguousarray(pages)
         if not pages.flags.writeable:  # (torch takes no read-only array: read, never written here)
             pages = pages.copy()
-        x = torch.from_numpy(pages.reshape(-1, self.page_bytes)).view(self.torch_dtype)
-        if self.head_major:
-            x = x.view(-1, self.layers, 2, self.heads, self.tokens, self.dim)
-        else:
-            x = x.view(-1, self.layers, 2, self.tokens, self.heads, self.dim).permute(0, 1, 2, 4, 3, 5)
-        return x.to(torch.float32)
+        x = torch.from_numpy(pages.reshape(-1, self.page_bytes)).view(self.torch_dtype).view(-1, self.layers,
+                                                                                            self.page_bytes // self.itemsize // self.layers)
+        if self.order != "kv,head,token,dim":
+            x = x[..., _positions(self.order, self.heads, self.tokens, self.dim)[1]]
+        return x.reshape(-1, self.layers, 2, self.heads, self.tokens, self.dim).to(torch.float32)
 
     def write(self, values: torch.Tensor, out: np.ndarray) -> None:
         """float32 [layers, 2, heads, tokens, dim] (one page) into its bytes, in its dtype and order."""
         import torch
 
-        x = values if self.head_major else values.permute(0, 1, 3, 2, 4)
+        x = values.reshape(self.layers, -1)
+        if self.order != "kv,head,token,dim":
+            x = x[:, _positions(self.order, self.heads, self.tokens, self.dim)[0]]
         out[:] = x.to(self.torch_dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
@@ -95,14 +126,10 @@ def page_shape(spec: KVSpec) -> PageShape | None:
     """The shape of the spec's pages, or None where a lossy codec cannot read them."""
     if spec.is_opaque:
         return None
-    arrangement = spec.arrangement
-    if arrangement.endswith(HEAD_MAJOR):
-        head_major = True
-    elif arrangement.endswith(TOKEN_MAJOR):
-        head_major = False
-    else:
+    order = next((o for end, o in ORDERS.items() if spec.arrangement.endswith(end)), None)
+    if order is None:
         return None
-    return PageShape(spec.num_layers, spec.num_kv_heads, spec.block_tokens, spec.head_dim, spec.dtype, head_major)
+    return PageShape(spec.num_layers, spec.num_kv_heads, spec.block_tokens, spec.head_dim, spec.dtype, order)
 
 
 def lossless_shape(spec: KVSpec) -> PageShape | None:
@@ -112,7 +139,7 @@ def lossless_shape(spec: KVSpec) -> PageShape | None:
     elements); None for opaque snapshots. Never one a lossy codec is given."""
     if spec.is_opaque:
         return None
-    return page_shape(spec) or PageShape(1, 1, spec.page_bytes // DTYPE_BYTES[spec.dtype], 1, spec.dtype, True)
+    return page_shape(spec) or PageShape(1, 1, spec.page_bytes // DTYPE_BYTES[spec.dtype], 1, spec.dtype)
 
 
 class Codec(Protocol):
