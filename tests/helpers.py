@@ -68,6 +68,7 @@ class Harness:
     remote_idle: float = 60.0  # write back: seconds idle on disk before a session is published
     remote_codec: str = "none"  # what pages are coded with on their way to the remote tier
     disk_codec: str = "none"  # and on their way to the disk tier
+    host_codec: str = "none"  # what the host tier re-codes idle sessions with to make room ("none": nothing)
     lossy_tenants: frozenset = frozenset()  # whose KV a lossy remote codec codes
     lossy_max_error: float = 0.05
     store: Store | None = None
@@ -84,7 +85,8 @@ class Harness:
                      remote=self.remote, remote_write=self.remote_write, remote_prefix=self.remote_prefix,
                      tenant_remote_quota=self.remote_quota, remote_queue=self.remote_queue,
                      remote_timeout=self.remote_timeout, remote_idle=self.remote_idle,
-                     codec={"disk": self.disk_codec, **({"remote": self.remote_codec} if self.remote else {})},
+                     codec={"disk": self.disk_codec, "host": self.host_codec,
+                            **({"remote": self.remote_codec} if self.remote else {})},
                      lossy_tenants=self.lossy_tenants,
                      lossy_max_error=self.lossy_max_error)
         self.machine = build(cfg, policy=self.policy, clock=self.clock, events=self.events, disk=self.disk,

@@ -25,6 +25,7 @@ from tierd.core.index import DiskIndex
 from tierd.core.store import Store
 from tierd.core.store import build as build_store
 from tierd.codecs.auto import check_codec
+from tierd.core.store.recoding import Recoding
 from tierd.core.store.remote import Remote
 from tierd.policy import PolicyConfig
 from tierd.sizes import format_size
@@ -265,14 +266,16 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
     for name, coding in codings.items():
         backends[f"{name}_codec"] = coding.codec
         log.info("%s tier: pages coded %s on their way there", name, coding.codec)
-    copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels, codings=codings)
+    copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels, codings=codings,
+                        events=events)
+    recoding = Recoding.of(cfg.codec.get(HOST, "none"), HOST, tiers, durable, cfg.lossy_tenants, cfg.lossy_max_error)
     remote, text = remote_tier(cfg)
     log.info("remote tier: %s", text)
     backends["remote"] = text
     index = DiskIndex(os.path.join(site.data_dir, "index.db")) if durable is not None else None
     try:
         store = build_store(tiers, copier, index, clock=clock, policy=policy, events=events, movers=cfg.movers,
-                            shm_prefix=site.shm_prefix, remote=remote)
+                            shm_prefix=site.shm_prefix, remote=remote, recoding=recoding)
     except BaseException:
         if index is not None:
             index.close()

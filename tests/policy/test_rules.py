@@ -65,6 +65,21 @@ def test_plan_eviction_is_all_or_nothing():
     assert [m.target for m in plan_eviction(d, "disk", 10, ALL, CFG)] == ["drop"]
 
 
+def test_a_tier_that_recodes_recodes_its_recodable_sessions_before_any_leaves_it():
+    views = [view("a", {"host": 40}, last=1, recodable=("host",)), view("b", {"host": 40}, last=2),
+             view("c", {"host": 40}, last=3, recodable=("host",)), view("p", {"host": 40}, pinned=True,
+                                                                     recodable=("host",))]
+    plan = plan_eviction(views, "host", 40, ALL, CFG, shrink=0.5)  # a re-code frees half: a and c, no eviction
+    assert [(m.key.session_id, m.target, m.reason) for m in plan] == [("a", "host", "recode"), ("c", "host", "recode")]
+    plan = plan_eviction(views, "host", 60, ALL, CFG, shrink=0.5)  # more: then b leaves, never a re-coded one
+    assert [(m.key.session_id, m.reason) for m in plan] == [("a", "recode"), ("c", "recode"), ("b", "capacity")]
+    assert plan_eviction(views, "host", 81, ALL, CFG, shrink=0.5) is None  # 20 + 20 + 40 is all it can
+    assert [m.reason for m in plan_eviction(views, "host", 40, ALL, CFG)] == ["capacity"]  # no shrink: no re-code
+    cfg = PolicyConfig(high_watermark=0.9, low_watermark=0.5)
+    moves = pressure_moves(views, "host", 160, 160, cfg, ALL, 0, shrink=0.5)
+    assert [(m.key.session_id, m.reason) for m in moves] == [("a", "recode"), ("c", "recode"), ("b", "pressure")]
+
+
 def test_budget_shrink_plans_demotions_or_refuses():
     views = [view("a", {"device": 50}, last=1), view("b", {"device": 50}, last=2, pinned=True)]
     assert budget_moves(views, "device", 100, 200, CFG, ALL) == []

@@ -137,7 +137,7 @@ def test_a_version_coded_with_a_codec_this_node_does_not_know_is_a_clear_error_t
 
 
 @pytest.mark.parametrize("flags, error", [
-    ({"codec": ["host=lossless"]}, "not 'host'"),
+    ({"codec": ["device=lossless"]}, "not 'device'"),
     ({"codec": ["remote"]}, "TIER=CODEC"),
     ({"codec": ["remote="]}, "names no codec"),
     ({"codec": ["remote=lossless"]}, "needs a remote tier"),

@@ -87,7 +87,7 @@ def test_pages_damaged_in_any_file_tier_are_caught_and_named_by_it(world):
     a, b = _spans(tiers, "disk", 3, geom), _spans(tiers, "nvme1", 3, geom)
     mixed = [Span(0, 3, "disk", a[0].offset), Span(3, 3, "nvme1", b[0].offset)]
     copier.move(host, mixed, geom, sums)
-    assert [(first, count, tier) for first, count, tier, _ in copier.windows(mixed, geom, sums)] == \
+    assert [(w.first, w.count, w.tier) for w in copier.windows(mixed, geom, sums)] == \
         [(0, 2, "disk"), (2, 1, "disk"), (3, 2, "nvme1"), (5, 1, "nvme1")]
     page = aligned_buffer(PAGE)
     tiers["nvme1"].read(b[0].offset + PAGE, page)

@@ -1,8 +1,8 @@
 """The byte streams: Put (chunks into the host tier, each checked, one copy
-on the loop) and Get (served from memory on the loop, from disk in batches
-built on the RPC threads). Each ends when its client makes no progress for
-the idle deadline, and gives back every byte and lock it held however it
-ends."""
+on the loop) and Get (served from memory on the loop; from disk, or pages
+coded in memory, in batches built on the RPC threads). Each ends when its
+client makes no progress for the idle deadline, and gives back every byte
+and lock it held however it ends."""
 
 from __future__ import annotations
 
@@ -101,9 +101,11 @@ class StreamCalls:
                     with self.ctx.inflight.hold(key.tenant, info.size_bytes):
                         # Get's messages go out already serialized (see add_to_server), one copy each.
                         await self.ctx.write(context, pb.GetResponse(header=info_to_pb(info)).SerializeToString())
-                        if info.tier is not None and kind_of(info.tier).medium == MEMORY:
-                            # In memory: ~0.1 ms per MiB on the loop itself. A thread hop per batch
-                            # measured half the throughput, the two threads taking turns on the GIL.
+                        if info.tier is not None and kind_of(info.tier).medium == MEMORY and \
+                                info.tier not in info.codecs:
+                            # In memory as it is: ~0.1 ms per MiB on the loop itself. A thread hop per batch
+                            # measured half the throughput, the two threads taking turns on the GIL. (Pages
+                            # coded there are decoded on the RPC threads, as disk pages are read.)
                             for data in reader:
                                 await self.ctx.write(context, chunk_message(data, reader.digest))
                         else:

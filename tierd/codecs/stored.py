@@ -1,9 +1,12 @@
 """How a run of pages lies coded in a tier (PageCodes): the codec, and each
 page's coded size and the XXH3 of its coded bytes, pages back to back from
 where the run starts, and the shape the codec reads them in (known from the
-session's spec, never stored). The disk tier's pieces carry one
-(core/index.py records the codec, sizes and sums with the piece); a copy of
-a span of pages carries its part. Plain data: any thread."""
+session's spec, never stored). Coded lossily (a copy the host tier re-coded
+to make room), also what each page decodes to: its checksum, and its
+relative L2 and largest absolute error against the page. The disk tier's
+pieces carry one (lossless only: core/index.py records the codec, sizes and
+sums with the piece); a copy of a span of pages carries its part. Plain
+data: any thread."""
 
 from __future__ import annotations
 
@@ -22,6 +25,15 @@ class PageCodes:
     sizes: np.ndarray  # uint32 [n]: each page's coded bytes
     sums: np.ndarray  # uint64 [n]: the XXH3 of each page's coded bytes
     shape: PageShape | None = None  # how the codec reads the pages (None: as bytes)
+    # Coded lossily: each page's checksum as it decodes, and its relative and largest error (None: exact).
+    checksums: np.ndarray | None = None
+    rel_error: np.ndarray | None = None
+    max_error: np.ndarray | None = None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether its pages decode to other than the pages they were coded from."""
+        return self.checksums is not None
 
     @property
     def n_pages(self) -> int:
@@ -45,7 +57,9 @@ class PageCodes:
         """The codes of the run's pages [start, start + count)."""
         if start == 0 and count == self.n_pages:
             return self
-        return PageCodes(self.codec, self.sizes[start : start + count], self.sums[start : start + count], self.shape)
+        at = slice(start, start + count)
+        return PageCodes(self.codec, self.sizes[at], self.sums[at], self.shape,
+                         *(a[at] if a is not None else None for a in (self.checksums, self.rel_error, self.max_error)))
 
     def same_as(self, other: PageCodes, n_pages: int) -> bool:
         """Whether both runs hold their first n_pages pages coded alike."""
@@ -53,7 +67,8 @@ class PageCodes:
             and bool(np.array_equal(self.sums[:n_pages], other.sums[:n_pages]))
 
     def to_bytes(self) -> bytes:
-        """Sizes (little-endian uint32), then sums (uint64)."""
+        """Sizes (little-endian uint32), then sums (uint64), of lossless codes."""
+        assert not self.lossy, "only lossless codes are recorded"
         return np.ascontiguousarray(self.sizes, dtype="<u4").tobytes() + \
             np.ascontiguousarray(self.sums, dtype="<u8").tobytes()
 

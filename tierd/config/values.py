@@ -94,8 +94,8 @@ def _host_port(text: Any) -> str:
     return value
 
 
-# Tiers a --codec may name: those whose pages are coded on their way there.
-CODED_TIERS = ("disk", "remote")
+# Tiers a --codec may name: those whose pages are coded on their way there (host: re-coded in place to make room).
+CODED_TIERS = ("disk", "host", "remote")
 
 
 def _codecs(text: Any) -> dict[str, str]:

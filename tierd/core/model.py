@@ -4,6 +4,9 @@ A snapshot is an ordered list of pages. Each tier holds some of them in
 pieces (contiguous extents); a page may be in several tiers, and since pages
 never change once stored, every copy of a page is as good as any other: the
 fastest is the one served, the lower ones are clean and cost nothing to drop.
+The one exception: a copy a memory tier re-coded lossily to make room, which
+its codes say decodes to other bytes (and with what error); it is served,
+but never read by a move, and its session keeps an exact copy on disk.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from tierd.core import tokens
 from tierd.layout import KVSpec
-from tierd.tiers import tier_order, tier_rank
+from tierd.tiers import MEMORY, kind_of, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
 from tierd.transfer.runs import Geometry, Span
 from tierd.types import SessionKey
@@ -48,8 +51,22 @@ class Snapshot:
 
     @property
     def rel_error(self) -> float:
-        """The worst relative error of a page served of it (0: every page exact)."""
-        return float(self.errors.max()) if self.errors.size else 0.0
+        """The worst relative error of a page a restore serves (0: every page exact)."""
+        served = self.served_errors()
+        return float(served.max()) if served.size else 0.0
+
+    def served_errors(self) -> np.ndarray:
+        """Per page, the relative error of the copy a restore serves: what the
+        content carries (errors), plus what a copy coded lossily adds, where
+        that copy is the one served (empty: every page exact)."""
+        if not any(p.codes is not None and p.codes.lossy for pieces in self.placement.values() for p in pieces):
+            return self.errors
+        lossy = [s for s in self.best_spans() if s.codes is not None and s.codes.lossy]
+        out = np.zeros(self.n_pages, dtype=np.float32)
+        out[: self.errors.size] = self.errors
+        for s in lossy:
+            out[s.first_page : s.first_page + s.n_pages] += s.codes.rel_error
+        return out
 
     def set_errors(self, first_page: int, errors: np.ndarray | None) -> None:
         """Pages from first_page on are new, with these errors (None: exact)."""
@@ -109,13 +126,17 @@ class Snapshot:
             mask &= self.covered(among)
         return _ranges(mask)
 
-    def best_spans(self, usable: tuple[str, ...] | list[str] | None = None) -> list[Span]:
-        """For each page, the fastest copy among usable tiers (default: all), as spans in page order."""
+    def best_spans(self, usable: tuple[str, ...] | list[str] | None = None, served: bool = True) -> list[Span]:
+        """For each page, the fastest copy among usable tiers (default: all), as
+        spans in page order. served False: only copies a move may read, not
+        those a memory tier re-coded to make room (serving copies: every page
+        of them has a copy on disk)."""
         spans: list[Span] = []
         stride = self.geometry.stride
         todo = np.ones(self.n_pages, dtype=bool)
         for tier in tier_order(self.placement if usable is None else usable):
-            for p in self.pieces(tier):
+            for p in self.pieces(tier) if served or kind_of(tier).medium != MEMORY else \
+                    [p for p in self.pieces(tier) if p.codes is None]:
                 part = todo[p.first_page : p.first_page + p.n_pages]
                 for first, count in _ranges(part):
                     codes = p.codes.part(first, count) if p.codes is not None else None

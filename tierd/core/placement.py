@@ -184,7 +184,7 @@ class Placement:
             self.free(target, borrowed)
             raise
         dst = [Span(p.first_page, p.n_pages, target, p.offset) for p in pieces]
-        src = [s for s in snap.best_spans() if s.tier != target]
+        src = [s for s in snap.best_spans(served=False) if s.tier != target]
         t0 = time.perf_counter()
         with self._copying(session, target, pieces + borrowed, "read"):
             moved = self.copier.move(src, dst, geom, snap.checksums, io_class) if dst else 0
@@ -230,7 +230,7 @@ class Placement:
         borrowed, missing = self.lending.borrow(session, durable, missing)
         pieces: list[Piece] = []
         if missing:
-            geom, src = snap.geometry, [s for s in snap.best_spans() if s.tier != durable]
+            geom, src = snap.geometry, [s for s in snap.best_spans(served=False) if s.tier != durable]
             coding = self.copier.codings.get(durable)
             codec = coding.choose() if coding is not None else "none"
             t0, epoch = time.perf_counter(), self.tiers[durable].epoch()

@@ -5,6 +5,7 @@ call returns a full answer or None, and changes nothing.
 """
 
 from tierd.policy.rules import (
+    RECODE,
     Advice,
     Move,
     PolicyConfig,
@@ -20,6 +21,7 @@ from tierd.policy.rules import (
 )
 
 __all__ = [
+    "RECODE",
     "Advice",
     "Move",
     "PolicyConfig",

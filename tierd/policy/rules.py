@@ -23,6 +23,7 @@ from tierd.tiers import ENGINE_LANDING, LANDING, durable_tier, is_tier, kind_of,
 from tierd.types import Advice, SessionKey
 
 DROP = "drop"
+RECODE = "recode"  # a Move's reason: re-code the session's copy in its tier (target) smaller, in place
 RETRY_FIRST = 1.0  # seconds before a session whose move failed is moved again...
 RETRY_MOST = 30.0  # ... doubling with each failure in a row, up to this
 
@@ -85,6 +86,7 @@ class SessionView:
     durable: bool = False
     awaited: bool = False  # prefetched and not yet used: the engine is about to come
     retry_at: float | None = None  # a move of it failed: no idle or pressure move before this time
+    recodable: tuple[str, ...] = ()  # tiers whose copy of it may be re-coded smaller in place (RECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,18 +132,38 @@ def eviction_order(views: Iterable[SessionView], tier: str, cfg: PolicyConfig) -
     return sorted(movable, key=lambda v: (v.awaited, _value(v, cfg), v.key))
 
 
-def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: Iterable[str],
-                  cfg: PolicyConfig, reason: str = "capacity", drop: bool = True) -> list[Move] | None:
-    """Moves that free at least `need` bytes of `tier`, or None if no set
-    can: evictions, or with drop False, moves that evict nothing (none out
-    of the lowest tier: its sessions would be dropped)."""
-    target = _next_lower(tier, present)
+def _recodes(order: list[SessionView], tier: str, need: int, shrink: float) -> tuple[list[Move], int]:
+    """Re-codes in place, least valuable first, of the sessions whose copy in
+    `tier` may be re-coded, each freeing `shrink` of its bytes there, until
+    `need` bytes would be free: before any session leaves the tier."""
     moves, freed = [], 0
-    for v in eviction_order(views, tier, cfg) if drop or target != DROP else ():
+    for v in order if shrink > 0 else ():
         if freed >= need:
             break
-        moves.append(Move(v.key, target, reason, evict=drop))
-        freed += v.tier_bytes[tier]
+        if tier in v.recodable:
+            moves.append(Move(v.key, tier, RECODE))
+            freed += int(shrink * v.tier_bytes[tier])
+    return moves, freed
+
+
+def plan_eviction(views: Iterable[SessionView], tier: str, need: int, present: Iterable[str],
+                  cfg: PolicyConfig, reason: str = "capacity", drop: bool = True,
+                  shrink: float = 0.0) -> list[Move] | None:
+    """Moves that free at least `need` bytes of `tier`, or None if no set
+    can: re-codes in place first, where the tier re-codes (shrink: the part
+    of a session's bytes a re-code frees); then evictions, or with drop
+    False, moves that evict nothing (none out of the lowest tier: its
+    sessions would be dropped)."""
+    target = _next_lower(tier, present)
+    order = eviction_order(views, tier, cfg)
+    moves, freed = _recodes(order, tier, need, shrink)
+    recoded = {mv.key for mv in moves}
+    for v in order if drop or target != DROP else ():
+        if freed >= need:
+            break
+        if v.key not in recoded:
+            moves.append(Move(v.key, target, reason, evict=drop))
+            freed += v.tier_bytes[tier]
     return moves if freed >= need else None
 
 
@@ -193,22 +215,27 @@ def idle_due(v: SessionView, cfg: PolicyConfig, present: Iterable[str]) -> float
 
 
 def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: int, cfg: PolicyConfig,
-                   present: Iterable[str], now: float) -> list[Move]:
-    """Above the high watermark, demote least valuable sessions until the
-    tier would be at the low watermark (as far as movable sessions allow).
-    Out of the lowest tier they would be dropped: there, only what is over
-    the budget goes (a budget lowered across a restart), never while the
-    tier has room. A session held off after a failed move is left, its
-    bytes counted as if moved: more valuable sessions do not go in its place."""
+                   present: Iterable[str], now: float, shrink: float = 0.0) -> list[Move]:
+    """Above the high watermark, re-code sessions in place where the tier
+    re-codes (shrink, as plan_eviction), then demote least valuable sessions
+    until the tier would be at the low watermark (as far as movable sessions
+    allow). Out of the lowest tier they would be dropped: there, only what is
+    over the budget goes (a budget lowered across a restart), never while the
+    tier has room. A session held off after a failed move is left, its bytes
+    counted as if moved: more valuable sessions do not go in its place."""
     target = _next_lower(tier, present)
     high, low = (1.0, 1.0) if target == DROP else (cfg.high_watermark, cfg.low_watermark)
     if budget <= 0 or used <= high * budget:
         return []
     need = used - int(low * budget)
-    moves, freed = [], 0
+    order = [v for v in eviction_order(views, tier, cfg) if not _held_off(v, now)]
+    moves, freed = _recodes(order, tier, need, shrink)
+    recoded = {mv.key for mv in moves}
     for v in eviction_order(views, tier, cfg):
         if freed >= need:
             break
+        if v.key in recoded:
+            continue
         if not _held_off(v, now):
             moves.append(Move(v.key, target, "pressure", evict=True))
         freed += v.tier_bytes[tier]

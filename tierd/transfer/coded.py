@@ -19,6 +19,7 @@ write-backs), RPC threads (restores, promotions), never the event loop.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ from tierd.tiers.allocator import Piece
 from tierd.tiers.fileops import ALIGN, aligned_buffer
 from tierd.transfer import memory
 from tierd.transfer.runs import Geometry, Span, between
+from tierd.transfer.workers import run_jobs
 
 BATCH_BYTES = 16 << 20  # logical bytes of pages coded into one piece
+PAGES_A_JOB = 4  # pages a CPU worker codes or decodes at a time
 
 
 class CodingEvents(Protocol):
@@ -77,27 +80,36 @@ class CodedBatch:
     seconds: float  # spent coding them
 
 
-def encode_windows(windows: Iterator[tuple[int, int, str, Any]], geom: Geometry, codec_name: str,
-                   shape: codecs.PageShape | None) -> Iterator[CodedBatch]:
+def encode_windows(windows: Iterator[Any], geom: Geometry, codec_name: str, shape: codecs.PageShape | None,
+                   bounds: np.ndarray | None = None) -> Iterator[CodedBatch]:
     """The pages of windows (as PageCopier.windows gives them) coded, a batch
-    at a time; each batch's data is valid until the next is asked for."""
+    at a time; each batch's data is valid until the next is asked for. A
+    lossy codec (whole KV pages of a shape it reads) decodes each page again
+    at once and measures its error (codecs.code): a page past its bound
+    (bounds: each page's, by page number) is kept as it is; the codes record
+    what each page decodes to."""
     codec = codecs.get(codec_name)
     stride = geom.stride
     per_batch = max(1, BATCH_BYTES // stride)
     out = aligned_buffer(0)
-    for first, count, _, buf in windows:
-        host = memory.to_host(buf)
+    for w in windows:
+        first, count, host = w.first, w.count, memory.to_host(w.buf)
         for k in range(0, count, per_batch):
             n = min(per_batch, count - k)
             page = first + k
             rows = host[k * stride : (k + n) * stride]
             t0 = time.perf_counter()
             whole = n if geom.size_of(page + n - 1) == geom.page_bytes else n - 1
-            blobs = codec.encode(rows[: whole * stride].reshape(whole, stride)[:, : geom.page_bytes], shape) \
-                if whole else []
-            if whole < n:  # a short last page (opaque bytes): coded alone, as bytes
-                blobs += codec.encode(rows[whole * stride : whole * stride + geom.size_of(page + n - 1)]
-                                      .reshape(1, -1), None)
+            pages = rows[: whole * stride].reshape(whole, stride)[:, : geom.page_bytes]
+            lossy = None
+            if codec.lossy:
+                assert bounds is not None and whole == n, "a lossy codec codes whole KV pages, within bounds"
+                blobs, lossy = _lossy(codec, pages, shape, bounds[page : page + n])
+            else:
+                blobs = encode_pages(codec, pages, shape)
+                if whole < n:  # a short last page (opaque bytes): coded alone, as bytes
+                    blobs += codec.encode(rows[whole * stride : whole * stride + geom.size_of(page + n - 1)]
+                                          .reshape(1, -1), None)
             sizes = np.array([len(b) for b in blobs], dtype=np.uint32)
             total = int(sizes.sum(dtype=np.int64))
             if out.nbytes < -(-total // ALIGN) * ALIGN:
@@ -108,8 +120,37 @@ def encode_windows(windows: Iterator[tuple[int, int, str, Any]], geom: Geometry,
                 at += len(blob)
             data = out[: -(-total // ALIGN) * ALIGN]
             data[total:] = 0
-            codes = PageCodes(codec.name, sizes, np.array([page_checksum(b) for b in blobs], dtype=np.uint64), shape)
+            codes = PageCodes(codec.name, sizes, np.array([page_checksum(b) for b in blobs], dtype=np.uint64), shape,
+                              *(lossy or ()))
             yield CodedBatch(page, n, data, codes, time.perf_counter() - t0)
+
+
+def encode_pages(codec: codecs.Codec, pages: np.ndarray, shape: codecs.PageShape | None) -> list[bytes]:
+    """Pages coded by a lossless codec, a share of them on each CPU worker (zstd codes without the GIL)."""
+    parts = [(lo, min(lo + PAGES_A_JOB, len(pages))) for lo in range(0, len(pages), PAGES_A_JOB)]
+    out: list[list[bytes]] = [[] for _ in parts]
+
+    def job(i: int) -> None:
+        out[i] = codec.encode(pages[parts[i][0] : parts[i][1]], shape)
+
+    run_jobs([functools.partial(job, i) for i in range(len(parts))])
+    return [blob for part in out for blob in part]
+
+
+def _lossy(codec: codecs.Codec, pages: np.ndarray, shape: codecs.PageShape | None,
+           bounds: np.ndarray) -> tuple[list[bytes], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Pages coded lossily, each past its bound kept as it is: their blobs,
+    and what each decodes to (checksums), and its relative and largest error."""
+    coded = codecs.code(codec, pages, shape, keep=True)
+    blobs, rel, worst = coded.blobs, coded.rel_error.copy(), coded.max_error.copy()
+    sums = np.empty(len(pages), dtype=np.uint64)
+    for i, page in enumerate(pages):
+        if coded.decoded is None or not rel[i] <= bounds[i]:  # (NaN: not within it)
+            blobs[i], rel[i], worst[i] = codecs.as_is(page), 0.0, 0.0
+            sums[i] = page_checksum(page)
+        else:
+            sums[i] = page_checksum(coded.decoded[i])
+    return blobs, (sums, rel, worst)
 
 
 def extent(span: Span) -> tuple[int, int]:
@@ -127,8 +168,17 @@ def decode_window(coded: np.ndarray, span: Span, geom: Geometry, out: np.ndarray
     assert codes is not None
     codec = codecs.get(codes.codec)
     offsets = codes.offsets
+    run_jobs([functools.partial(_decode_pages, codec, coded, offsets, span, geom, out, lo,
+                                min(lo + PAGES_A_JOB, span.n_pages)) for lo in range(0, span.n_pages, PAGES_A_JOB)])
+
+
+def _decode_pages(codec: codecs.Codec, coded: np.ndarray, offsets: np.ndarray, span: Span, geom: Geometry,
+                  out: np.ndarray, lo: int, hi: int) -> None:
+    """decode_window's pages [lo, hi) of the span (a CPU worker's share)."""
+    codes = span.codes
+    assert codes is not None
     stride = geom.stride
-    for i in range(span.n_pages):
+    for i in range(lo, hi):
         page = span.first_page + i
         blob = coded[offsets[i] : offsets[i + 1]]
         if page_checksum(blob) != int(codes.sums[i]):
@@ -170,7 +220,6 @@ def write(copier: Any, tier: str, src: list[Span], ranges: list[tuple[int, int]]
             copier.add_copies()
             stored, seconds = stored + batch.codes.stored, seconds + batch.seconds
     nbytes = sum(count for _, count in ranges) * geom.page_bytes
-    coding = copier.codings.get(tier)
-    if coding is not None:
-        coding.events.coded(codec, "encode", nbytes, stored, seconds)
+    if copier.events is not None:
+        copier.events.coded(codec, "encode", nbytes, stored, seconds)
     copier.record(f"{src[0].tier}->{tier}", nbytes, time.perf_counter() - t0)

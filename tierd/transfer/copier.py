@@ -51,19 +51,18 @@ class CopyEngine(EngineCopies):
         # Host pages are checked one at a time as they go out: a Get from memory runs on the
         # event loop, and a whole snapshot checked at once would hold it ~4 ms per 100 MiB.
         # Two windows ahead: a Get goes out at network speed, and each open one holds its windows.
-        for first, count, tier, buf in self.windows(src, geom, checksums, io_class, handout=True,
-                                                    host_checked_by_caller=True, read_ahead=2):
-            checked_here = self._host_view(tier, buf)  # windows() left its pages to be checked here
-            host = memory.to_host(buf)
-            for i in range(count):
+        for w in self.windows(src, geom, checksums, io_class, handout=True, host_checked_by_caller=True,
+                              read_ahead=2):
+            first, host, sums = w.first, memory.to_host(w.buf), w.checksums(checksums)
+            for i in range(w.count):
                 size = geom.size_of(first + i)
                 page = memoryview(host[i * geom.stride : i * geom.stride + size])
-                if checked_here and page_checksum(page) != checksums[first + i]:
-                    self.verify(host[i * geom.stride : (i + 1) * geom.stride], first + i, 1, geom, checksums, tier)
+                if w.view and page_checksum(page) != sums[i]:  # (windows() left a view's pages to check here)
+                    self.verify(host[i * geom.stride : (i + 1) * geom.stride], first + i, 1, geom, checksums, w.tier)
                 while len(page):
                     if not filled and len(page) >= chunk_bytes:
                         whole = len(page) == size == chunk_bytes
-                        yield page[:chunk_bytes], int(checksums[first + i]) if whole else 0
+                        yield page[:chunk_bytes], int(sums[i]) if whole else 0
                         page = page[chunk_bytes:]
                         continue
                     take = min(len(page), chunk_bytes - filled)
@@ -89,9 +88,9 @@ class CopyEngine(EngineCopies):
         are cut where the snapshot's bytes reach a multiple of it, and each
         piece's pages are checked as it is asked for: the checks overlap what
         the caller does with the pieces before."""
-        for first, count, tier, buf in self.windows(src, geom, checksums, io_class, handout=handout,
-                                                    host_checked_by_caller=True):
-            if not self._host_view(tier, buf):
+        for w in self.windows(src, geom, checksums, io_class, handout=handout, host_checked_by_caller=True):
+            first, count, tier, buf = w.first, w.count, w.tier, w.buf
+            if not w.view:
                 held = not isinstance(buf, np.ndarray)  # to_host: a copy of its own
                 for view in _pages(memory.to_host(buf), first, count, geom):
                     yield view, held
@@ -128,11 +127,11 @@ class CopyEngine(EngineCopies):
                    io_class: int = IOClass.DEMAND) -> None:
         """Write pages [0, n_pages), each checked against its checksum, packed
         page_bytes apart into a lease's segment."""
-        for first, count, tier, buf in self.windows(clip(src, n_pages), geom, checksums, io_class, handout=True):
+        for w in self.windows(clip(src, n_pages), geom, checksums, io_class, handout=True):
             t0 = time.perf_counter()
-            segment.write_from(first * geom.page_bytes, _pages(memory.to_host(buf), first, count, geom))
+            segment.write_from(w.first * geom.page_bytes, _pages(memory.to_host(w.buf), w.first, w.count, geom))
             self.add_copies()
-            self.record(f"{tier}->lease", count * geom.page_bytes, time.perf_counter() - t0)
+            self.record(f"{w.tier}->lease", w.count * geom.page_bytes, time.perf_counter() - t0)
 
 
 class PageWriter:

@@ -5,17 +5,14 @@ layout, or, where the GPU kernels reach both sides, all of a call's runs in
 one kernel launch. Host copies go in pieces of about HASH_CHUNK on the CPU
 workers, each piece hashed (a save) or checked (a restore) while its bytes
 are still in cache. Runs on the RPC thread of the Save or Restore, and on
-this module's CPU workers.
+the CPU workers (workers.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +25,7 @@ from tierd.tiers.ioqueue import IOClass
 from tierd.transfer import gpu, memory
 from tierd.transfer.pages import PageCopier
 from tierd.transfer.runs import Geometry, Span, block_runs, clip
+from tierd.transfer.workers import run_jobs
 
 
 @dataclass(eq=False)
@@ -86,7 +84,7 @@ class EngineCopies(PageCopier):
             for c in range(0, run.count, per_chunk):
                 jobs.append(functools.partial(self._copy_and_hash, pairs, buf, c, min(c + per_chunk, run.count),
                                               run.page, first_page, geom, sums))
-        _run_jobs(jobs)
+        run_jobs(jobs)
         if launch:
             self.kernels.copy(launch, IOClass.DEMAND)  # every run and segment in one launch
             self.add_copies()
@@ -120,8 +118,9 @@ class EngineCopies(PageCopier):
         t_call = time.perf_counter()
         on_device = self._stages_on_device(engine)
         host_engine = all(isinstance(r, np.ndarray) for r in engine.regions)
-        for first, count, tier, buf in self.windows(clip(src, n), geom, checksums, io_class, on_device,
-                                                    handout=True, host_checked_by_caller=host_engine):
+        for w in self.windows(clip(src, n), geom, checksums, io_class, on_device, handout=True,
+                              host_checked_by_caller=host_engine):
+            first, count, tier, buf = w.first, w.count, w.tier, w.buf
             t0 = time.perf_counter()
             window = [Span(first, count, tier, 0)]
             pairs = []  # (first page of the run in the window, pages, engine rows, tier rows)
@@ -131,12 +130,12 @@ class EngineCopies(PageCopier):
                                       seg.stride, seg.nbytes)
                     src_rows = memory.rows(buf, run.offset + seg_off, run.count, geom.stride, seg.nbytes)
                     pairs.append((run.page - first, run.count, dst, src_rows))
-            if host_engine and self._host_view(tier, buf):  # windows() left its pages to be checked here
+            if host_engine and w.view:  # windows() left its pages to be checked here
                 self._copy_and_check(tier, buf, first, count, pairs, geom, checksums)
             elif self._reachable(*(v for pair in pairs for v in pair[2:])):
                 launch.extend(gpu.copy_of(d, s) for _, _, d, s in pairs)
                 launched_bytes[tier] = launched_bytes.get(tier, 0) + count * geom.page_bytes
-                if self.tiers[tier].medium == FILE:  # its staging buffer is reused for the next window
+                if w.staged:  # its staging buffer is reused for the next window
                     self._launch(launch, launched_bytes, io_class, t_call)
                 continue
             else:
@@ -171,7 +170,7 @@ class EngineCopies(PageCopier):
         fails the call: the engine's blocks it reached are not to be used. One
         copy per run and segment all the same, in pieces."""
         step = max(1, self.hash_chunk_bytes // geom.stride)
-        _run_jobs([functools.partial(self._copy_and_check_piece, tier, buf, first, a, min(count, a + step), pairs, geom,
+        run_jobs([functools.partial(self._copy_and_check_piece, tier, buf, first, a, min(count, a + step), pairs, geom,
                                      checksums) for a in range(0, count, step)])
 
     def _copy_and_check_piece(self, tier: str, buf: np.ndarray, first: int, a: int, b: int, pairs: list, geom: Geometry,
@@ -193,31 +192,3 @@ class EngineCopies(PageCopier):
             self.record(f"{tier}->engine", b, seconds)
         launch.clear()
         nbytes.clear()
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _run_jobs(jobs: list[Callable[[], None]]) -> None:
-    """Run the jobs on the CPU workers, each worker taking every n-th job, and
-    wait for all; the first error is raised once all are done."""
-    global _pool
-    workers = min(len(jobs), os.cpu_count() or 1)
-    if workers <= 1:
-        for job in jobs:
-            job()
-        return
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tierd-copy")
-    futures = [_pool.submit(_run_each, jobs[w::workers]) for w in range(workers)]
-    errors = [f.exception() for f in futures]
-    for exc in errors:
-        if exc is not None:
-            raise exc
-
-
-def _run_each(jobs: list[Callable[[], None]]) -> None:
-    for job in jobs:
-        job()

@@ -14,20 +14,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss
-from tierd.tiers import FILE, MEMORY
 from tierd.tiers.fileops import aligned_buffer
-from tierd.tiers.ioqueue import IOClass, wait_all
-from tierd.transfer import coded, gpu, memory
-from tierd.transfer.coded import TierCoding
+from tierd.tiers.ioqueue import IOClass
+from tierd.transfer import gpu, memory, windows
+from tierd.transfer.coded import CodingEvents, TierCoding
 from tierd.transfer.routes import route_of
 from tierd.transfer.runs import Geometry, Span, overlap_runs
+from tierd.transfer.windows import Window
 
 DEFAULT_WINDOW = 16 << 20
 EWMA_ALPHA = 0.3
@@ -39,9 +38,11 @@ HASH_CHUNK = 8 << 20  # host saves copy, then hash, this much at a time: it stay
 class PageCopier:
     def __init__(self, tiers: dict[str, Any], window_bytes: int = DEFAULT_WINDOW,
                  verify_tiers: tuple[str, ...] = (), hash_chunk_bytes: int = HASH_CHUNK,
-                 kernels: gpu.Kernels | None = None, codings: dict[str, TierCoding] | None = None) -> None:
+                 kernels: gpu.Kernels | None = None, codings: dict[str, TierCoding] | None = None,
+                 events: CodingEvents | None = None) -> None:
         self.tiers = tiers
         self.codings = codings or {}  # file tiers whose pages are coded on their way there
+        self.events = events  # where coding and decoding are counted (metrics), if anywhere
         self.window_bytes = window_bytes
         self.hash_chunk_bytes = hash_chunk_bytes
         self.kernels = kernels  # GPU copies and checksums in one launch, where CUDA is present
@@ -90,19 +91,17 @@ class PageCopier:
     def view(self, tier: str, offset: int, nbytes: int) -> Any:
         return self.tiers[tier].view(offset, nbytes)
 
-    def _host_view(self, tier: str, buf: Any) -> bool:
-        """Whether buf, a window of tier, is a view of a memory tier in host
-        memory: a caller that asked to can check its pages as it uses them."""
-        return self.tiers[tier].medium == MEMORY and isinstance(buf, np.ndarray)
-
     def verify(self, buf: Any, first_page: int, count: int, geom: Geometry, checksums: np.ndarray,
-               tier: str) -> None:
+               tier: str, want: np.ndarray | None = None) -> None:
+        """Check `count` pages from first_page on, a stride apart in buf, against
+        their checksums (want: theirs, where not the snapshot's)."""
+        want = checksums[first_page : first_page + count] if want is None else want
         got = self._page_sums([(buf, first_page, count)], geom)
-        bad = np.flatnonzero(got != checksums[first_page : first_page + count])
+        bad = np.flatnonzero(got != want)
         if bad.size:
             page = first_page + int(bad[0])
             raise DataLoss(f"page {page} failed its checksum in the {tier} tier", page=page, tier=tier,
-                           want=int(checksums[page]), got=int(got[bad[0]]))
+                           want=int(want[bad[0]]), got=int(got[bad[0]]))
 
     def _page_sums(self, parts: list[tuple[Any, int, int]], geom: Geometry) -> np.ndarray:
         """Checksums of the pages of each (buffer, first page, count), pages
@@ -139,103 +138,17 @@ class PageCopier:
 
     def windows(self, spans: list[Span], geom: Geometry, checksums: np.ndarray,
                 io_class: int = IOClass.DEMAND, on_device: bool = False, handout: bool = False,
-                host_checked_by_caller: bool = False,
-                read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
-        """(first page, count, tier, buffer) over the spans' pages, checked where
+                host_checked_by_caller: bool = False, read_ahead: int = READ_AHEAD) -> Iterator[Window]:
+        """Windows over the spans' pages (transfer/windows.py), checked where
         the tier is verified, or everywhere for a handout (bytes that leave the
         daemon); views of host memory are left to the caller to check where it
         says it checks them (as it uses them: in cache, or on the event loop in
-        small steps). Spans of memory tiers come out whole, as views (no copy);
-        spans of a file tier (disk) through staging buffers (aligned host
-        memory, or GPU memory with on_device; coded spans decoded into host
-        memory), read_ahead windows ahead of the caller."""
-        stride = geom.stride
-        per_window = max(1, self.window_bytes // stride)
-        file_jobs: list[Span] = []  # windows of file_tier, read together
-        file_tier = ""
-        for span in spans:
-            if self.tiers[span.tier].medium != FILE or span.tier != file_tier:
-                yield from self._read_windows(file_tier, file_jobs, geom, checksums, io_class, on_device, read_ahead)
-                file_jobs, file_tier = [], ""
-            if self.tiers[span.tier].medium != FILE:
-                if span.codes is not None:
-                    raise ValueError(f"the {span.tier} tier holds no coded pages")
-                buf = self.view(span.tier, span.offset, span.n_pages * stride)
-                if (handout or span.tier in self.verify_tiers) and not (host_checked_by_caller and
-                                                                         self._host_view(span.tier, buf)):
-                    self.verify(buf, span.first_page, span.n_pages, geom, checksums, span.tier)
-                yield span.first_page, span.n_pages, span.tier, buf
-                continue
-            file_tier = span.tier
-            file_jobs += [span.part(k, min(per_window, span.n_pages - k), stride)
-                          for k in range(0, span.n_pages, per_window)]
-        yield from self._read_windows(file_tier, file_jobs, geom, checksums, io_class, on_device, read_ahead)
-
-    def _read_windows(self, tier: str, jobs: list[Span], geom: Geometry, checksums: np.ndarray,
-                      io_class: int, on_device: bool = False,
-                      read_ahead: int = READ_AHEAD) -> Iterator[tuple[int, int, str, Any]]:
-        """Read windows of a file tier read_ahead deep: while the caller uses
-        one window, the next ones are already being read. Each is checked
-        (coded ones decoded first) before the caller sees it."""
-        if not jobs:
-            return
-        file = self.tiers[tier]
-        stride = geom.stride
-        size = max(min(self.window_bytes, max(j.n_pages for j in jobs) * stride), stride)
-        depth = min(read_ahead, len(jobs))
-        extents = [coded.extent(j) for j in jobs if j.codes is not None]
-        on_device = on_device and not extents  # coded pages are decoded on the host
-        buffers = [self._bounce(size, on_device) for _ in range(depth)]
-        coded_size = max((hi - lo for lo, hi in extents), default=0)
-        staging = [aligned_buffer(coded_size) for _ in range(depth)] if extents else []
-        pending: dict[int, tuple[list[Future], float]] = {}
-
-        def start(i: int) -> None:
-            if i < len(jobs):
-                job = jobs[i]
-                if job.codes is None:
-                    at, buf = job.offset, buffers[i % depth][: job.n_pages * stride]
-                else:
-                    at, hi = coded.extent(job)
-                    buf = staging[i % depth][: hi - at]
-                pending[i] = (file.read_async(at, buf, io_class), time.perf_counter())
-
-        for i in range(depth):
-            start(i)
-        try:
-            for i, job in enumerate(jobs):
-                futures, t0 = pending.pop(i)
-                wait_all(futures)
-                buf = buffers[i % depth][: job.n_pages * stride]
-                if job.codes is not None:
-                    lo, _ = coded.extent(job)
-                    t1 = time.perf_counter()
-                    coded.decode_window(staging[i % depth][job.offset - lo :], job, geom, buf)
-                    self._coded_read(tier, job, geom, time.perf_counter() - t1, time.perf_counter() - t0)
-                elif tier in self.codings:
-                    self.codings[tier].measured("none", "read", job.n_pages * geom.page_bytes,
-                                                time.perf_counter() - t0)
-                self.record(f"{tier}->device" if on_device else f"{tier}->host", job.n_pages * stride,
-                            time.perf_counter() - t0)
-                self.verify(buf, job.first_page, job.n_pages, geom, checksums, tier)
-                yield job.first_page, job.n_pages, tier, buf
-                start(i + depth)  # the caller is done with this buffer
-        finally:
-            for futures, _ in pending.values():
-                try:
-                    wait_all(futures)
-                except BaseException:
-                    pass
-            self._return_bounce(buffers, on_device)
-
-    def _coded_read(self, tier: str, job: Span, geom: Geometry, decoding: float, seconds: float) -> None:
-        """Count a coded window read: decode time in the codec's metrics, read time for auto."""
-        assert job.codes is not None
-        nbytes = job.n_pages * geom.page_bytes
-        coding = self.codings.get(tier)
-        if coding is not None:
-            coding.measured(job.codes.codec, "read", nbytes, seconds)
-            coding.events.coded(job.codes.codec, "decode", nbytes, job.codes.stored, decoding)
+        small steps). Spans of memory tiers come out whole, as views (no copy,
+        unless coded); spans of a file tier (disk) through staging buffers
+        (aligned host memory, or GPU memory with on_device; coded spans decoded
+        into host memory), read_ahead windows ahead of the caller."""
+        return windows.read(self, spans, geom, checksums, io_class, on_device, handout, host_checked_by_caller,
+                            read_ahead)
 
     # -- tier <-> tier -------------------------------------------------------
 

@@ -115,8 +115,8 @@ def file_to_memory(copier: PageCopier, run: MoveRun, geom: Geometry, checksums: 
             copier.codings[run.src_tier].measured("none", "read", run.count * geom.page_bytes,
                                                   time.perf_counter() - t0)
         return
-    for first, count, _, buf in copier.windows([run.src], geom, checksums, io_class):
-        part = dst[(first - run.page) * stride : (first - run.page + count) * stride]
-        memory.copy(part, buf[: count * stride])
+    for w in copier.windows([run.src], geom, checksums, io_class):
+        part = dst[(w.first - run.page) * stride : (w.first - run.page + w.count) * stride]
+        memory.copy(part, w.buf[: w.count * stride])
         memory.synchronize(part)
         copier.add_copies()

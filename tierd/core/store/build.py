@@ -36,6 +36,8 @@ from tierd.core.store.lifecycle import Lifecycle
 from tierd.core.store.link import RemoteLink
 from tierd.core.store.publisher import Publisher
 from tierd.core.store.reads import Reader
+from tierd.core.store.recode import Recoder
+from tierd.core.store.recoding import Recoding
 from tierd.core.store.remote import Committed, PublishQueue, Remote, RemoteBusy
 from tierd.core.store.remote_calls import RemoteCalls
 from tierd.core.store.segments import LeaseSegments
@@ -54,7 +56,7 @@ from tierd.transfer.copier import CopyEngine
 
 def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, clock: Clock | None = None,
           policy: PolicyConfig | None = None, events: StoreEvents | None = None, movers: int = 2,
-          shm_prefix: str | None = None, remote: Remote | None = None) -> Store:
+          shm_prefix: str | None = None, remote: Remote | None = None, recoding: Recoding | None = None) -> Store:
     """The store over these tiers (a durable one comes with its index), its
     sessions recovered from the index, and its threads started."""
     if (index is None) != (durable_tier(tiers) is None):
@@ -65,7 +67,7 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
     sharing = Sharing(lock, tiers)
     holders = sharing.holders
     table = SessionTable(lock, observers=[sharing])
-    describe = Describe(tiers, roles, policy, holders, sharing)
+    describe = Describe(tiers, roles, policy, holders, sharing, recoding)
     idle = IdleChecks(table, describe, policy, tiers)
     faults = Faults(events, lock, roles.durable, sharing.damage_holders)
     placement = Placement(tiers, copier, index, events, lock, holders, faults, sharing.lending,
@@ -88,7 +90,8 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
     segments = LeaseSegments(tiers, roles, policy, clock, shm_prefix)
     leases = Leases(table, writer, reader, segments, copier, roles, clock, events)
     lifecycle = Lifecycle(table, placement, describe, idle, moves, tiers, roles, clock, events)
-    upkeep = Upkeep(table, describe, idle, lifecycle, leases, moves, copier, tiers, roles, policy, clock)
+    recoder = Recoder(recoding, table, placement, copier, tiers, events) if recoding is not None else None
+    upkeep = Upkeep(table, describe, idle, lifecycle, leases, moves, copier, tiers, roles, policy, clock, recoder)
     inspection = Inspection(table, describe, placement, leases, moves, index, copier, tiers, roles)
     parts = None
     fetcher = None
@@ -103,7 +106,7 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
         sweeper = Sweeper(table, finder, link, remote)
         calls = RemoteCalls(table, lifecycle, fetcher, publisher, queue, busy, link, remote, roles)
         parts = RemoteParts(remote, link, queue, finder, fetcher, publisher, sweeper, calls)
-    jobs = Jobs(table, lifecycle, placement, fetcher, clock, events)
+    jobs = Jobs(table, lifecycle, placement, fetcher, clock, events, recoder)
     return Store(Parts(tiers, roles, table, sharing, describe, placement, writer, saves, reader, leases, lifecycle,
                        upkeep, inspection, moves, parts), index, copier, clock, policy, events, problems)
 

@@ -35,6 +35,7 @@ thread of publish()), the RPC thread of the call that fetches, or a mover.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Iterator
 
@@ -48,11 +49,21 @@ from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import KVSpec
 from tierd.remote.coded import Coding, source_of
 from tierd.remote.manifest import Manifest
+from tierd.transfer.coded import PAGES_A_JOB, encode_pages
 from tierd.transfer.copier import PageWriter
 from tierd.transfer.runs import Geometry
+from tierd.transfer.workers import run_jobs
 
 BATCH_BYTES = 4 << 20  # pages coded at a time: large enough for the coder, small enough to stay in cache
 
+
+
+def consents(lossy_tenants: frozenset[str], tenant: str, spec: KVSpec) -> bool:
+    """Whether a lossy codec may code this tenant's pages of this spec: the
+    tenant allows it (lossy_tenants; "*": every tenant), and the pages are
+    KV a lossy codec reads (an arrangement it knows, of 2- or 4-byte elements)."""
+    shape = codecs.page_shape(spec)
+    return (tenant in lossy_tenants or "*" in lossy_tenants) and shape is not None and shape.codable
 
 
 class PageCoder:
@@ -70,8 +81,7 @@ class PageCoder:
 
     def consents(self, tenant: str, spec: KVSpec) -> bool:
         """Whether a lossy codec may code this tenant's pages of this spec."""
-        shape = codecs.page_shape(spec)
-        return (tenant in self.lossy_tenants or "*" in self.lossy_tenants) and shape is not None and shape.codable
+        return consents(self.lossy_tenants, tenant, spec)
 
     def coding_for(self, tenant: str, spec: KVSpec, n_pages: int, carried: np.ndarray) -> Coding | None:
         """What a publish of the tenant's pages of this spec records of them
@@ -144,8 +154,7 @@ class PageCoder:
                     coding.rel_error[page + i], coding.max_error[page + i] = coded.rel_error[i], coded.max_error[i]
         else:
             whole = count if geom.size_of(page + count - 1) == geom.page_bytes else count - 1
-            blobs = codec.encode(flat[: whole * geom.page_bytes].reshape(whole, geom.page_bytes), shape) \
-                if whole else []
+            blobs = encode_pages(codec, flat[: whole * geom.page_bytes].reshape(whole, geom.page_bytes), shape)
             if whole < count:  # a short last page (opaque bytes): coded alone, as bytes
                 blobs += codec.encode(flat[whole * geom.page_bytes :].reshape(1, -1), None)
         coding.sizes[at] = [len(b) for b in blobs]
@@ -197,21 +206,27 @@ class Decoder:
         claims for it; how many pages are decoded."""
         t0 = time.perf_counter()
         m, offsets = self.m, self.offsets
+        ready = []  # (page, the memory it decodes into), in page order
         while self.decoded < m.n_pages and offsets[self.decoded + 1] <= received:
-            i = self.decoded
-            blob = self.coded[offsets[i] : offsets[i + 1]]
-            if page_checksum(blob) != int(self.coding.sums[i]):
-                raise DataLoss(f"page {i} failed its checksum in the remote tier (its coded bytes)", page=i,
-                               tier=self.tier)
-            (out,) = pages.claim(m.size_of(i))
-            short = m.size_of(i) < m.page_bytes
-            try:
-                self.codec.decode(memoryview(blob), None if short else self.shape, out)
-            except DataLoss as exc:
-                raise DataLoss(f"page {i} of the remote tier's copy does not decode: {exc}", page=i,
-                               tier=self.tier) from None
+            ready.append((self.decoded, pages.claim(m.size_of(self.decoded))[0]))
             self.decoded += 1
+        run_jobs([functools.partial(self._decode, ready[lo : lo + PAGES_A_JOB])
+                  for lo in range(0, len(ready), PAGES_A_JOB)])
         self.seconds += time.perf_counter() - t0
         if self.decoded == m.n_pages:
             self.events.coded(self.coding.codec, "decode", m.nbytes, self.coding.stored, self.seconds)
         return self.decoded
+
+    def _decode(self, pages: list[tuple[int, np.ndarray]]) -> None:
+        """Check and decode these pages (a CPU worker's share of decode_upto's)."""
+        m, offsets = self.m, self.offsets
+        for i, out in pages:
+            blob = self.coded[offsets[i] : offsets[i + 1]]
+            if page_checksum(blob) != int(self.coding.sums[i]):
+                raise DataLoss(f"page {i} failed its checksum in the remote tier (its coded bytes)", page=i,
+                               tier=self.tier)
+            try:
+                self.codec.decode(memoryview(blob), None if m.size_of(i) < m.page_bytes else self.shape, out)
+            except DataLoss as exc:
+                raise DataLoss(f"page {i} of the remote tier's copy does not decode: {exc}", page=i,
+                               tier=self.tier) from None

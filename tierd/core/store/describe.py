@@ -12,6 +12,7 @@ import numpy as np
 from tierd.core.holders import Holders
 from tierd.core.model import Session, Snapshot
 from tierd.core.roles import TierRoles
+from tierd.core.store.recoding import Recoding
 from tierd.core.store.remote_info import coded_copy
 from tierd.core.store.sharing import Sharing
 from tierd.core.store.table import SessionTable
@@ -21,12 +22,13 @@ from tierd.types import SessionInfo, SessionKey
 
 class Describe:
     def __init__(self, tiers: dict, roles: TierRoles, policy: PolicyConfig, holders: Holders,
-                 sharing: Sharing) -> None:
+                 sharing: Sharing, recoding: Recoding | None = None) -> None:
         self.tiers = tiers
         self.roles = roles
         self.policy = policy
         self.holders = holders
         self.sharing = sharing
+        self.recoding = recoding  # a tier that re-codes sessions in place to make room, if any
 
     def durable(self, s: Session) -> bool:
         """Durable, and none of its pages in a slab file deleted since it was written."""
@@ -66,9 +68,11 @@ class Describe:
         snap = s.snap
         coded = coded_copy(self.roles.versions, s.remote_codec, s.remote_stored, s.remote_error) \
             if s.remote_durable and self.roles.versions else {}
-        for tier, (codec, stored) in local_codes(snap).items():
+        for tier, (codec, stored, error) in local_codes(snap).items():
             coded.setdefault("codecs", {})[tier] = codec
             coded.setdefault("coded_bytes", {})[tier] = stored
+            if error:
+                coded.setdefault("tier_errors", {})[tier] = error
         return SessionInfo(
             tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
             tier_bytes=snap.tier_bytes(), state=s.state.value,
@@ -78,20 +82,27 @@ class Describe:
             remote_durable=s.remote_durable, shared_bytes=self.shared_bytes(s), rel_error=snap.rel_error, **coded)
 
     def view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
+        recodable = (self.recoding.tier,) if self.recoding is not None and self.recoding.may(s) else ()
         return SessionView(s.key, self.shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,
-                           s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited, s.retry_at)
+                           s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited, s.retry_at,
+                           recodable)
 
 
-def local_codes(snap: Snapshot) -> dict[str, tuple[str, int]]:
+def local_codes(snap: Snapshot) -> dict[str, tuple[str, int, float]]:
     """tier -> (its codec, or codecs joined by "+" where some of its pieces
     are coded and some not: "lossless+none"; the bytes its pages take
-    there) of each tier holding coded pages."""
+    there; the worst relative error of a page of its copy, 0 where exact)
+    of each tier holding coded pages."""
     out = {}
     for tier, pieces in snap.placement.items():
         names = {p.codes.codec if p.codes is not None else "none" for p in pieces}
         if names - {"none"}:
             stored = sum(p.codes.stored if p.codes is not None else p.n_pages * snap.spec.page_bytes for p in pieces)
-            out[tier] = ("+".join(sorted(names)), stored)
+            carried = np.zeros(snap.n_pages, dtype=np.float32)
+            carried[: snap.errors.size] = snap.errors
+            worst = max((float((p.codes.rel_error + carried[p.first_page : p.first_page + p.n_pages]).max())
+                         for p in pieces if p.codes is not None and p.codes.lossy and p.n_pages), default=0.0)
+            out[tier] = ("+".join(sorted(names)), stored, worst)
     return out
 
 

@@ -1,9 +1,9 @@
 """The mover's jobs, run on its threads: a prefetch, a demotion, a
-write-back or a drop of a session, each under the session's lock (a
-prefetch waits for it; the others skip a busy session, which policy asks
-about again next tick), and a fetch from the remote tier (the fetcher's,
-fetcher.py), followed by a promotion where the prefetch asked for a faster
-tier than the fetch lands in."""
+write-back, a re-code in place (recode.py) or a drop of a session, each
+under the session's lock (a prefetch waits for it; the others skip a busy
+session, which policy asks about again next tick), and a fetch from the
+remote tier (the fetcher's, fetcher.py), followed by a promotion where the
+prefetch asked for a faster tier than the fetch lands in."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from tierd.core.move_queue import Job
 from tierd.core.placement import Placement
 from tierd.core.store.fetcher import Fetcher
 from tierd.core.store.lifecycle import Lifecycle
+from tierd.core.store.recode import Recoder
 from tierd.core.store.table import SessionTable
 from tierd.errors import TierdError
-from tierd.policy.rules import DROP
+from tierd.policy.rules import DROP, RECODE
 from tierd.tiers.ioqueue import IOClass
 
 log = logging.getLogger("tierd.core.store")
@@ -25,7 +26,8 @@ log = logging.getLogger("tierd.core.store")
 
 class Jobs:
     def __init__(self, table: SessionTable, lifecycle: Lifecycle, placement: Placement, fetcher: Fetcher | None,
-                 clock: Clock, events: StoreEvents) -> None:
+                 clock: Clock, events: StoreEvents, recoder: Recoder | None = None) -> None:
+        self.recoder = recoder
         self.table = table
         self.lifecycle = lifecycle
         self.placement = placement
@@ -63,6 +65,8 @@ class Jobs:
                 self.events.prefetch_outcome("late" if job.deadline is not None and now > job.deadline else "in_time")
             elif job.target == DROP:
                 self.lifecycle.forget(session, job.reason)
+            elif job.reason == RECODE and self.recoder is not None:
+                self.recoder.recode(session, job.io_class)
             elif job.keep:
                 self.placement.write_durable(session, job.io_class, job.reason, job.evict)
             else:

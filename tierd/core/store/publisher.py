@@ -121,7 +121,7 @@ class Publisher:
                 return
             snap = session.snap
             version, spec, sums, hashes, errors = snap.version, snap.spec, snap.checksums, snap.token_hashes, snap.errors
-            num_tokens, spans, geom = snap.num_tokens, snap.best_spans(), snap.geometry
+            num_tokens, spans, geom = snap.num_tokens, snap.best_spans(served=False), snap.geometry
             base, fresh = session.remote_version, session.remote_fresh > session.remote_at
             base_write = session.remote_write
             session.readers += 1

@@ -162,8 +162,9 @@ class Reader:
                     check_identity(session, spec)
                 hashes, stored, damaged, n_pages = snap.token_hashes, snap.num_tokens, session.damaged, snap.n_pages
                 bt = snap.spec.block_tokens
+                errors = snap.served_errors() if max_error is not None else snap.errors
             pages = 0 if snap.spec.is_opaque else tokens.matched_pages(hashes, stored, bt, request, salt)
-            pages = min(pages, pages_within(snap.errors, n_pages, max_error))
+            pages = min(pages, pages_within(errors, n_pages, max_error))
             extends = pages == n_pages  # (pages of other tokens are never replaced by a restore)
             pages = 0 if damaged else pages
             with self.table.lock:

@@ -34,6 +34,7 @@ from tierd.core.ports import Lending
 from tierd.core.prefixes import PrefixTable
 from tierd.errors import DataLoss
 from tierd.layout import KVSpec
+from tierd.tiers import MEMORY, kind_of
 from tierd.tiers.allocator import Piece
 from tierd.types import SessionKey
 
@@ -160,7 +161,8 @@ class Sharing:
         snap = donor.snap
         covered = np.zeros(max(upto - lo, 0), dtype=bool)
         held = self.holders
-        good = {t: [p for p in pieces if not held.is_damaged(t, p)] for t, pieces in snap.placement.items()}
+        good = {t: [p for p in pieces if lendable_piece(t, p) and not held.is_damaged(t, p)]
+                for t, pieces in snap.placement.items()}
         for pieces in good.values():
             for p in pieces:
                 if lo <= p.first_page < upto:
@@ -221,7 +223,7 @@ class Sharing:
         hi = lo + (int(stops[0]) if stops.size else hi - lo)
         out, at = [], lo
         for p in theirs.pieces(tier):
-            if p.first_page == at and at < hi and not self.holders.is_damaged(tier, p):
+            if p.first_page == at and at < hi and lendable_piece(tier, p) and not self.holders.is_damaged(tier, p):
                 n = min(p.n_pages, hi - at)
                 out.append(p.head(n))
                 at += n
@@ -251,6 +253,12 @@ class Sharing:
         if hit:
             log.error("%d other sessions of %s hold that copy of page %d and are damaged too: %s", len(hit),
                       session.key.tenant, page, ", ".join(hit[:8]) + (", ..." if len(hit) > 8 else ""))
+
+
+def lendable_piece(tier: str, p: Piece) -> bool:
+    """Whether a piece may be lent: not a copy a memory tier re-coded to make
+    room (a serving copy of its session's, perhaps lossy)."""
+    return p.codes is None or kind_of(tier).medium != MEMORY
 
 
 def lendable(snap: Snapshot) -> np.ndarray:

@@ -19,9 +19,11 @@ from tierd.core.roles import TierRoles
 from tierd.core.store.describe import Describe, IdleChecks
 from tierd.core.store.leases import Leases
 from tierd.core.store.lifecycle import Lifecycle
+from tierd.core.store.recode import Recoder
 from tierd.core.store.table import SessionTable
 from tierd.errors import FailedPrecondition, InvalidArgument, TierdError, shown
 from tierd.policy import (
+    RECODE,
     Advice,
     Move,
     PolicyConfig,
@@ -45,7 +47,7 @@ REPLANS = 8  # eviction plans tried when their sessions got busy before they cou
 class Upkeep:
     def __init__(self, table: SessionTable, describe: Describe, idle: IdleChecks, lifecycle: Lifecycle,
                  leases: Leases, moves: MoveQueue, copier: CopyEngine, tiers: dict, roles: TierRoles,
-                 policy: PolicyConfig, clock: Clock) -> None:
+                 policy: PolicyConfig, clock: Clock, recoder: Recoder | None = None) -> None:
         self.table = table
         self.describe = describe
         self.idle = idle
@@ -57,6 +59,11 @@ class Upkeep:
         self.roles = roles
         self.policy = policy
         self.clock = clock
+        self.recoder = recoder  # re-codes sessions in place to make room in its tier, if one does
+
+    def _shrink(self, tier: str) -> float:
+        """The part of a session's bytes in `tier` a re-code frees (0: the tier re-codes nothing)."""
+        return self.recoder.recoding.shrink if self.recoder is not None and self.recoder.recoding.tier == tier else 0.0
 
     def _views(self, exclude: SessionKey | None = None, keep: Callable[[Session], bool] | None = None,
                queued_busy: bool = True) -> list[SessionView]:
@@ -79,8 +86,11 @@ class Upkeep:
                 continue
             try:
                 if not session.dropped:
-                    self.lifecycle.demote_session(session, mv.target, io_class, mv.reason, evict=mv.evict,
-                                                  drop=mv.evict)
+                    if mv.reason == RECODE and self.recoder is not None:
+                        self.recoder.recode(session, io_class)
+                    else:
+                        self.lifecycle.demote_session(session, mv.target, io_class, mv.reason, evict=mv.evict,
+                                                      drop=mv.evict)
                     self.lifecycle.move_done(session)
                     done += 1
             except TierdError as exc:
@@ -101,7 +111,7 @@ class Upkeep:
         for _ in range(REPLANS):
             views = [v for v in self._views(exclude=protect, queued_busy=False)
                      if tenant is None or v.key.tenant == tenant]
-            plan = plan_eviction(views, tier, need, self.tiers, self.policy, drop=evict)
+            plan = plan_eviction(views, tier, need, self.tiers, self.policy, drop=evict, shrink=self._shrink(tier))
             if plan is None:
                 return False
             done, failed = self._execute(plan, io_class)
@@ -140,9 +150,10 @@ class Upkeep:
         for name, tier in self.tiers.items():
             if tier.used > self.policy.high_watermark * tier.budget:
                 views = self._views(keep=lambda s, name=name: bool(s.snap.placement.get(name)))
-                moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers, now)
+                moves += pressure_moves(views, name, tier.used, tier.budget, self.policy, self.tiers, now,
+                                        self._shrink(name))
         seen: set[SessionKey] = set()
-        for mv in moves:
+        for mv in sorted(moves, key=lambda mv: mv.reason != RECODE):  # (a re-code writes back first: it goes)
             if mv.key in seen:
                 continue
             seen.add(mv.key)
@@ -179,7 +190,7 @@ class Upkeep:
         session = self.table.get(key)
         with self.table.lock:
             snap = session.snap
-            pages = pages_within(snap.errors, snap.n_pages, max_error)
+            pages = pages_within(snap.served_errors(), snap.n_pages, max_error)
             source = snap.source_of(pages) or self.roles.landing
             nbytes = snap.nbytes if pages == snap.n_pages else pages * snap.spec.page_bytes
             tokens = min(snap.num_tokens, pages * snap.spec.block_tokens) if pages < snap.n_pages else snap.num_tokens
