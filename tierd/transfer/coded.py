@@ -1,20 +1,23 @@
-"""Pages coded on their way into a file tier (`--codec disk=lossless`), and
-decoded on the way out.
+"""Pages coded into a tier's pieces, and decoded on the way out: on their
+way into a file tier (`--codec disk=lossless`), and re-coded in a memory
+tier to make room (core/store/recode.py).
 
 A write codes a session's pages a batch at a time (BATCH_BYTES of pages):
-each page alone (codecs), the batch's blobs back to back in an aligned
-buffer that becomes one piece of the tier, with its PageCodes (each page's
-coded size and the XXH3 of its coded bytes). A read of a coded span reads
-the aligned bytes around its blobs, checks each blob against its XXH3
-before a decoder sees it (damaged coded bytes are DATA_LOSS, never handed
-to a decoder), and decodes the pages into a window at the page stride,
-which is then checked against the pages' checksums as every window read
-from a file tier is (transfer/pages.py). The tier's codec (TierCoding) is
-one registered lossless codec, or `auto` (codecs/auto.py: lossless or
-none, whichever this node measured faster, writes and reads).
+each page alone (codecs), a share of them on each CPU worker, the batch's
+blobs back to back in an aligned buffer that becomes one piece of the tier,
+with its PageCodes (each page's coded size and the XXH3 of its coded bytes;
+a lossy codec's also what each page decodes to, and its error). A read of a
+coded span takes the bytes around its blobs, checks each blob against its
+XXH3 before a decoder sees it (damaged coded bytes are DATA_LOSS, never
+handed to a decoder), and decodes the pages into a window at the page
+stride, which is then checked against what they decode to, as every window
+is (transfer/windows.py). A file tier's codec (TierCoding) is one
+registered lossless codec, or `auto` (codecs/auto.py: lossless or none,
+whichever this node measured faster, writes and reads).
 
-Runs on the thread that writes or reads the pages: movers (demotions,
-write-backs), RPC threads (restores, promotions), never the event loop.
+Runs on the thread that writes or reads the pages (movers: demotions,
+write-backs, re-codes; RPC threads: restores, promotions, Gets of coded
+pages; never the event loop) and on the CPU workers.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class TierCoding:
         self.tier, self.codec, self.events = tier, check_codec(codec), events
         if self.codec != AUTO and codecs.get(self.codec).lossy:
             raise InvalidArgument(f"--codec {tier}={codec}: the {tier} tier codes pages lossless only (none, "
-                                  f"lossless, auto); lossy codecs code the remote tier's", field="codec", value=codec)
+                                  f"lossless, auto): its copy is the exact one", field="codec", value=codec)
         self.auto = AutoChoice(tier, events.codec_chosen) if self.codec == AUTO else None
 
     def choose(self) -> str:

@@ -47,21 +47,19 @@ class Recoder:
         self.tiers = tiers
         self.events = events
 
-    def recode(self, session: Session, io_class: IOClass) -> int:
-        """Re-code the session's pages in the tier not coded yet; returns the
-        bytes of the tier it freed (the session's op lock held)."""
+    def recode(self, session: Session, io_class: IOClass) -> None:
+        """Re-code the session's pages in the tier not coded yet (the session's op lock held)."""
         tier, snap = self.recoding.tier, session.snap
         with self.table.lock:
             if not self.recoding.may(session):
-                return 0
+                return
         if not session.durable:
             self.placement.write_durable(session, io_class, RECODE, True)
         with self.table.lock:
             plain = [p for p in snap.pieces(tier) if p.codes is None]
             if not plain or session.readers or not session.durable:
-                return 0
+                return
             snap.placement[tier] = [p for p in snap.pieces(tier) if p.codes is not None]
-        freed = sum(p.alloc_bytes for p in plain)
         self.placement.retire(session, [(tier, p) for p in plain])
         new: list[Piece] = []
         try:
@@ -74,7 +72,6 @@ class Recoder:
         finally:
             with self.table.lock:
                 snap.add_pieces(tier, new)
-        return freed - sum(p.alloc_bytes for p in new)
 
     def _code(self, session: Session, ranges: list[tuple[int, int]], into: list[Piece], io_class: IOClass) -> None:
         tier, snap = self.recoding.tier, session.snap
