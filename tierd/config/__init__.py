@@ -106,11 +106,13 @@ class Config:
     remote_timeout: float = _opt(_seconds, "seconds a remote call may take before it fails (one retry at once)", 0.5)
     remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
                                      "sharing a cluster)", "tierd")
-    codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to a tier (remote=lossless: bit-exact, "
-                                          "smaller; remote=none: as they are; auto: lossless or none, whichever "
-                                          "measures faster here; a lossy codec, fp8, int8, int4 or "
-                                          "k16v8, for the tenants of --lossy-tenants, lossless for the others); the "
-                                          "flag may be repeated", factory=dict, repeat=True)
+    codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to the disk or remote tier "
+                                          "(disk=lossless, remote=lossless: bit-exact, smaller; none: as they are; "
+                                          "auto: lossless or none, whichever measures faster here), or re-code idle "
+                                          "sessions in a full host tier (host=CODEC, their exact copy kept on disk); "
+                                          "a lossy codec, fp8, int8, int4 or k16v8 (host and remote), codes the "
+                                          "tenants of --lossy-tenants, lossless the others; the flag may be repeated",
+                                 factory=dict, repeat=True)
     lossy_tenants: frozenset[str] = _opt(_tenants, "TENANT[,TENANT...] whose KV a lossy --codec may code (*: every "
                                                    "tenant); the others' is coded lossless", factory=frozenset)
     lossy_max_error: float = _opt(_fraction, "relative L2 error a page coded lossily may carry; a page past it is "
