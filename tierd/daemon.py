@@ -38,7 +38,7 @@ from tierd.core.engines import EngineRegistry
 from tierd.core.index import IndexFormatError, IndexUnavailable
 from tierd.core.store import Store
 from tierd.errors import InvalidArgument, TierdError
-from tierd.machine import DiskIOUnavailable, RemoteUnavailable, build
+from tierd.machine import DiskIOUnavailable, RemoteUnavailable, build, check_codecs
 from tierd.metrics import Metrics
 from tierd.process import TRIM_SECONDS, raise_fd_limit, tune_malloc
 from tierd.tiers import shm
@@ -225,6 +225,10 @@ def serve(cfg: Config) -> int:
         raise StartupError(str(exc)) from None
     log.info("authentication: %s", f"bearer tokens from {cfg.auth_tokens}" if auth.enabled else
              "none (the socket's permissions are the gate; every caller is tenant 'default')")
+    try:
+        check_codecs(cfg)  # before the data dir, the socket or shared memory is touched
+    except InvalidArgument as exc:
+        raise StartupError(str(exc)) from None
     cfg = resolve_budgets(cfg)
     with ExitStack() as stack:
         _check_data_dir(cfg.data_dir)
@@ -244,7 +248,7 @@ def serve(cfg: Config) -> int:
             machine = build(cfg, events=metrics)
         except (IndexFormatError, IndexUnavailable) as exc:
             raise StartupError(f"{exc}; nothing was changed") from None
-        except (DiskIOUnavailable, RemoteUnavailable, InvalidArgument) as exc:
+        except (DiskIOUnavailable, RemoteUnavailable) as exc:
             raise StartupError(str(exc)) from None
         except (OSError, TierdError) as exc:
             raise StartupError(f"cannot open the tiers under {cfg.data_dir}: {exc}") from None

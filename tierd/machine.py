@@ -263,9 +263,7 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
     log.info("malloc: %s", backends["malloc"])
     durable = durable_tier(tiers)
     codings = {durable: TierCoding(durable, cfg.codec.get(durable, "none"), events or NullEvents())} if durable else {}
-    for name, coding in codings.items():
-        backends[f"{name}_codec"] = coding.codec
-        log.info("%s tier: pages coded %s on their way there", name, coding.codec)
+    backends.update({f"{name}_codec": coding.codec for name, coding in codings.items()})
     copier = CopyEngine(tiers, window_bytes=window_bytes, verify_tiers=verify, kernels=kernels, codings=codings,
                         events=events)
     recoding = Recoding.of(cfg.codec.get(HOST, "none"), HOST, tiers, durable, cfg.lossy_tenants, cfg.lossy_max_error)
@@ -283,6 +281,14 @@ def _build(site: Site, builders: tuple, policy: PolicyConfig, clock: Clock | Non
             remote.store.close()
         raise
     return Machine(store, tiers, copier, index, site.executor, backends, ipc, site.shm_prefix)
+
+
+def check_codecs(cfg: Config) -> None:
+    """--codec checked before anything is made or changed (data dir, shared memory, tiers): InvalidArgument."""
+    for name in cfg.codec.values():
+        check_codec(name)
+    TierCoding.check(DISK, cfg.codec.get(DISK, "none"))
+    Recoding.check(cfg.codec.get(HOST, "none"), HOST, cfg.host_budget != 0, cfg.disk_budget != 0)  # (or auto)
 
 
 def open_ipc() -> IpcCache | None:

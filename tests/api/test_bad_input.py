@@ -314,6 +314,25 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path):
     assert out.returncode == 2 and "host_budget" in out.stderr and "cannot read size" in out.stderr
 
 
+@pytest.mark.parametrize("flags, error", [
+    (["--codec", "host=auto"], "not auto"), (["--codec", "host=fp8", "--disk-budget", "0"], "disk tier with a budget"),
+    (["--codec", "disk=fp8"], "lossless only"), (["--codec", "host=zstd9"], "unknown codec 'zstd9'"),
+])
+def test_a_codec_no_tier_can_take_is_refused_before_the_data_dir_is_touched(tmp_path, flags, error):
+    data = tmp_path / "data"
+    out = subprocess.run([sys.executable, "-m", "tierd", "serve", "--data-dir", str(data), "--socket",
+                          str(tmp_path / "run" / "s.sock"), "--metrics", "off", "--device", "none", *flags],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and error in out.stderr
+    assert not data.exists() and not (tmp_path / "run").exists()  # nothing made, nothing of another run removed
+
+
+def test_lossy_tenants_that_no_tenant_can_be_are_refused(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tierd", "serve", "--lossy-tenants", "alice,bad tenant",
+                          "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "'bad tenant' is no tenant's name" in out.stderr
+
+
 LONG = "y" * 100_000
 
 

@@ -189,9 +189,62 @@ def test_a_host_codec_that_cannot_be_is_refused_at_start(tmp_path, codec, error)
         Harness(str(tmp_path), host_codec=codec).open()
 
 
-def test_a_host_codec_needs_the_disk_tier_for_the_exact_copy(tmp_path):
-    with pytest.raises(InvalidArgument, match="needs a host and a disk tier"):
-        Harness(str(tmp_path), host_codec="fp8", disk=False).open()
+@pytest.mark.parametrize("kw", [{"disk": False}, {"disk_budget": 0}])
+def test_a_host_codec_needs_a_disk_tier_with_room_for_the_exact_copy(tmp_path, kw):
+    with pytest.raises(InvalidArgument, match="needs a host tier and a disk tier with a budget"):
+        Harness(str(tmp_path), host_codec="fp8", **kw).open()
+
+
+def test_stores_find_room_where_re_codes_free_less_than_planned(tmp_path):
+    """Idle sessions that code barely smaller (random bytes, lossless for a
+    tenant that allows no lossy coding): each store still finds its room,
+    the re-coded sessions leaving the tier once re-coding them freed too
+    little, as sessions leave a tier that re-codes nothing."""
+    h = Harness(str(tmp_path), host_budget=4 * MiB, host_slab=4 * MiB, host_codec="fp8",
+                lossy_tenants=frozenset({"alice"}))
+    store = h.open()
+    noise = HostEngine(seed=11)  # random bytes: lossless keeps them about as they are
+    for i in range(12):
+        key = make_key("bob", f"idle{i}")
+        store.save(key, noise.memory, SPEC, BLOCKS, 16 * len(BLOCKS))
+        store.release(key)
+        h.clock.advance(1.0)
+    for i in range(16):  # active sessions, each needing room the idle ones hold
+        store.save(make_key("bob", f"busy{i}"), noise.memory, SPEC, BLOCKS, 16 * len(BLOCKS))
+        h.clock.advance(1.0)
+    assert sum("host" in store.stat(make_key("bob", f"busy{i}")).tier_bytes for i in range(16)) == 16
+    assert store.check_accounting() == []
+    h.close()
+
+
+def test_the_error_a_page_is_held_to_is_measured_in_float64_and_never_reported_below_it(tmp_path):
+    """1 MiB pages of bfloat16 (where float32 norms came out low): a bound
+    set a hair under a page's true error keeps that page as it is."""
+    from tierd import codecs
+    from tierd.layout import KVSpec
+
+    spec = KVSpec("test/big", num_layers=4, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_tokens=128)
+    shape = codecs.page_shape(spec)
+    rng = np.random.default_rng(12)
+    pages = (rng.standard_normal((2, spec.page_bytes // 2)).astype(np.float32).view(np.uint32) >> 16) \
+        .astype(np.uint16).view(np.uint8).reshape(2, -1)
+    coded = codecs.code(codecs.get("fp8"), pages, shape, keep=True)
+
+    def true_error(i):
+        a = (pages[i].view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        b = (coded.decoded[i].view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return np.linalg.norm(b - a) / np.linalg.norm(a)
+
+    for i in range(2):
+        assert coded.rel_error[i] >= true_error(i) and coded.rel_error[i] == pytest.approx(true_error(i), rel=1e-6)
+    from tierd.transfer.coded import encode_windows
+    from tierd.transfer.runs import Geometry
+    from tierd.transfer.windows import Window
+
+    geom = Geometry(spec.page_bytes, 2, spec.page_bytes)
+    bound = np.array([true_error(0) * (1 - 1e-6), 1.0])  # page 0 just past its bound: kept as it is
+    (batch,) = encode_windows(iter([Window(0, 2, "host", pages.reshape(-1), True)]), geom, "fp8", shape, bound)
+    assert batch.codes.rel_error[0] == 0 and batch.codes.rel_error[1] > 0
 
 
 def test_one_session_holds_its_pages_fp8_in_the_host_tier_and_lossless_on_disk(tmp_path):

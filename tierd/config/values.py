@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from tierd.errors import InvalidArgument
 from tierd.sizes import parse_size
+from tierd.types import ID
 
 AUTO = "auto"
 
@@ -127,9 +128,14 @@ def _codecs(text: Any) -> dict[str, str]:
 
 
 def _tenants(text: Any) -> frozenset[str]:
-    """Tenant names, comma-separated (or a TOML list); * for every tenant."""
+    """Tenant names, comma-separated (or a TOML list); * for every tenant. A
+    name no tenant can have (not an id) is refused: it would match nobody."""
     items = text if isinstance(text, list) else str(text).split(",")
-    return frozenset(str(t).strip() for t in items if str(t).strip())
+    names = frozenset(str(t).strip() for t in items if str(t).strip())
+    bad = sorted(t for t in names if t != "*" and not ID.fullmatch(t))
+    if bad:
+        raise InvalidArgument(f"{bad[0]!r} is no tenant's name (letters, digits and ._:@+=~-, up to 256)")
+    return names
 
 
 def _fraction(text: Any) -> float:

@@ -62,7 +62,7 @@ class Snapshot:
         if not any(p.codes is not None and p.codes.lossy for pieces in self.placement.values() for p in pieces):
             return self.errors
         lossy = [s for s in self.best_spans() if s.codes is not None and s.codes.lossy]
-        out = np.zeros(self.n_pages, dtype=np.float32)
+        out = np.zeros(self.n_pages, dtype=np.float64)  # (errors add up: in float64, never rounded down)
         out[: self.errors.size] = self.errors
         for s in lossy:
             out[s.first_page : s.first_page + s.n_pages] += s.codes.rel_error

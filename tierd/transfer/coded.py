@@ -23,6 +23,7 @@ pages; never the event loop) and on the CPU workers.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from tierd.transfer import memory
 from tierd.transfer.runs import Geometry, Span, between
 from tierd.transfer.workers import run_jobs
 
+log = logging.getLogger("tierd.transfer")
 BATCH_BYTES = 16 << 20  # logical bytes of pages coded into one piece
 PAGES_A_JOB = 4  # pages a CPU worker codes or decodes at a time
 
@@ -55,11 +57,18 @@ class TierCoding:
     """A file tier's codec: a lossless codec's name, "none", or auto."""
 
     def __init__(self, tier: str, codec: str, events: CodingEvents) -> None:
-        self.tier, self.codec, self.events = tier, check_codec(codec), events
-        if self.codec != AUTO and codecs.get(self.codec).lossy:
+        self.tier, self.codec, self.events = tier, self.check(tier, codec), events
+        self.auto = AutoChoice(tier, events.codec_chosen) if self.codec == AUTO else None
+        log.info("%s tier: pages coded %s on their way there", tier, self.codec)
+
+    @staticmethod
+    def check(tier: str, codec: str) -> str:
+        """The codec's name, where it may code a file tier's pages; InvalidArgument for any other."""
+        name = check_codec(codec)
+        if name != AUTO and codecs.get(name).lossy:
             raise InvalidArgument(f"--codec {tier}={codec}: the {tier} tier codes pages lossless only (none, "
                                   f"lossless, auto): its copy is the exact one", field="codec", value=codec)
-        self.auto = AutoChoice(tier, events.codec_chosen) if self.codec == AUTO else None
+        return name
 
     def choose(self) -> str:
         """The codec the next write codes its pages with ("none": as they are)."""

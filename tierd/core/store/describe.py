@@ -98,7 +98,7 @@ def local_codes(snap: Snapshot) -> dict[str, tuple[str, int, float]]:
         names = {p.codes.codec if p.codes is not None else "none" for p in pieces}
         if names - {"none"}:
             stored = sum(p.codes.stored if p.codes is not None else p.n_pages * snap.spec.page_bytes for p in pieces)
-            carried = np.zeros(snap.n_pages, dtype=np.float32)
+            carried = np.zeros(snap.n_pages, dtype=np.float64)
             carried[: snap.errors.size] = snap.errors
             worst = max((float((p.codes.rel_error + carried[p.first_page : p.first_page + p.n_pages]).max())
                          for p in pieces if p.codes is not None and p.codes.lossy and p.n_pages), default=0.0)

@@ -81,7 +81,7 @@ class Recoder:
         shape = codecs.page_shape(snap.spec) if lossy else codecs.lossless_shape(snap.spec)
         bounds = None
         if lossy:  # a page's bound counts the error it carries already
-            bounds = np.full(snap.n_pages, self.recoding.max_error, dtype=np.float32)
+            bounds = np.full(snap.n_pages, self.recoding.max_error, dtype=np.float64)
             bounds[: snap.errors.size] -= snap.errors
         src = snap.spans(self.recoding.durable)
         windows = (w for first, count in ranges for w in self.copier.windows(

@@ -36,17 +36,23 @@ class Recoding:
         "none"), logged; InvalidArgument where it cannot be."""
         if codec == "none":
             return None
-        if check_codec(codec) == AUTO or tier not in tiers or durable is None:
-            raise InvalidArgument(f"--codec {tier}={codec}: the {tier} tier re-codes sessions with a codec (lossless, "
-                                  "or a lossy one for the tenants of --lossy-tenants), and keeps their exact copy on "
-                                  f"disk: it needs a {tier} and a disk tier" + (", and a codec, not auto"
-                                                                               if codec == AUTO else ""),
-                                  field="codec", value=codec)
+        cls.check(codec, tier, tier in tiers, durable is not None and tiers[durable].budget > 0)
         lossy = codecs.get(codec).lossy
         log.info("%s tier: idle sessions re-coded %s in place when it is full%s", tier, codec,
                  f" (lossy for {', '.join(sorted(lossy_tenants)) or 'no tenant'}, within {max_error}; lossless for "
                  "the others)" if lossy else "")
         return cls(tier, codec, durable, lossy_tenants, max_error)
+
+    @staticmethod
+    def check(codec: str, tier: str, present: bool, disk: bool) -> None:
+        """InvalidArgument unless the tier (present: there is one) may re-code
+        with this codec ("none": nothing to check); disk: a disk tier with a
+        budget is there, for the exact copy."""
+        if codec != "none" and (check_codec(codec) == AUTO or not present or not disk):
+            raise InvalidArgument(f"--codec {tier}={codec}: the {tier} tier re-codes sessions with a codec (lossless, "
+                                  "or a lossy one for the tenants of --lossy-tenants), and keeps their exact copy on "
+                                  f"disk: it needs a {tier} tier and a disk tier with a budget" +
+                                  (", and a codec, not auto" if codec == AUTO else ""), field="codec", value=codec)
 
     def __init__(self, tier: str, codec: str, durable: str, lossy_tenants: frozenset[str], max_error: float) -> None:
         self.tier, self.durable = tier, durable

@@ -108,19 +108,27 @@ class Upkeep:
         tier can take them; without, only into room the lower tiers have free
         (none out of the lowest tier). False when no set of movable sessions
         holds that much."""
+        t, made = self.tiers[tier], False
         for _ in range(REPLANS):
             views = [v for v in self._views(exclude=protect, queued_busy=False)
                      if tenant is None or v.key.tenant == tenant]
             plan = plan_eviction(views, tier, need, self.tiers, self.policy, drop=evict, shrink=self._shrink(tier))
             if plan is None:
-                return False
+                return made
+            used = t.used
             done, failed = self._execute(plan, io_class)
+            made = made or done > 0
+            if done and any(mv.reason == RECODE for mv in plan) and used - t.used < need:
+                # Re-codes free what their pages code to, which the plan could only guess: plan the rest
+                # (the re-coded sessions may leave the tier now).
+                need -= max(used - t.used, 0)
+                continue
             if done:
                 return True
             if failed:
-                return False  # a plan again would fail as this one did (the disk index full, say)
+                return made  # a plan again would fail as this one did (the disk index full, say)
             # Each planned session got busy in between (a queued move of it started): plan again.
-        return False
+        return made
 
     def tick(self) -> list[Move]:
         """Apply policy once: queue due demotions, write-backs and drops; let
