@@ -130,7 +130,7 @@ def _host(spec: KVSpec, pages: np.ndarray) -> list[Result]:
                         f"into a {budget >> 20} MiB host tier, re-coded fp8 in place as it fills, beside as they are "
                         f"(worst page served: relative error {error:.4f}); sessions of {mib / 2:g} MiB: "
                         f"{small:.3f} (fragments between coded pieces and pages). One restore from the host tier: "
-                        f"fp8 {mib / 1024 / fp8_s:.2f} GB/s (decoded on one core), as it is "
+                        f"fp8 {mib / 1024 / fp8_s:.2f} GB/s (decoded on the CPU), as it is "
                         f"{mib / 1024 / plain_s:.2f} GB/s")]
 
 

@@ -1,12 +1,13 @@
 """Pages in and out of tiers: the part of the copy engine every copy uses.
 
-Reads a snapshot's pages out of tiers as windows (views of memory tiers;
-staging buffers read ahead from file tiers, each checked before the caller
-sees it), moves pages between tiers through the route registered for the
-media of the two tiers (transfer/routes.py), checks pages against their
-checksums, and keeps the counts: copy operations and a moving average of
-bandwidth per route. Runs on the thread that calls it: RPC threads (save,
-restore, Put, Get), movers (demotions, write-backs).
+Reads a snapshot's pages out of tiers as windows (windows.py: views of
+memory tiers; staging buffers read ahead from file tiers and decoded coded
+pages, each checked before the caller sees it), moves pages between tiers
+through the route registered for the media of the two tiers
+(transfer/routes.py), checks pages against their checksums, and keeps the
+counts: copy operations and a moving average of bandwidth per route. Runs
+on the thread that calls it: RPC threads (save, restore, Put, Get), movers
+(demotions, write-backs).
 """
 
 from __future__ import annotations
