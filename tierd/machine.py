@@ -25,6 +25,7 @@ from tierd.core.index import DiskIndex
 from tierd.core.store import Store
 from tierd.core.store import build as build_store
 from tierd.codecs.auto import check_codec
+from tierd.core.store.coding import Consent
 from tierd.core.store.recoding import Recoding
 from tierd.core.store.remote import Remote
 from tierd.policy import PolicyConfig
@@ -152,8 +153,6 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
 
     options = registry.Options(cfg.remote_prefix, cfg.remote_ttl, cfg.remote_timeout, remote_password(cfg),
                                cfg.remote_tls_ca or None)
-    from tierd import codecs
-
     codec = cfg.codec.get("remote", "none")
     try:
         check_codec(codec)
@@ -161,8 +160,7 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
     except TierdError as exc:
         raise RemoteUnavailable(f"cannot use the remote tier: {exc}") from None
     sweep = min(60.0, cfg.remote_ttl / 10) if cfg.remote_ttl else 60.0  # well within a tombstone's life
-    lossy = f" (lossy for {', '.join(sorted(cfg.lossy_tenants)) or 'no tenant'}, within {cfg.lossy_max_error})" \
-        if codec != "auto" and codecs.get(codec).lossy else ""
+    lossy = Consent(cfg.lossy_tenants, cfg.lossy_max_error).describe(codec)
     return (Remote(store, cfg.remote_write, cfg.remote_idle, cfg.remote_queue, int(cfg.tenant_remote_quota), sweep,
                    codec, cfg.lossy_tenants, cfg.lossy_max_error),
             f"{store.describe()}; write {cfg.remote_write}; codec {codec}{lossy}")

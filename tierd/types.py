@@ -72,6 +72,7 @@ class RestoreResult:
     source_tier: str
     seconds: float
     nbytes: int = 0  # bytes the restored pages hold (a snapshot's last page may be short)
+    rel_error: float = 0.0  # worst relative L2 error of a page restored (0: every page exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,7 @@ class Lease:
     num_tokens: int
     ttl: float
     nbytes: int = 0  # bytes the leased pages hold (a snapshot's last page may be short)
+    rel_error: float = 0.0  # restore: worst relative L2 error of a leased page (0: every page exact)
 
 
 @dataclass(frozen=True, slots=True)

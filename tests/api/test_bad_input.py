@@ -249,6 +249,18 @@ CASES = {
     "save with a negative token count": (lambda c, e, o, s: e.save("new", [0], -16), InvalidArgument),
     "list with a negative limit": (lambda c, e, o, s: c.list_page(limit=-1), InvalidArgument),
     "lookup with a token id past int64": (lambda c, e, o, s: c.lookup("kv", [2**70]), InvalidArgument),
+    "save with a lossy bound past 1": (lambda c, e, o, s: e.save("new", [0], 16, lossy_max_error=1.5),
+                                       InvalidArgument),
+    "put with a negative lossy bound": (lambda c, e, o, s: c.put("new", b"x" * SPEC.page_bytes, SPEC, 16,
+                                                                 lossy_max_error=-0.1), InvalidArgument),
+    "save lease with a lossy bound of NaN": (lambda c, e, o, s: c.begin_save("new", SPEC, 16,
+                                                                             lossy_max_error=float("nan")),
+                                             InvalidArgument),
+    "lossy codes asked for an opaque put": (lambda c, e, o, s: c.put("new", b"x", OPAQUE, 1, lossy_max_error=0.05),
+                                            InvalidArgument),
+    "raw save with a lossy bound past 1": (lambda c, e, o, s: s.Save(pb.SaveRequest(
+        engine_id=e.engine_id, session_id="new", block_ids=[0], num_tokens=16, lossy_max_error=2.0)),
+        grpc.StatusCode.INVALID_ARGUMENT),
 }
 
 

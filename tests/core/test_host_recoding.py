@@ -73,11 +73,17 @@ def test_a_recoded_session_is_served_within_its_bound_with_the_error_stat_report
     alice = next(k for k in keys if store.stat(k).codecs.get("host") == "fp8")
     bob = next(k for k in keys if store.stat(k).codecs.get("host") == "lossless")
     out = HostEngine(seed=2)
-    store.restore(alice, out.memory, SPEC, BLOCKS)
+    served = store.restore(alice, out.memory, SPEC, BLOCKS)
     errors = [page_error(out.page(b), src.page(b)) for b in BLOCKS]
     assert 0 < max(errors) <= 0.05
     assert store.stat(alice).rel_error == pytest.approx(max(errors), rel=1e-3)  # what it reports is what it served
-    store.restore(bob, out.memory, SPEC, BLOCKS)
+    assert served.rel_error == pytest.approx(max(errors), rel=1e-3)  # and the restore says what it carried
+    part = store.restore(alice, out.memory, SPEC, BLOCKS[:2])  # of the pages it restores, not the whole session's
+    assert part.rel_error == pytest.approx(max(page_error(out.page(b), src.page(b)) for b in BLOCKS[:2]), rel=1e-3)
+    lease = store.begin_restore(alice)
+    assert lease.rel_error == pytest.approx(max(errors), rel=1e-3)
+    store.end_restore(alice.tenant, lease.lease_id)
+    assert store.restore(bob, out.memory, SPEC, BLOCKS).rel_error == 0
     assert out.pages(BLOCKS) == src.pages(BLOCKS)  # lossless: bit-exact
     _, chunks = store.get(alice, SPEC.page_bytes)  # a Get of whole pages: each chunk's checksum is its own
     got = []

@@ -51,12 +51,12 @@ def test_pages_without_token_ids_recover_as_unknown(tmp_path):
     assert not rec.token_hashes[:2].any() and rec.token_hashes[2].tolist() == hashes(2, 1)[0].tolist()
 
 
-@pytest.mark.parametrize("found", ["1", "2", "3"])
+@pytest.mark.parametrize("found", ["1", "2", "3", "4"])
 def test_an_index_of_an_earlier_format_is_upgraded_in_place(tmp_path, found):
     path = str(tmp_path / "i.db")
     db = sqlite3.connect(path)
-    added = {"4": ["codec TEXT NOT NULL DEFAULT ''", "codes BLOB NOT NULL DEFAULT x''"],  # the format that added them
-             "3": ["errors BLOB NOT NULL DEFAULT x''"], "2": ["tokens BLOB NOT NULL DEFAULT x''"]}
+    added = {"5": ["lossy REAL"], "4": ["codec TEXT NOT NULL DEFAULT ''", "codes BLOB NOT NULL DEFAULT x''"],
+             "3": ["errors BLOB NOT NULL DEFAULT x''"], "2": ["tokens BLOB NOT NULL DEFAULT x''"]}  # by the format
     schema = SCHEMA
     for version, cols in added.items():
         if version > found:
@@ -65,17 +65,18 @@ def test_an_index_of_an_earlier_format_is_upgraded_in_place(tmp_path, found):
                 schema = schema.replace(f"    {col},\n", "")
     db.executescript(schema)
     db.execute("INSERT INTO meta VALUES ('format', ?)", (found,))
-    db.execute(f"INSERT INTO sessions VALUES ('t', 's', ?, 32, 2, ?, 1.0, 2.0, 0{', x' + chr(39) * 2 if found == '3' else ''})",
-               (SPEC.to_json(), 2 * SPEC.page_bytes))
-    db.execute(f"INSERT INTO pieces VALUES ('t', 's', 0, 2, 0, 8192, ?{', x' + chr(39) * 2 if found != '1' else ''})",
-               (sums(0, 2).astype("<u8").tobytes(),))
+    db.execute("INSERT INTO sessions (tenant, session_id, spec, num_tokens, num_pages, nbytes, created, last_access, "
+               "priority) VALUES ('t', 's', ?, 32, 2, ?, 1.0, 2.0, 0)", (SPEC.to_json(), 2 * SPEC.page_bytes))
+    db.execute("INSERT INTO pieces (tenant, session_id, first_page, n_pages, offset, alloc_bytes, checksums) "
+               "VALUES ('t', 's', 0, 2, 0, 8192, ?)", (sums(0, 2).astype("<u8").tobytes(),))
     db.commit()
     db.close()
     (rec,), problems = DiskIndex(path).recover()
     assert problems == [] and rec.checksums.tolist() == sums(0, 2).tolist() and not rec.token_hashes.any()
     assert rec.row.errors == b""  # exact, as every page of an earlier format was
     assert all(p.codes is None for p in rec.pieces)  # as they are, as every page of an earlier format was
-    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "4"
+    assert rec.row.lossy is None  # no save said: the tenant's setting
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "5"
 
 
 def test_the_errors_pages_carry_are_recovered_and_cut_with_them(tmp_path):

@@ -205,7 +205,7 @@ def test_a_consenting_tenant_s_kv_goes_lossy_within_its_bound_and_every_other_go
         with pytest.raises(InvalidArgument, match="max_error"):
             b.lookup(alice, toks, max_error=bad)
     dst = HostEngine(seed=6, num_blocks=64)
-    b.restore(alice, dst.memory, SPEC, blocks)
+    assert b.restore(alice, dst.memory, SPEC, blocks).rel_error == pytest.approx(worst)  # fetched: what it carries
     for bound in (None, 0.0, within, worst):
         assert counted(bound) == (512 if bound is None else leading(bound))
     exact = b.advise(alice, 100.0, max_error=0.0)  # no page exact: nothing to restore
@@ -220,12 +220,40 @@ def test_a_consenting_tenant_s_kv_goes_lossy_within_its_bound_and_every_other_go
     assert b.stat(alice).rel_error == pytest.approx(worst)  # what this node serves of it
     info = a.stat(alice)  # the node that published it serves its exact copy
     assert (info.rel_error, info.codecs, info.tier_errors) == (0.0, {"remote": "fp8"}, {"remote": pytest.approx(worst)})
-    b.restore(bob, dst.memory, SPEC, blocks)
+    assert b.restore(bob, dst.memory, SPEC, blocks).rel_error == 0
     assert dst.pages(blocks) == src.pages(blocks) and b.stat(bob).rel_error == 0  # bob did not consent
 
 
+def test_a_save_that_asks_is_published_lossy_within_its_bound_and_its_consent_outlives_a_restart(nodes):
+    ha = nodes("a", remote_codec="fp8")  # no tenant allows lossy: only saves that ask
+    a = ha.store
+    src = kv_like(HostEngine(seed=12, num_blocks=64), seed=12)
+    asks, silent, put = SessionKey("bob", "asks"), SessionKey("bob", "silent"), SessionKey("bob", "put")
+    a.save(asks, src.memory, SPEC, list(range(16)), 16 * 16, lossy=0.04)
+    a.save(silent, src.memory, SPEC, list(range(16)), 16 * 16)
+    a.put(put, SPEC, 16 * 16, 16 * PAGE, src.pages(range(16)), lossy=0.04)
+    for k in (asks, silent, put):
+        published(a, k)
+    for k in (asks, put):
+        m = manifest(a, k)
+        assert m.codec == "fp8" and 0 < m.coding.rel_error.max() <= 0.04
+    assert manifest(a, silent).codec == "lossless"
+
+    a = ha.reopen(flush=True)  # the next turn, after a restart, says nothing: the consent stands
+    a.save(asks, src.memory, SPEC, [16, 17], 18 * 16, start_token=16 * 16)
+    published(a, asks)
+    m = manifest(a, asks)
+    assert m.codec == "fp8" and (m.coding.rel_error > 0).all() and m.coding.rel_error.max() <= 0.04
+    a.save(asks, src.memory, SPEC, [18], 19 * 16, start_token=18 * 16, lossy=0.0)  # and is withdrawn
+    published(a, asks)
+    assert manifest(a, asks).codec == "lossless" and not manifest(a, asks).coding.rel_error.any()
+    dst = HostEngine(seed=13, num_blocks=64)
+    nodes("b").store.restore(asks, dst.memory, SPEC, list(range(19)))
+    assert dst.pages(range(19)) == src.pages(list(range(19)))
+
+
 def test_opaque_bytes_and_pages_past_the_bound_are_never_coded_lossily(nodes):
-    a = nodes("a", remote_codec="int4", lossy_tenants=frozenset({"*"}), lossy_max_error=0.0).store
+    a = nodes("a", remote_codec="int4", lossy_tenants=frozenset({"*"}), lossy_max_error=1e-4).store
     b = nodes("b").store
     src = kv_like(HostEngine(seed=7), seed=7)
     key, blob = SessionKey("alice", "kv"), SessionKey("alice", "blob")
@@ -236,7 +264,7 @@ def test_opaque_bytes_and_pages_past_the_bound_are_never_coded_lossily(nodes):
         published(a, k)
     assert manifest(a, blob).codec == "lossless"
     m = manifest(a, key)
-    assert m.codec == "int4" and not m.coding.rel_error.any()  # every page past a bound of 0: kept as it is
+    assert m.codec == "int4" and not m.coding.rel_error.any()  # every page past a bound of 1e-4: kept as it is
     dst = HostEngine(seed=8)
     b.restore(key, dst.memory, SPEC, list(range(8)))
     assert dst.pages(range(8)) == src.pages(range(8)) and b.stat(key).rel_error == 0

@@ -67,7 +67,8 @@ class EngineCalls:
             with self.ctx.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 info = self.ctx.store.save(key, engine.memory, engine.spec, ids, req.num_tokens, req.start_token,
                                            req.tier or None, req.priority if req.HasField("priority") else None,
-                                           token_ids(req.id_field("token_ids"), want=req.num_tokens), req.cache_salt)
+                                           token_ids(req.id_field("token_ids"), want=req.num_tokens), req.cache_salt,
+                                           req.lossy_max_error if req.HasField("lossy_max_error") else None)
         return info_to_pb(info)
 
     @unary(blocking=True)
@@ -80,7 +81,7 @@ class EngineCalls:
             with self.ctx.inflight.hold(caller.tenant, ids.size * engine.spec.page_bytes):
                 r = self.ctx.store.restore(key, engine.memory, engine.spec, ids, prompt, req.cache_salt, req.whole)
         return pb.RestoreResponse(num_tokens=r.num_tokens, num_pages=r.num_pages, source_tier=r.source_tier,
-                                  seconds=r.seconds, nbytes=r.nbytes)
+                                  seconds=r.seconds, nbytes=r.nbytes, rel_error=r.rel_error)
 
 
 def _layout(req: Any, spec: Any) -> EngineLayout:

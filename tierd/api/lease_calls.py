@@ -25,7 +25,8 @@ class LeaseCalls:
         lease = self.ctx.store.begin_save(make_key(caller.tenant, req.session_id), spec_from_pb(req.spec), req.num_tokens,
                                       req.start_token, token_ids(req.id_field("token_ids"), want=req.num_tokens),
                                       req.priority if req.HasField("priority") else None,
-                                      req.ttl_seconds or DEFAULT_LEASE_SECONDS, req.cache_salt)
+                                      req.ttl_seconds or DEFAULT_LEASE_SECONDS, req.cache_salt,
+                                      req.lossy_max_error if req.HasField("lossy_max_error") else None)
         return lease_to_pb(lease)
 
     @unary(blocking=True)

@@ -45,6 +45,7 @@ class StreamCalls:
                         caller.tenant, self.ctx.store.begin_put, key, spec, head.num_tokens, head.size,
                         head.priority if head.HasField("priority") else None, head.start_token,
                         token_ids(head.id_field("token_ids"), want=head.num_tokens, deferred=True), head.cache_salt,
+                        head.lossy_max_error if head.HasField("lossy_max_error") else None,
                         undo=self.ctx.store.abort_write)
                     # the client sends its chunks now
                     await self.ctx.within(context.send_initial_metadata((PUT_ACCEPTED,)), "the Put stream took nothing")

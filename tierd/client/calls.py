@@ -42,7 +42,7 @@ from tierd.wire.convert import (
 
 def put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk: int,
                   priority: int | None, start_token: int, token_ids: Any,
-                  cache_salt: str = "") -> Iterator[pb.PutRequest | bytes]:
+                  cache_salt: str = "", lossy_max_error: float | None = None) -> Iterator[pb.PutRequest | bytes]:
     """The header message, then the chunks in wire format (see tierd.wire.chunks).
     The arguments are checked and the header built before the stream starts:
     gRPC reports an error raised while it iterates the requests only as
@@ -52,7 +52,8 @@ def put_messages(session_id: str, data: Any, spec: KVSpec, num_tokens: int, chun
         raise InvalidArgument(f"chunk_bytes must be a positive integer, got {shown(chunk)}", field="chunk_bytes")
     header = pb.PutRequest(header=pb.PutHeader(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                                size=len(view), priority=priority, start_token=start_token,
-                                               token_ids=_ids(token_ids), cache_salt=cache_salt))
+                                               token_ids=_ids(token_ids), cache_salt=cache_salt,
+                                               lossy_max_error=lossy_max_error))
     return itertools.chain([header], (chunk_message(view[i : i + chunk]) for i in range(0, len(view), chunk)))
 
 
@@ -80,7 +81,7 @@ def _lease(lease: Lease | str) -> pb.LeaseRequest:
 
 
 def _restore(r: pb.RestoreResponse) -> RestoreResult:
-    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds, r.nbytes)
+    return RestoreResult(r.num_tokens, r.num_pages, r.source_tier, r.seconds, r.nbytes, r.rel_error)
 
 
 def _stats(r: pb.StatsResponse) -> dict[str, Any]:
@@ -137,15 +138,16 @@ class Calls:
 
     def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Any = None, priority: int | None = None, ttl: float = 0.0,
-                   cache_salt: str = "") -> Lease:
+                   cache_salt: str = "", lossy_max_error: float | None = None) -> Lease:
         """Slots in the host arena for the pages of tokens [start_token,
         num_tokens): write them (Arena.runs), then commit_save or abort_save.
         token_ids, the ids of tokens [0, num_tokens), make the pages findable
         by lookup(); leading pages the tenant holds already (same tokens and
-        cache salt) are not leased: the lease starts at its first_page."""
+        cache salt) are not leased: the lease starts at its first_page.
+        lossy_max_error: as in EngineHandle.save."""
         req = pb.BeginSaveRequest(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                   start_token=start_token, token_ids=_ids(token_ids), priority=priority,
-                                  ttl_seconds=ttl, cache_salt=cache_salt)
+                                  ttl_seconds=ttl, cache_salt=cache_salt, lossy_max_error=lossy_max_error)
         return self._call("BeginSave", req, lease_from_pb)
 
     def commit_save(self, lease: Lease | str) -> SessionInfo:
@@ -251,14 +253,18 @@ class EngineCalls:
 
     def save(self, session_id: str, block_ids: Any, num_tokens: int, start_token: int = 0,
              tier: str = "", priority: int | None = None, token_ids: Any = None,
-             cache_salt: str = "") -> SessionInfo:
+             cache_salt: str = "", lossy_max_error: float | None = None) -> SessionInfo:
         """Gather the blocks holding tokens [start_token, num_tokens) into the session.
         `priority` weighs eviction: each step counts as a minute of recency;
         `token_ids` (of tokens [0, num_tokens)) lets lookup() match later prompts
-        (under `cache_salt`), and pages the tenant holds already are not stored again."""
+        (under `cache_salt`), and pages the tenant holds already are not stored again.
+        `lossy_max_error` consents to a tier's lossy codec (`--codec host=fp8`,
+        `remote=int8`, ...) for this session, each page within that relative
+        error (at most the daemon's --lossy-max-error; 0: lossless only); None
+        leaves the session's choice as it is (a new one: its tenant's)."""
         req = pb.SaveRequest(engine_id=self.engine_id, session_id=session_id, block_ids=[int(b) for b in block_ids],
                              num_tokens=num_tokens, start_token=start_token, tier=tier, priority=priority,
-                             token_ids=_ids(token_ids), cache_salt=cache_salt)
+                             token_ids=_ids(token_ids), cache_salt=cache_salt, lossy_max_error=lossy_max_error)
         return self.client._call("Save", req, info_from_pb)
 
     def restore(self, session_id: str, block_ids: Any, token_ids: Any = None, cache_salt: str = "",

@@ -84,12 +84,13 @@ class Client(Calls):
 
     def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
             priority: int | None = None, start_token: int = 0, token_ids: Any = None,
-            cache_salt: str = "") -> SessionInfo:
+            cache_salt: str = "", lossy_max_error: float | None = None) -> SessionInfo:
         """Store bytes (bytes, memoryview, numpy array or torch tensor) as the session's snapshot;
         with start_token (KV specs), the bytes are the pages from there on, appended. With token_ids
-        (under cache_salt), pages the tenant holds already are not stored again."""
+        (under cache_salt), pages the tenant holds already are not stored again. lossy_max_error: as in
+        EngineHandle.save (opaque bytes are never coded lossily)."""
         messages = put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids,
-                                cache_salt)
+                                cache_salt, lossy_max_error)
         started = threading.Event()
         call: list = []
 
@@ -201,9 +202,9 @@ class AsyncClient(Calls):
 
     async def put(self, session_id: str, data: Any, spec: KVSpec, num_tokens: int, chunk_bytes: int = DEFAULT_CHUNK,
                   priority: int | None = None, start_token: int = 0, token_ids: Any = None,
-                  cache_salt: str = "") -> SessionInfo:
+                  cache_salt: str = "", lossy_max_error: float | None = None) -> SessionInfo:
         messages = put_messages(session_id, data, spec, num_tokens, chunk_bytes, priority, start_token, token_ids,
-                                cache_salt)
+                                cache_salt, lossy_max_error)
         call = self._put(timeout=self.timeout, metadata=self._metadata)
         try:
             try:

@@ -154,9 +154,9 @@ class DiskIndex:
     @staticmethod
     def _row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
         return (
-            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes,
-             row.created, row.last_access, row.priority, row.errors),
+             row.created, row.last_access, row.priority, row.errors, row.lossy),
         )
 
     @staticmethod

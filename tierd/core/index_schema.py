@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     last_access REAL NOT NULL,
     priority INTEGER NOT NULL,
     errors BLOB NOT NULL DEFAULT x'',
+    lossy REAL,
     PRIMARY KEY (tenant, session_id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS pieces (
@@ -36,17 +37,20 @@ CREATE TABLE IF NOT EXISTS pieces (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
-FORMAT_VERSION = "4"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
+FORMAT_VERSION = "5"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
 # the errors their pages carry (empty: exact); 4: pieces record the codec their pages are coded with and each
-# page's coded size and checksum (empty: as they are). A codec added later comes with a format of its own.
+# page's coded size and checksum (empty: as they are); 5: sessions record a save's consent to lossy codes (NULL:
+# the tenant's setting). A codec added later comes with a format of its own.
 # What takes an index of an earlier format to this one, by the format found.
 _CODES = ["ALTER TABLE pieces ADD COLUMN codec TEXT NOT NULL DEFAULT ''",
           "ALTER TABLE pieces ADD COLUMN codes BLOB NOT NULL DEFAULT x''"]
 _ERRORS = ["ALTER TABLE sessions ADD COLUMN errors BLOB NOT NULL DEFAULT x''"]
+_LOSSY = ["ALTER TABLE sessions ADD COLUMN lossy REAL"]
 MIGRATIONS = {
-    "1": ["ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''", *_ERRORS, *_CODES],
-    "2": [*_ERRORS, *_CODES],
-    "3": _CODES,
+    "1": ["ALTER TABLE pieces ADD COLUMN tokens BLOB NOT NULL DEFAULT x''", *_ERRORS, *_CODES, *_LOSSY],
+    "2": [*_ERRORS, *_CODES, *_LOSSY],
+    "3": [*_CODES, *_LOSSY],
+    "4": _LOSSY,
 }
 SQLITE_FULL = 13  # the primary result code of "database or disk is full"
 

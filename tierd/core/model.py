@@ -52,7 +52,11 @@ class Snapshot:
     @property
     def rel_error(self) -> float:
         """The worst relative error of a page a restore serves (0: every page exact)."""
-        served = self.served_errors()
+        return self.served_error(self.n_pages)
+
+    def served_error(self, n_pages: int) -> float:
+        """The worst relative error of the first n_pages a restore serves (0: exact)."""
+        served = self.served_errors()[:n_pages]
         return float(served.max()) if served.size else 0.0
 
     def served_errors(self) -> np.ndarray:
@@ -220,6 +224,9 @@ class Session:
     last_access: float
     released_at: float | None = None  # None while the engine uses it
     priority: int = 0
+    # A save's consent to lossy codes: the relative error each page may carry (0: lossless only);
+    # None: the tenant's setting (--lossy-tenants).
+    lossy: float | None = None
     pins: int = 0
     damaged: bool = False
     moving: bool = False

@@ -248,7 +248,7 @@ class Placement:
                 coding.measured(codec, "write", moved, seconds)
             self.events.moved(max((s.tier for s in src), key=tier_rank), durable, reason, moved, seconds)
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
-                  session.priority, snap.errors.astype("<f4").tobytes())
+                  session.priority, snap.errors.astype("<f4").tobytes(), session.lossy)
         pieces += borrowed
         try:
             self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],

@@ -33,6 +33,7 @@ class Row:
     last_access: float
     priority: int
     errors: bytes = b""  # each page's relative error (float32, little-endian), where any is not exact
+    lossy: float | None = None  # a save's consent to lossy codes (Session.lossy)
 
     def cut(self, n_pages: int) -> Row | None:
         """The row of the session's first n_pages pages (None: no row, where
@@ -44,7 +45,7 @@ class Row:
         errors = self.errors[: 4 * n_pages]
         return Row(self.spec, min(self.num_tokens, n_pages * self.spec.block_tokens), n_pages,
                    n_pages * self.spec.page_bytes, self.created, self.last_access, self.priority,
-                   errors if any(errors) else b"")
+                   errors if any(errors) else b"", self.lossy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ def _codes(spec: KVSpec, first: int, n: int, alloc: int, codec: object, raw: obj
 
 def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     """A session from its row (spec, num_tokens, num_pages, nbytes, created,
-    last_access, priority, errors) and its pieces' rows, checked against the format;
+    last_access, priority, errors, lossy) and its pieces' rows, checked against the format;
     raises Damaged."""
     if not all(isinstance(k, str) and ID.fullmatch(k) and ".." not in k for k in key):
         raise Damaged("bad_row", "its tenant or session id is not a valid id")
@@ -126,7 +127,7 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
         spec = _spec(r[0])
     except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign spec raises
         raise Damaged("bad_spec", f"unreadable spec ({exc})") from None
-    num_tokens, num_pages, nbytes, created, last_access, priority, errors = r[1:]
+    num_tokens, num_pages, nbytes, created, last_access, priority, errors, lossy = r[1:]
     if not _ints(num_tokens, num_pages, nbytes, priority) or not all(
             isinstance(v, (int, float)) for v in (created, last_access)):
         raise Damaged("bad_row", "a field of its row has the wrong type")
@@ -139,7 +140,9 @@ def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     if not isinstance(errors, bytes) or len(errors) not in (0, 4 * num_pages) or \
             not (np.frombuffer(errors, dtype="<f4") >= 0).all():  # (NaN is not)
         raise Damaged("bad_errors", f"{_size(errors)} of page errors for {num_pages} pages, or errors that are none")
-    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority, errors)
+    if lossy is not None and (not isinstance(lossy, float) or not 0 <= lossy <= 1):
+        raise Damaged("bad_row", f"consent to lossy codes {lossy!r} is not a relative error in [0, 1]")
+    row = Row(spec, num_tokens, num_pages, nbytes, created, last_access, priority, errors, lossy)
     # Every piece row is checked before anything is allocated for num_pages: their checksum blobs,
     # real bytes, bound the pages (a row claiming 2**40 pages must not take the start down).
     pages_held = 0

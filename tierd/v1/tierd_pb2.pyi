@@ -96,7 +96,7 @@ class EngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("engine_id", "session_id", "block_ids", "num_tokens", "start_token", "tier", "priority", "token_ids", "cache_salt")
+    __slots__ = ("engine_id", "session_id", "block_ids", "num_tokens", "start_token", "tier", "priority", "token_ids", "cache_salt", "lossy_max_error")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class SaveRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     session_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -115,7 +116,8 @@ class SaveRequest(_message.Message):
     priority: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lossy_max_error: float
+    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., tier: _Optional[str] = ..., priority: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lossy_max_error: _Optional[float] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("engine_id", "session_id", "block_ids", "token_ids", "cache_salt", "whole")
@@ -134,21 +136,23 @@ class RestoreRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., whole: bool = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("num_tokens", "num_pages", "source_tier", "seconds", "nbytes")
+    __slots__ = ("num_tokens", "num_pages", "source_tier", "seconds", "nbytes", "rel_error")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     num_pages: int
     source_tier: str
     seconds: float
     nbytes: int
-    def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    rel_error: float
+    def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., source_tier: _Optional[str] = ..., seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., rel_error: _Optional[float] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token", "token_ids", "cache_salt")
+    __slots__ = ("session_id", "spec", "num_tokens", "size", "priority", "start_token", "token_ids", "cache_salt", "lossy_max_error")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +161,7 @@ class PutHeader(_message.Message):
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
@@ -165,7 +170,8 @@ class PutHeader(_message.Message):
     start_token: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lossy_max_error: float
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., size: _Optional[int] = ..., priority: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lossy_max_error: _Optional[float] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data", "xxh3")
@@ -469,7 +475,7 @@ class LookupResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds", "cache_salt")
+    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds", "cache_salt", "lossy_max_error")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +484,7 @@ class BeginSaveRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
@@ -486,7 +493,8 @@ class BeginSaveRequest(_message.Message):
     priority: int
     ttl_seconds: float
     cache_salt: str
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lossy_max_error: float
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., lossy_max_error: _Optional[float] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
     __slots__ = ("session_id", "spec", "num_pages", "ttl_seconds", "token_ids", "cache_salt")
@@ -517,7 +525,7 @@ class Slot(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "slots", "page_bytes", "page_stride", "first_page", "num_pages", "num_tokens", "ttl_seconds", "nbytes")
+    __slots__ = ("lease_id", "slots", "page_bytes", "page_stride", "first_page", "num_pages", "num_tokens", "ttl_seconds", "nbytes", "rel_error")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -527,6 +535,7 @@ class Lease(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    REL_ERROR_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     page_bytes: int
@@ -536,7 +545,8 @@ class Lease(_message.Message):
     num_tokens: int
     ttl_seconds: float
     nbytes: int
-    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., page_stride: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    rel_error: float
+    def __init__(self, lease_id: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., page_stride: _Optional[int] = ..., first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., nbytes: _Optional[int] = ..., rel_error: _Optional[float] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -68,7 +68,7 @@ def lease_to_pb(lease: Lease) -> pb.Lease:
     return pb.Lease(
         lease_id=lease.lease_id, page_bytes=lease.page_bytes, page_stride=lease.page_stride,
         first_page=lease.first_page, num_pages=lease.num_pages, num_tokens=lease.num_tokens, ttl_seconds=lease.ttl,
-        nbytes=lease.nbytes,
+        nbytes=lease.nbytes, rel_error=lease.rel_error,
         slots=[pb.Slot(shm_name=s.shm_name, offset=s.offset, first_page=s.first_page, num_pages=s.n_pages)
                for s in lease.slots])
 
@@ -76,7 +76,7 @@ def lease_to_pb(lease: Lease) -> pb.Lease:
 def lease_from_pb(msg: pb.Lease) -> Lease:
     return Lease(msg.lease_id, [Slot(s.shm_name, s.offset, s.first_page, s.num_pages) for s in msg.slots],
                  msg.page_bytes, msg.page_stride, msg.first_page, msg.num_pages, msg.num_tokens, msg.ttl_seconds,
-                 msg.nbytes)
+                 msg.nbytes, msg.rel_error)
 
 
 def optional_spec_to_pb(spec: KVSpec | None) -> pb.KVSpec | None:

@@ -126,7 +126,7 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
                         token_hashes=rec.token_hashes)
         snap.set_errors(0, np.frombuffer(rec.row.errors, dtype="<f4").copy() if rec.row.errors else None)
         session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
-                          priority=rec.row.priority, row=rec.row, row_version=snap.version,
+                          priority=rec.row.priority, lossy=rec.row.lossy, row=rec.row, row_version=snap.version,
                           remote_version=UNKNOWN if with_remote else 0)
         table.add(session)
         idle.schedule(session)

@@ -117,6 +117,20 @@ def check_ttl(ttl: float) -> float:
     return float(ttl)
 
 
+def check_lossy(bound: float | None, spec: KVSpec) -> float | None:
+    """A save's consent to lossy codes as it gives it: None (as before), or the
+    relative error each page may carry, in [0, 1] (0: lossless only). An
+    opaque snapshot is never coded lossily: it may only say 0."""
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or
+                              not 0 <= bound <= 1):
+        raise InvalidArgument(f"lossy_max_error is a relative error in [0, 1] (0: lossless only), not {shown(bound)}",
+                              field="lossy_max_error", value=bound)
+    if bound and spec.is_opaque:
+        raise InvalidArgument("an opaque snapshot is never coded lossily: lossy_max_error must be 0 or unset",
+                              field="lossy_max_error", value=bound)
+    return None if bound is None else float(bound)
+
+
 def check_bound(bound: float | None) -> float | None:
     """An error bound as a call gives it: None, or a number from 0 on (InvalidArgument otherwise)."""
     if bound is not None and (not isinstance(bound, (int, float)) or not bound >= 0):

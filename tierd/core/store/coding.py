@@ -7,12 +7,14 @@ page its coded size, the XXH3 of its coded bytes, and the checksum of the
 page a reader will decode (the page's own, for a lossless codec): the
 version's manifest.Coding.
 
-Lossy only by consent: a lossy codec codes the KV of the tenants that
-allow it (lossy_tenants; "*": every tenant) whose pages it can read (a
-known arrangement of 2- or 4-byte elements: an FP8 cache and opaque
-snapshots are coded lossless); every other session of that tier is coded
-lossless. Each page it codes is decoded again at once and its error
-measured (codecs.code); a page past max_error is kept as it is. The
+Lossy only by consent (Consent): a lossy codec codes the KV of sessions
+whose save asked for it (within the error it gave) or, where it did not
+say, whose tenant allows it (lossy_tenants; "*": every tenant), where it
+can read their pages (a known arrangement of 2- or 4-byte elements: an FP8
+cache and opaque snapshots are coded lossless); every other session of that
+tier is coded lossless. Each page it codes is decoded again at once and its
+error measured (codecs.code); a page past the session's bound is kept as it
+is. The
 manifest then records each page's error and the checksum of what it
 decodes to (decoding is deterministic), and a digest of the pages' own
 checksums (Coding.source), by which a node knows its exact copy as the
@@ -45,6 +47,7 @@ from tierd import codecs
 from tierd.checksum import page_checksum
 from tierd.codecs.auto import AUTO, AutoChoice, check_codec
 from tierd.core.events import StoreEvents
+from tierd.core.model import Session
 from tierd.errors import DataLoss, FailedPrecondition, InvalidArgument, shown
 from tierd.layout import KVSpec
 from tierd.remote.coded import Coding, source_of
@@ -58,12 +61,35 @@ BATCH_BYTES = 4 << 20  # pages coded at a time: large enough for the coder, smal
 
 
 
-def consents(lossy_tenants: frozenset[str], tenant: str, spec: KVSpec) -> bool:
-    """Whether a lossy codec may code this tenant's pages of this spec: the
-    tenant allows it (lossy_tenants; "*": every tenant), and the pages are
-    KV a lossy codec reads (an arrangement it knows, of 2- or 4-byte elements)."""
-    shape = codecs.page_shape(spec)
-    return (tenant in lossy_tenants or "*" in lossy_tenants) and shape is not None and shape.codable
+class Consent:
+    """Who consents to lossy codes, and to how much error: a save that says
+    (Session.lossy: its bound, 0 for none) or else its tenant (lossy_tenants;
+    "*": every tenant), each page within at most max_error (--lossy-max-error)."""
+
+    def __init__(self, lossy_tenants: frozenset[str], max_error: float) -> None:
+        self.lossy_tenants, self.max_error = lossy_tenants, max_error
+
+    def describe(self, codec: str) -> str:
+        """For the log, after a tier's codec: whose sessions it codes lossily
+        and within what ("" for a codec that is not lossy, or auto)."""
+        if codec == AUTO or not codecs.get(codec).lossy:
+            return ""
+        tenants = ", ".join(sorted(self.lossy_tenants))
+        return (f" (lossy for the saves that ask{' and the tenants ' + tenants if tenants else ''}, within "
+                f"{self.max_error}; lossless for the others)")
+
+    def bound(self, session: Session) -> float | None:
+        """The relative error a lossy codec's page of the session may carry,
+        None where it may not code the session lossily: no consent, or pages
+        a lossy codec does not read (an arrangement it knows, of 2- or 4-byte
+        elements). Under the store lock."""
+        shape = codecs.page_shape(session.snap.spec)
+        if shape is None or not shape.codable:
+            return None
+        tenant = session.key.tenant
+        asked = session.lossy if session.lossy is not None else \
+            self.max_error if tenant in self.lossy_tenants or "*" in self.lossy_tenants else 0.0
+        return min(asked, self.max_error) if asked > 0 else None
 
 
 class PageCoder:
@@ -76,16 +102,12 @@ class PageCoder:
         self.tier = tier  # the remote tier's name, for errors
         self.events = events
         self.auto = AutoChoice(tier, events.codec_chosen, ("publish", "fetch")) if self.codec == AUTO else None
-        self.lossy_tenants = lossy_tenants
-        self.max_error = max_error
+        self.consent = Consent(lossy_tenants, max_error)
 
-    def consents(self, tenant: str, spec: KVSpec) -> bool:
-        """Whether a lossy codec may code this tenant's pages of this spec."""
-        return consents(self.lossy_tenants, tenant, spec)
-
-    def coding_for(self, tenant: str, spec: KVSpec, n_pages: int, carried: np.ndarray) -> Coding | None:
-        """What a publish of the tenant's pages of this spec records of them
-        (None: as they are). Pages that carry errors already (carried: each
+    def coding_for(self, bound: float | None, n_pages: int, carried: np.ndarray) -> Coding | None:
+        """What a publish of a session's pages records of them (None: as
+        they are), bound: the error its consent allows a page (Consent.bound;
+        None: lossless only). Pages that carry errors already (carried: each
         page's, or empty) are coded, lossless at least, so that their
         version records them."""
         codec = self.auto.choose() if self.auto is not None else self.codec
@@ -93,17 +115,19 @@ class PageCoder:
         if codec == "none":
             return None
         lossy = codecs.get(codec).lossy
-        return Coding.empty(codec if not lossy or self.consents(tenant, spec) else "lossless", n_pages)
+        return Coding.empty(codec if not lossy or bound is not None else "lossless", n_pages)
 
     def encode(self, data: Iterable[tuple[bytes | memoryview, bool]], spec: KVSpec, geom: Geometry,
-               checksums: np.ndarray, coding: Coding, carried: np.ndarray) -> Iterator[tuple[bytes, bool]]:
+               checksums: np.ndarray, coding: Coding, carried: np.ndarray,
+               bound: float | None) -> Iterator[tuple[bytes, bool]]:
         """The coded bytes of the pages whose logical bytes data holds (in
         pieces of any size, each valid until the next is asked for), a page's
         blob at a time (each stays valid), with coding filled as they go
         (and, once all are coded, its source: the digest of the pages'
         checksums). A page's recorded relative error is what the pages carried
         already (carried, from a lossy copy they were fetched from) plus what
-        this coding adds: a bound on its error against the page first stored."""
+        this coding adds: a bound on its error against the page first stored;
+        a lossy codec's page past `bound` (less what it carries) is kept as it is."""
         codec, shape = codecs.get(coding.codec), codecs.page_shape(spec)
         per_batch = max(1, BATCH_BYTES // geom.page_bytes)
         flat = np.empty(per_batch * geom.page_bytes, dtype=np.uint8)
@@ -120,7 +144,7 @@ class PageCoder:
                 filled, rest = filled + take, rest[take:]
             t0 = time.perf_counter()
             blobs = self._code(codec, shape, flat[:want], page, count, geom, checksums, coding,
-                               self.max_error - (carried[page : page + count] if carried.size else 0.0))
+                               (bound or 0.0) - (carried[page : page + count] if carried.size else 0.0))
             seconds += time.perf_counter() - t0
             for blob in blobs:
                 yield blob, True

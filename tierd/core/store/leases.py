@@ -26,6 +26,7 @@ from tierd.core.store.checks import (
     DEFAULT_LEASE_SECONDS,
     check_blocks_range,
     check_identity,
+    check_lossy,
     check_priority,
     check_readable,
     check_ttl,
@@ -112,20 +113,22 @@ class Leases:
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
-                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "") -> Lease:
+                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "", lossy: float | None = None) -> Lease:
         """A segment of shared memory for pages [start_token // block_tokens,
         pages for num_tokens): the engine writes each page's bytes there, then
         calls commit_save (or abort_save). The pages' room in the host tier is
         taken now; nothing is visible before the commit. Leading pages the
         tenant holds already (same tokens under the same cache salt) are
-        taken from there: the lease starts past them (its first_page)."""
+        taken from there: the lease starts past them (its first_page).
+        `lossy`: as in save."""
         check_priority(priority)
+        check_lossy(lossy, spec)
         ttl = check_ttl(ttl)
         first_page = check_blocks_range(spec, start_token, num_tokens)
         tok = token_hashes(spec, token_ids, num_tokens, salt)
         n_pages = spec.pages_for_tokens(num_tokens)
         w = self.writer.begin_write(key, spec, self.roles.landing, first_page, num_tokens, n_pages * spec.page_bytes,
-                              Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority)
+                              Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority, lossy=lossy)
         count = n_pages - w.write_from
         nbytes = max(count * spec.page_bytes, 1)  # (every page held already: a segment the engine never reads)
         try:
@@ -235,7 +238,7 @@ class Leases:
         with self._lock:
             self._leases[lease.lease_id] = lease
         return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
-                     0, n, min(snap.num_tokens, n * bt), ttl, held)
+                     0, n, min(snap.num_tokens, n * bt), ttl, held, snap.served_error(n))
 
     def end_restore(self, tenant: str, lease_id: str) -> None:
         """The engine has read its pages: the segment goes. A lease that

@@ -39,6 +39,7 @@ class PendingWrite:
     lent: dict[str, list[Piece]] = field(default_factory=dict)
     lent_sums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
     write_from: int = 0
+    lossy: float | None = None  # the save's consent to lossy codes (None: the session's as it is)
 
     @property
     def spans(self) -> list[Span]:

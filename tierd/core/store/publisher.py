@@ -151,9 +151,11 @@ class Publisher:
             # manifest, so a page damaged here is never served from there either.
             data = self.copier.views(spans, geom, sums, IOClass.WRITEBACK, self.remote.store.publish_window,
                                       handout=False)
-            coding = self.coder.coding_for(key.tenant, spec, geom.n_pages, errors)
+            with self.table.lock:
+                bound = self.coder.consent.bound(session)
+            coding = self.coder.coding_for(bound, geom.n_pages, errors)
             if coding is not None:  # coded as they are read
-                data = self.coder.encode(data, spec, geom, sums, coding, errors)
+                data = self.coder.encode(data, spec, geom, sums, coding, errors, bound)
             new = self.link.call("publish", backend.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data, coding=coding)

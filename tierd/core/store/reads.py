@@ -104,9 +104,10 @@ class Reader:
         and nbytes) scattered into an engine's blocks from source."""
         with self.table.lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
+            error = session.snap.served_error(n_pages)
         self.events.restored(source, n_pages * spec.page_bytes, seconds)
         return RestoreResult(min(num_tokens, n_pages * spec.block_tokens), n_pages, source, seconds,
-                             min(nbytes, n_pages * spec.page_bytes))
+                             min(nbytes, n_pages * spec.page_bytes), error)
 
     def get(self, key: SessionKey, chunk_bytes: int = 1 << 20) -> tuple[SessionInfo, SnapshotReader]:
         """The snapshot's info and a reader of its bytes, checked against their

@@ -76,12 +76,13 @@ class Recoder:
     def _code(self, session: Session, ranges: list[tuple[int, int]], into: list[Piece], io_class: IOClass) -> None:
         tier, snap = self.recoding.tier, session.snap
         geom, t = snap.geometry, self.tiers[tier]
-        codec = self.recoding.codec_for(session.key.tenant, snap.spec)
+        with self.table.lock:
+            codec, bound = self.recoding.codec_for(session)
         lossy = codecs.get(codec).lossy
         shape = codecs.page_shape(snap.spec) if lossy else codecs.lossless_shape(snap.spec)
         bounds = None
         if lossy:  # a page's bound counts the error it carries already
-            bounds = np.full(snap.n_pages, self.recoding.max_error, dtype=np.float64)
+            bounds = np.full(snap.n_pages, bound, dtype=np.float64)
             bounds[: snap.errors.size] -= snap.errors
         src = snap.spans(self.recoding.durable)
         windows = (w for first, count in ranges for w in self.copier.windows(

@@ -20,9 +20,8 @@ import threading
 from tierd import codecs
 from tierd.codecs.auto import AUTO, check_codec
 from tierd.core.model import Session
-from tierd.core.store.coding import consents
+from tierd.core.store.coding import Consent
 from tierd.errors import InvalidArgument
-from tierd.layout import KVSpec
 
 log = logging.getLogger("tierd.core.store")
 EWMA = 0.3  # weight of the newest re-code in the part of its bytes re-codes keep
@@ -37,10 +36,8 @@ class Recoding:
         if codec == "none":
             return None
         cls.check(codec, tier, tier in tiers, durable is not None and tiers[durable].budget > 0)
-        lossy = codecs.get(codec).lossy
         log.info("%s tier: idle sessions re-coded %s in place when it is full%s", tier, codec,
-                 f" (lossy for {', '.join(sorted(lossy_tenants)) or 'no tenant'}, within {max_error}; lossless for "
-                 "the others)" if lossy else "")
+                 Consent(lossy_tenants, max_error).describe(codec))
         return cls(tier, codec, durable, lossy_tenants, max_error)
 
     @staticmethod
@@ -57,16 +54,18 @@ class Recoding:
     def __init__(self, tier: str, codec: str, durable: str, lossy_tenants: frozenset[str], max_error: float) -> None:
         self.tier, self.durable = tier, durable
         self.codec = codecs.get(codec).name
-        self.lossy_tenants, self.max_error = lossy_tenants, max_error
+        self.consent = Consent(lossy_tenants, max_error)
         lossy = codecs.get(codec).lossy
         # The part of its bytes a re-code keeps, until re-codes are measured: what the codec takes of real KV.
         self._kept = 0.5 if lossy else 0.7
         self._lock = threading.Lock()
 
-    def codec_for(self, tenant: str, spec: KVSpec) -> str:
-        """The codec the tenant's pages of this spec are re-coded with."""
+    def codec_for(self, session: Session) -> tuple[str, float | None]:
+        """The codec the session's pages are re-coded with, and the error a
+        page may carry (None: lossless). Under the store lock."""
+        bound = self.consent.bound(session)
         lossy = codecs.get(self.codec).lossy
-        return self.codec if not lossy or consents(self.lossy_tenants, tenant, spec) else "lossless"
+        return (self.codec, bound) if not lossy or bound is not None else ("lossless", None)
 
     def may(self, s: Session) -> bool:
         """Whether the session's copy in the tier may be re-coded now: released,

@@ -19,7 +19,7 @@ from tierd.clock import Clock
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.rows import Problem
-from tierd.core.store.checks import DEFAULT_LEASE_SECONDS, check_bound, check_priority
+from tierd.core.store.checks import DEFAULT_LEASE_SECONDS, check_bound, check_lossy, check_priority
 from tierd.core.store.parts import Parts
 from tierd.core.store.pending import PendingWrite
 from tierd.core.store.snapshot_reader import SnapshotReader
@@ -87,30 +87,36 @@ class Store:
 
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
              num_tokens: int, start_token: int = 0, tier: str | None = None, priority: int | None = None,
-             token_ids: Iterable[int] | None = None, salt: str = "") -> SessionInfo:
+             token_ids: Iterable[int] | None = None, salt: str = "", lossy: float | None = None) -> SessionInfo:
+        check_lossy(lossy, spec)  # (before the remote tier is asked)
         if start_token:
             self._bring(key, appending=True)  # an append onto a session another node stored
-        return self.saves.save(key, engine, spec, block_ids, num_tokens, start_token, tier, priority, token_ids, salt)
+        return self.saves.save(key, engine, spec, block_ids, num_tokens, start_token, tier, priority, token_ids, salt,
+                               lossy)
 
     def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int, priority: int | None = None,
-                  start_token: int = 0, token_ids: Iterable[int] | None = None, salt: str = "") -> PendingWrite:
+                  start_token: int = 0, token_ids: Iterable[int] | None = None, salt: str = "",
+                  lossy: float | None = None) -> PendingWrite:
+        check_lossy(lossy, spec)
         if start_token:
             self._bring(key, appending=True)
-        return self.saves.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt)
+        return self.saves.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt, lossy)
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
             chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None, start_token: int = 0,
-            token_ids: Iterable[int] | None = None, salt: str = "") -> SessionInfo:
+            token_ids: Iterable[int] | None = None, salt: str = "", lossy: float | None = None) -> SessionInfo:
+        check_lossy(lossy, spec)
         if start_token:
             self._bring(key, appending=True)
-        return self.saves.put(key, spec, num_tokens, nbytes, chunks, priority, start_token, token_ids, salt)
+        return self.saves.put(key, spec, num_tokens, nbytes, chunks, priority, start_token, token_ids, salt, lossy)
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
-                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "") -> Lease:
+                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "", lossy: float | None = None) -> Lease:
+        check_lossy(lossy, spec)
         if start_token:
             self._bring(key, appending=True)
-        return self.leases.begin_save(key, spec, num_tokens, start_token, token_ids, priority, ttl, salt)
+        return self.leases.begin_save(key, spec, num_tokens, start_token, token_ids, priority, ttl, salt, lossy)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from tierd.core.roles import TierRoles
-from tierd.core.store.checks import check_blocks, check_blocks_range, check_priority, check_start, token_hashes
+from tierd.core.store.checks import check_blocks, check_blocks_range, check_lossy, check_priority, check_start, token_hashes
 from tierd.core.store.pending import PendingWrite
 from tierd.core.store.writes import Writer
 from tierd.errors import InvalidArgument, ResourceExhausted, shown
@@ -37,7 +37,8 @@ class Saves:
 
     def save(self, key: SessionKey, engine: EngineMemory, spec: KVSpec, block_ids: Iterable[int],
              num_tokens: int, start_token: int = 0, tier: str | None = None,
-             priority: int | None = None, token_ids: Iterable[int] | None = None, salt: str = "") -> SessionInfo:
+             priority: int | None = None, token_ids: Iterable[int] | None = None, salt: str = "",
+             lossy: float | None = None) -> SessionInfo:
         """Gather engine blocks holding tokens [start_token, num_tokens) into the
         session's snapshot, replacing what it held from start_token on. The new
         pages land in `tier` (default: device for GPU engines, else host);
@@ -45,8 +46,11 @@ class Saves:
         tokens [0, num_tokens)) lets lookup() match later prompts against the
         pages (under the cache `salt`), refuses an append onto pages that hold
         other tokens, and takes pages the tenant holds already from them
-        instead of copying them again (sharing.py)."""
+        instead of copying them again (sharing.py). `lossy` consents to a
+        tier's lossy codec for the session, each page within that error (0:
+        lossless only; None: as before, for a new session its tenant's)."""
         check_priority(priority)
+        check_lossy(lossy, spec)
         if tier is not None and (tier not in self.tiers or self.tiers[tier].medium != MEMORY):
             targets = ", ".join(repr(t) for t in tier_order(self.tiers) if self.tiers[t].medium == MEMORY)
             raise InvalidArgument(f"a save lands in a memory tier of this machine ({targets}), not {shown(tier)}",
@@ -61,7 +65,7 @@ class Saves:
                 f"but {ids.size} block ids were given", field="block_ids", want=n_pages - first_page, got=int(ids.size))
         geom = Geometry(spec.page_bytes, n_pages, spec.page_bytes)
         w = self.writer.begin_write(key, spec, tier or self.landing(engine), first_page, num_tokens,
-                              n_pages * spec.page_bytes, geom, tok, priority)
+                              n_pages * spec.page_bytes, geom, tok, priority, lossy=lossy)
         try:
             sums = self.copier.gather(engine, ids[w.write_from - first_page :], w.spans, geom, w.write_from)
         except BaseException:
@@ -71,14 +75,15 @@ class Saves:
 
     def begin_put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
                   priority: int | None = None, start_token: int = 0,
-                  token_ids: Iterable[int] | None = None, salt: str = "") -> PendingWrite:
+                  token_ids: Iterable[int] | None = None, salt: str = "", lossy: float | None = None) -> PendingWrite:
         """Room for a snapshot sent as bytes: the pages from start_token on (KV
         specs; 0 replaces the whole snapshot), with their token ids (under the
         cache salt) if given. Write the stream into the result (write()), then
         commit_put, or abort_write. No lock is held meanwhile: the stream may
         take its time. Pages the tenant holds already are taken from there:
-        their bytes in the stream are read past, not stored."""
+        their bytes in the stream are read past, not stored. `lossy`: as in save."""
         check_priority(priority)
+        check_lossy(lossy, spec)
         first_page = check_start(spec, start_token)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
@@ -108,7 +113,7 @@ class Saves:
         self.writer.start_stream(key, streaming)
         try:
             w = self.writer.begin_write(key, spec, self.roles.landing, first_page, num_tokens,
-                                  first_page * spec.page_bytes + nbytes, geom, tok, priority)
+                                  first_page * spec.page_bytes + nbytes, geom, tok, priority, lossy=lossy)
         except BaseException:
             self.writer.stream_ended(key.tenant, streaming)
             raise
@@ -136,9 +141,10 @@ class Saves:
 
     def put(self, key: SessionKey, spec: KVSpec, num_tokens: int, nbytes: int,
             chunks: Iterable[bytes | memoryview | np.ndarray], priority: int | None = None,
-            start_token: int = 0, token_ids: Iterable[int] | None = None, salt: str = "") -> SessionInfo:
+            start_token: int = 0, token_ids: Iterable[int] | None = None, salt: str = "",
+            lossy: float | None = None) -> SessionInfo:
         """begin_put, every chunk written, commit_put: the whole Put in one call."""
-        w = self.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt)
+        w = self.begin_put(key, spec, num_tokens, nbytes, priority, start_token, token_ids, salt, lossy)
         try:
             for chunk in chunks:
                 w.write(chunk)

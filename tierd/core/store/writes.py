@@ -81,11 +81,13 @@ class Writer:
     def install(self, key: SessionKey, lock: threading.Lock, session: Session | None, spec: KVSpec,
                 first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None,
-                lent: dict[str, list[Piece]] | None = None, errors: np.ndarray | None = None) -> Session:
+                lent: dict[str, list[Piece]] | None = None, errors: np.ndarray | None = None,
+                lossy: float | None = None) -> Session:
         """Complete a store: replace pages from first_page on with the new ones
         in `tier` and the pieces `lent` by other sessions, by tier (hashes:
         the token hashes of every page, if known; errors: what the new pages
-        carry, if fetched from a copy coded lossily). The index forgets the
+        carry, if fetched from a copy coded lossily; lossy: the save's consent
+        to lossy codes, None to leave the session's as it is). The index forgets the
         replaced pages first: if it cannot, this raises before anything
         changed, and the caller still owns `pieces` and `lent`."""
         durable = self.roles.durable
@@ -126,6 +128,8 @@ class Writer:
             session.last_access, session.released_at, session.awaited = now, None, False
             if priority is not None:
                 session.priority = priority
+            if lossy is not None:
+                session.lossy = lossy
             if new:
                 self.table.add(session)
             else:
@@ -136,7 +140,7 @@ class Writer:
 
     def begin_write(self, key: SessionKey, spec: KVSpec, tier: str, first_page: int, num_tokens: int,
                      nbytes: int, geom: Geometry, hashes: np.ndarray | None,
-                     priority: int | None, share: bool = True) -> PendingWrite:
+                     priority: int | None, share: bool = True, lossy: float | None = None) -> PendingWrite:
         """Check that the store may go ahead (quota, an append onto the same
         identity and tokens) and allocate its pages, less those the tenant
         holds already (with share); the session's lock is held only for that."""
@@ -154,7 +158,7 @@ class Writer:
         finally:
             lock.release()
         return PendingWrite(key, spec, tier, first_page, num_tokens, nbytes, geom, pieces, hashes, priority,
-                            time.perf_counter(), lent=lent, lent_sums=lent_sums, write_from=write_from)
+                            time.perf_counter(), lent=lent, lent_sums=lent_sums, write_from=write_from, lossy=lossy)
 
     def _lent_for(self, key: SessionKey, spec: KVSpec, hashes: np.ndarray | None, first_page: int, n_pages: int
                   ) -> tuple[dict[str, list[Piece]], int, np.ndarray]:
@@ -201,7 +205,7 @@ class Writer:
                 self._check_lent(w)
                 session = self.install(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier,
                                         np.concatenate([w.lent_sums, sums]), w.num_tokens, w.nbytes, w.priority,
-                                        w.hashes, w.lent)
+                                        w.hashes, w.lent, lossy=w.lossy)
             except (ResourceExhausted, Unavailable):
                 if not keep:
                     self.abort_write(w)
