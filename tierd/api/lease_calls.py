@@ -26,7 +26,7 @@ class LeaseCalls:
                                       req.start_token, token_ids(req.id_field("token_ids"), want=req.num_tokens),
                                       req.priority if req.HasField("priority") else None,
                                       req.ttl_seconds or DEFAULT_LEASE_SECONDS, req.cache_salt,
-                                      req.lossy_max_error if req.HasField("lossy_max_error") else None)
+                                      req.lossy_max_error if req.HasField("lossy_max_error") else None, req.size)
         return lease_to_pb(lease)
 
     @unary(blocking=True)

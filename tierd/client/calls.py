@@ -138,16 +138,18 @@ class Calls:
 
     def begin_save(self, session_id: str, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Any = None, priority: int | None = None, ttl: float = 0.0,
-                   cache_salt: str = "", lossy_max_error: float | None = None) -> Lease:
+                   cache_salt: str = "", lossy_max_error: float | None = None, size: int = 0) -> Lease:
         """Slots in the host arena for the pages of tokens [start_token,
         num_tokens): write them (Arena.runs), then commit_save or abort_save.
         token_ids, the ids of tokens [0, num_tokens), make the pages findable
         by lookup(); leading pages the tenant holds already (same tokens and
         cache salt) are not leased: the lease starts at its first_page.
-        lossy_max_error: as in EngineHandle.save."""
+        For an opaque spec, `size` bytes, its pages back to back in one run
+        (lease.nbytes). lossy_max_error: as in EngineHandle.save."""
         req = pb.BeginSaveRequest(session_id=session_id, spec=spec_to_pb(spec), num_tokens=num_tokens,
                                   start_token=start_token, token_ids=_ids(token_ids), priority=priority,
-                                  ttl_seconds=ttl, cache_salt=cache_salt, lossy_max_error=lossy_max_error)
+                                  ttl_seconds=ttl, cache_salt=cache_salt, lossy_max_error=lossy_max_error,
+                                  size=size)
         return self._call("BeginSave", req, lease_from_pb)
 
     def commit_save(self, lease: Lease | str) -> SessionInfo:

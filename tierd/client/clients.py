@@ -131,16 +131,18 @@ class Client(Calls):
 
         return info_from_pb(head), chunks()
 
-    def read_local(self, session_id: str, ttl: float = 60.0) -> AbstractContextManager[memoryview]:
+    def read_local(self, session_id: str, ttl: float = 60.0,
+                   spec: KVSpec | None = None) -> AbstractContextManager[memoryview]:
         """The session's bytes, read on the daemon's machine through shared
         memory it lends for the read: a read-only view, valid inside the
-        block (client/local.py)."""
-        return local.read_local(self, session_id, ttl)
+        block (client/local.py). With spec, another identity's snapshot is
+        IdentityMismatch."""
+        return local.read_local(self, session_id, ttl, spec)
 
-    def get_into(self, session_id: str, out: Any, ttl: float = 60.0) -> int:
+    def get_into(self, session_id: str, out: Any, ttl: float = 60.0, spec: KVSpec | None = None) -> int:
         """Copy the session's bytes into `out` (a writable buffer: bytearray,
         numpy array, ...), read as read_local reads them; returns how many."""
-        return local.get_into(self, session_id, out, ttl)
+        return local.get_into(self, session_id, out, ttl, spec)
 
     def local_buffer(self, spec: KVSpec, nbytes: int) -> local.LocalBuffer:
         """Memory of this process, registered with the daemon, that it reads
@@ -184,13 +186,14 @@ class AsyncClient(Calls):
     def _engine(self, engine_id: str, spec: KVSpec) -> AsyncEngine:
         return AsyncEngine(self, engine_id, spec)
 
-    def read_local(self, session_id: str, ttl: float = 60.0) -> AbstractAsyncContextManager[memoryview]:
+    def read_local(self, session_id: str, ttl: float = 60.0,
+                   spec: KVSpec | None = None) -> AbstractAsyncContextManager[memoryview]:
         """Client.read_local, as an async context manager."""
-        return local.read_local_async(self, session_id, ttl)
+        return local.read_local_async(self, session_id, ttl, spec)
 
-    async def get_into(self, session_id: str, out: Any, ttl: float = 60.0) -> int:
+    async def get_into(self, session_id: str, out: Any, ttl: float = 60.0, spec: KVSpec | None = None) -> int:
         """Client.get_into, awaited."""
-        return await local.get_into_async(self, session_id, out, ttl)
+        return await local.get_into_async(self, session_id, out, ttl, spec)
 
     async def list(self, all_tenants: bool = False) -> list[SessionInfo]:
         out, token = [], ""

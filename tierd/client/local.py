@@ -24,14 +24,16 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def read_local(client: Client, session_id: str, ttl: float = 60.0) -> Iterator[memoryview]:
+def read_local(client: Client, session_id: str, ttl: float = 60.0,
+               spec: KVSpec | None = None) -> Iterator[memoryview]:
     """The session's bytes, read on the daemon's machine through shared
     memory it lends for the read: a read-only view, valid inside the
     block. The daemon copied them there once, every page checked; no
     stream carries them. The lease ends with the block, or at its ttl
     if this process dies first (NotFound at the end: it expired while
-    the bytes were read, and they may have changed)."""
-    lease = client.begin_restore(session_id, ttl=ttl)
+    the bytes were read, and they may have changed). With spec, a
+    snapshot of another identity is IDENTITY_MISMATCH."""
+    lease = client.begin_restore(session_id, spec, ttl=ttl)
     try:
         with lent(client, lease) as view:
             yield view
@@ -40,9 +42,10 @@ def read_local(client: Client, session_id: str, ttl: float = 60.0) -> Iterator[m
 
 
 @asynccontextmanager
-async def read_local_async(client: AsyncClient, session_id: str, ttl: float = 60.0) -> AsyncIterator[memoryview]:
+async def read_local_async(client: AsyncClient, session_id: str, ttl: float = 60.0,
+                           spec: KVSpec | None = None) -> AsyncIterator[memoryview]:
     """read_local, for the asyncio client."""
-    lease = await client.begin_restore(session_id, ttl=ttl)
+    lease = await client.begin_restore(session_id, spec, ttl=ttl)
     try:
         with lent(client, lease) as view:
             yield view
@@ -68,18 +71,19 @@ def lent(client: Client | AsyncClient, lease: Lease) -> Iterator[memoryview]:
             pass  # a view of it is still alive: the caller's
 
 
-def get_into(client: Client, session_id: str, out: Any, ttl: float = 60.0) -> int:
+def get_into(client: Client, session_id: str, out: Any, ttl: float = 60.0, spec: KVSpec | None = None) -> int:
     """Copy the session's bytes into `out` (a writable buffer: bytearray,
     numpy array, ...), read as read_local reads them; returns how many."""
     target = writable(out)
-    with read_local(client, session_id, ttl) as data:
+    with read_local(client, session_id, ttl, spec) as data:
         return copy_into(session_id, data, target)
 
 
-async def get_into_async(client: AsyncClient, session_id: str, out: Any, ttl: float = 60.0) -> int:
+async def get_into_async(client: AsyncClient, session_id: str, out: Any, ttl: float = 60.0,
+                         spec: KVSpec | None = None) -> int:
     """get_into, for the asyncio client."""
     target = writable(out)
-    async with read_local_async(client, session_id, ttl) as data:
+    async with read_local_async(client, session_id, ttl, spec) as data:
         return copy_into(session_id, data, target)
 
 

@@ -475,7 +475,7 @@ class LookupResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds", "cache_salt", "lossy_max_error")
+    __slots__ = ("session_id", "spec", "num_tokens", "start_token", "token_ids", "priority", "ttl_seconds", "cache_salt", "lossy_max_error", "size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +485,7 @@ class BeginSaveRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LOSSY_MAX_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: KVSpec
     num_tokens: int
@@ -494,7 +495,8 @@ class BeginSaveRequest(_message.Message):
     ttl_seconds: float
     cache_salt: str
     lossy_max_error: float
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., lossy_max_error: _Optional[float] = ...) -> None: ...
+    size: int
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[KVSpec, _Mapping]] = ..., num_tokens: _Optional[int] = ..., start_token: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ..., lossy_max_error: _Optional[float] = ..., size: _Optional[int] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
     __slots__ = ("session_id", "spec", "num_pages", "ttl_seconds", "token_ids", "cache_salt")

@@ -75,6 +75,14 @@ def check_blocks_range(spec: KVSpec, start_token: int, num_tokens: int) -> int:
     return first_page
 
 
+def check_opaque_size(spec: KVSpec, nbytes: object) -> tuple[int, int]:
+    """An opaque snapshot of nbytes: (its pages, the bytes of its last)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise InvalidArgument(f"size must be a positive number of bytes, got {shown(nbytes)}", field="size")
+    n_pages = -(-nbytes // spec.page_bytes)
+    return n_pages, nbytes - (n_pages - 1) * spec.page_bytes
+
+
 def check_blocks(block_ids: Iterable[int], num_blocks: int) -> np.ndarray:
     try:
         ids = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids)

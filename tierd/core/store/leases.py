@@ -27,8 +27,10 @@ from tierd.core.store.checks import (
     check_blocks_range,
     check_identity,
     check_lossy,
+    check_opaque_size,
     check_priority,
     check_readable,
+    check_start,
     check_ttl,
     token_hashes,
 )
@@ -113,41 +115,54 @@ class Leases:
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
-                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "", lossy: float | None = None) -> Lease:
+                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "", lossy: float | None = None,
+                   nbytes: int = 0) -> Lease:
         """A segment of shared memory for pages [start_token // block_tokens,
         pages for num_tokens): the engine writes each page's bytes there, then
         calls commit_save (or abort_save). The pages' room in the host tier is
         taken now; nothing is visible before the commit. Leading pages the
         tenant holds already (same tokens under the same cache salt) are
-        taken from there: the lease starts past them (its first_page).
-        `lossy`: as in save."""
+        taken from there: the lease starts past them (its first_page). For an
+        opaque spec, nbytes is the snapshot's size (replaced whole; num_tokens
+        the tokens it stands for). `lossy`: as in save."""
         check_priority(priority)
         check_lossy(lossy, spec)
         ttl = check_ttl(ttl)
-        first_page = check_blocks_range(spec, start_token, num_tokens)
+        if spec.is_opaque:
+            first_page = check_start(spec, start_token)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+                raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
+                                      field="num_tokens")
+            n_pages, last = check_opaque_size(spec, nbytes)
+        else:
+            if nbytes:
+                raise InvalidArgument("size is an opaque snapshot's: a KV lease's follows from its tokens",
+                                      field="size")
+            first_page = check_blocks_range(spec, start_token, num_tokens)
+            n_pages, last = spec.pages_for_tokens(num_tokens), spec.page_bytes
+            nbytes = n_pages * spec.page_bytes
         tok = token_hashes(spec, token_ids, num_tokens, salt)
-        n_pages = spec.pages_for_tokens(num_tokens)
-        w = self.writer.begin_write(key, spec, self.roles.landing, first_page, num_tokens, n_pages * spec.page_bytes,
-                              Geometry(spec.page_bytes, n_pages, spec.page_bytes), tok, priority, lossy=lossy)
+        w = self.writer.begin_write(key, spec, self.roles.landing, first_page, num_tokens, nbytes,
+                                    Geometry(spec.page_bytes, n_pages, last), tok, priority, lossy=lossy)
         count = n_pages - w.write_from
-        nbytes = max(count * spec.page_bytes, 1)  # (every page held already: a segment the engine never reads)
+        room = max(count * spec.page_bytes, 1)  # (every page held already: a segment the engine never reads)
         try:
-            segment = self.segments.open(key.tenant, nbytes)
+            segment = self.segments.open(key.tenant, room)
         except BaseException:
             self.writer.abort_write(w)
             raise
         try:
-            segment.clear_from(nbytes)  # past the pages to write, nothing of a kept segment's earlier lease
+            segment.clear_from(room)  # past the pages to write, nothing of a kept segment's earlier lease
         except BaseException:
-            self.segments.close_one(key.tenant, segment, nbytes)
+            self.segments.close_one(key.tenant, segment, room)
             self.writer.abort_write(w)
             raise
-        lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, w)
+        lease = _SaveLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, room, w)
         with self._lock:
             self._leases[lease.lease_id] = lease
         slots = [Slot(segment.name, 0, w.write_from, count)] if count else []
         return Lease(lease.lease_id, slots, spec.page_bytes, spec.page_bytes, w.write_from, count, num_tokens, ttl,
-                     count * spec.page_bytes)
+                     nbytes - w.write_from * spec.page_bytes)
 
     def commit_save(self, tenant: str, lease_id: str) -> SessionInfo:
         """Copy the leased pages into the host tier, taking their checksums, and commit them."""

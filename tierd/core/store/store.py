@@ -112,11 +112,13 @@ class Store:
 
     def begin_save(self, key: SessionKey, spec: KVSpec, num_tokens: int, start_token: int = 0,
                    token_ids: Iterable[int] | None = None, priority: int | None = None,
-                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "", lossy: float | None = None) -> Lease:
+                   ttl: float = DEFAULT_LEASE_SECONDS, salt: str = "", lossy: float | None = None,
+                   nbytes: int = 0) -> Lease:
         check_lossy(lossy, spec)
         if start_token:
             self._bring(key, appending=True)
-        return self.leases.begin_save(key, spec, num_tokens, start_token, token_ids, priority, ttl, salt, lossy)
+        return self.leases.begin_save(key, spec, num_tokens, start_token, token_ids, priority, ttl, salt, lossy,
+                                      nbytes)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from tierd.core.roles import TierRoles
-from tierd.core.store.checks import check_blocks, check_blocks_range, check_lossy, check_priority, check_start, token_hashes
+from tierd.core.store.checks import (check_blocks, check_blocks_range, check_lossy, check_opaque_size, check_priority,
+                                     check_start, token_hashes)
 from tierd.core.store.pending import PendingWrite
 from tierd.core.store.writes import Writer
 from tierd.errors import InvalidArgument, ResourceExhausted, shown
@@ -89,10 +90,7 @@ class Saves:
             raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
                                   field="num_tokens")
         if spec.is_opaque:
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-                raise InvalidArgument(f"size must be a positive number of bytes, got {shown(nbytes)}", field="size")
-            n_pages = -(-nbytes // spec.page_bytes)
-            last = nbytes - (n_pages - 1) * spec.page_bytes
+            n_pages, last = check_opaque_size(spec, nbytes)
         else:
             if num_tokens <= start_token:
                 raise InvalidArgument(f"num_tokens must be above start_token ({start_token})", field="num_tokens")
