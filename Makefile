@@ -17,7 +17,7 @@ LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(shell cat pyproject.toml | cksum
 LLAMACPP := llama-cpp-python==0.3.36 gguf==0.19.0
 LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
-.PHONY: install serve test test-vllm test-llamacpp bench bench-vllm proto clean
+.PHONY: install serve test test-vllm test-llamacpp bench bench-vllm bench-llamacpp proto clean
 
 install: $(STAMP)
 
@@ -59,7 +59,7 @@ $(LLAMACPP_STAMP): pyproject.toml
 	test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install --quiet torch==2.13.0
 	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/pip install --quiet $(LLAMACPP)
-	$(LLAMACPP_VENV)/bin/pip install --quiet -e . pytest pytest-timeout
+	$(LLAMACPP_VENV)/bin/pip install --quiet -e . pytest pytest-timeout psutil
 	rm -f $(LLAMACPP_VENV)/.installed-*
 	touch $(LLAMACPP_STAMP)
 
@@ -73,6 +73,10 @@ bench: install
 # Turn-2 time to first token on a real vLLM server, with and without tierd.
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m bench --only vllm --json bench/out/vllm.json
+
+# llama.cpp turn 2 through tierd beside llama.cpp's own RAM state and slot file.
+bench-llamacpp: $(LLAMACPP_STAMP)
+	$(LLAMACPP_VENV)/bin/python -m bench --only llamacpp --json bench/out/llamacpp.json
 
 # Regenerate tierd/v1 from proto/ with a pinned generator (its output is committed;
 # tests/api/test_proto.py fails when it no longer matches the proto).

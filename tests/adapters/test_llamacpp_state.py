@@ -1,13 +1,12 @@
 """What the llama.cpp adapter stores of a sequence, without llama.cpp: the
 snapshot's header is read back only for exactly the tokens it holds, a
 damaged or cut one is nothing, names round-trip, and a GGUF's fingerprint
-changes with its size, its header and its data where it samples it."""
+changes with any byte of it, also where the file is rewritten in place."""
 
 import numpy as np
 import pytest
 
-from tierd.adapters.llamacpp_state import (HEAD_BYTES, SAMPLES, fingerprint, head_bytes, read_head, session_id,
-                                           tokens_named, write_head)
+from tierd.adapters.llamacpp_state import fingerprint, head_bytes, read_head, session_id, tokens_named, write_head
 
 
 def snapshot(tokens, state=1000):
@@ -48,21 +47,18 @@ def gguf(tmp_path):
     return path
 
 
-def changed(path, offset):
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    other = path.with_name(f"changed-{offset}.gguf")
-    other.write_bytes(bytes(data))
-    return fingerprint(str(other))
-
-
-def test_a_fingerprint_tells_models_apart_by_size_header_and_data(gguf):
-    fp = fingerprint(str(gguf))
-    assert fingerprint(str(gguf)) == fp and len(fp) == 32
-    size = gguf.stat().st_size
-    assert changed(gguf, 100) != fp  # the header
-    assert changed(gguf, size * 5 // SAMPLES + 10) != fp  # a sampled block of the weights
-    assert changed(gguf, HEAD_BYTES - 1) != fp
-    longer = gguf.with_name("longer.gguf")
-    longer.write_bytes(gguf.read_bytes() + b"\0")
-    assert fingerprint(str(longer)) != fp
+def test_a_fingerprint_changes_with_any_byte_of_the_file_and_is_read_once_per_version(gguf, tmp_path):
+    cache = str(tmp_path / "cache")
+    fp = fingerprint(str(gguf), cache)
+    assert len(fp) == 32 and fingerprint(str(gguf), cache) == fp
+    data = bytearray(gguf.read_bytes())
+    for offset in (100, 3 << 20, len(data) - 1):  # the header, any weight, the last byte
+        other = tmp_path / f"other-{offset}.gguf"
+        changed = bytearray(data)
+        changed[offset] ^= 1
+        other.write_bytes(bytes(changed))
+        assert fingerprint(str(other), cache) != fp
+    data[5 << 20] ^= 1  # the same file rewritten in place: its version changed, so it is read again
+    gguf.write_bytes(bytes(data))
+    assert fingerprint(str(gguf), cache) != fp
+    assert fingerprint(str(gguf), str(gguf / "cache")) == fingerprint(str(gguf), cache)  # cache unwritable: read

@@ -74,6 +74,10 @@ def test_an_aborted_or_expired_save_lease_leaves_nothing(daemon):
 BAD = {
     "no size for an opaque snapshot": (lambda c: c.begin_save("x", OPAQUE, 0), "size must be a positive"),
     "a negative token count": (lambda c: c.begin_save("x", OPAQUE, -1, size=10), "num_tokens"),
+    # the wire carries up to 2**64-1; the index holds up to 2**63-1 (past it, the write-back failed for good)
+    "a token count past 2**63-1": (lambda c: c.begin_save("x", OPAQUE, 1 << 63, size=10), "num_tokens"),
+    "a Put's token count past 2**63-1": (lambda c: c.put("x", b"x", OPAQUE, (1 << 64) - 1), "num_tokens"),
+    "a KV lease's token count past 2**63-1": (lambda c: c.begin_save("x", SPEC, 1 << 63), "num_tokens"),
     "an append onto an opaque snapshot": (lambda c: c.begin_save("x", OPAQUE, 10, start_token=1, size=10),
                                           "start_token"),
     "token ids for an opaque snapshot": (lambda c: c.begin_save("x", OPAQUE, 2, token_ids=[1, 2], size=10),

@@ -16,34 +16,36 @@ the tokens are not decoded again. No byte stream carries the state.
 
 What a restore gave is checked from llama.cpp's own counts: the tokens its
 memory holds once the state is set, and, when the next completion is
-stored, how many tokens it decoded meanwhile (llama_perf_context). A
-restore that llama.cpp refused, or after which every token was decoded
-again (a sliding-window cache that cannot keep the prefix, say), is a miss:
-counted, logged with the model's kind (dense, swa, hybrid, recurrent), and
-never a hit. Every session is stored under an identity that covers the
-model (a fingerprint of the GGUF: its size, its header and samples of its
-tensor data), the KV cache types, flash attention and llama.cpp's version:
-a state is never set into another model or cache type (tierd refuses the
-restore: IDENTITY_MISMATCH), and the tokens a state holds are compared with
-the prompt's before it is used.
+stored, how many it decoded meanwhile (llama_perf_context). A restore
+llama.cpp refused, or after which every token was decoded again (a memory
+that cannot keep the prefix), is a miss: counted, logged with the model's
+kind (dense, swa, hybrid, recurrent), never a hit; so is a damaged state,
+another identity's (llamacpp_state.context_identity: a state is never set
+into another model or setting) or tierd unreachable: the turn is decoded
+as without tierd, and a completion tierd cannot store stands.
 
-Sessions are named <namespace>-<tokens>-<digest of the tokens>; the
-namespace defaults to the model's fingerprint. Runs in the application's
-process, on the thread that calls the Llama.
+prefetch(prompt), on a hint that a conversation is back, has the daemon
+bring its state into shared memory on a thread of the cache's (a staged
+restore lease, adapters/staged.py): the turn's restore is then llama.cpp's
+copy alone. Runs in the application's process, on the thread that calls
+the Llama (and the staging thread).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from tierd.adapters.llamacpp_state import (Counts, Stored, fingerprint, head_bytes, read_head, session_id,
-                                           tokens_named, write_head)
-from tierd.client import Arena, Client, IdentityMismatch, KVSpec, NotFound
+from tierd.adapters.llamacpp_state import (Counts, Stored, context_identity, fingerprint, head_bytes, read_head,
+                                           session_id, tokens_named, write_head)
+from tierd.adapters.staged import StagedRestore
+from tierd.client import Arena, Client, DataLoss, IdentityMismatch, KVSpec, NotFound, TierdError
 
 log = logging.getLogger("tierd.llamacpp")
 
@@ -78,15 +80,14 @@ class TierdLlamaCache(BaseLlamaCache):
         self.llm, self.seq_id = llm, seq_id
         self.client = client if client is not None else Client()
         self.arena = Arena()
-        ctx = llm.context_params
         self.model_fingerprint = fingerprint(llm.model_path)
         self.kind = model_kind(llm.model)
-        self.spec = KVSpec.opaque(
-            f"llama.cpp/{self.model_fingerprint}", f"llama-cpp-python-{llama_cpp.__version__}",
-            page_bytes=PAGE_BYTES,
-            extra=f"type_k={ctx.type_k};type_v={ctx.type_v};flash_attn={ctx.flash_attn_type};kind={self.kind}")
-        self.namespace = namespace or self.model_fingerprint[:16]
+        self.spec = KVSpec.opaque(f"llama.cpp/{self.model_fingerprint}", f"llama-cpp-python-{llama_cpp.__version__}",
+                                  page_bytes=PAGE_BYTES, extra=context_identity(llm, self.kind))
+        self.namespace = namespace or xxhash.xxh3_64_hexdigest(f"{self.spec.model_id};{self.spec.extra}".encode())
         self.counts = Counts()
+        self._arena_lock = threading.Lock()  # the arena's mappings: the staging thread maps too
+        self.staged = StagedRestore(self.client, self.spec, self._mapped)
         self._known: dict[str, int] = {}  # session id -> tokens, of this namespace
         self._base: tuple[str, int] | None = None  # the session llama.cpp's memory continues, and its tokens
         self._restored: tuple[str, int, int] | None = None  # (session, tokens set, llama.cpp's decode count then)
@@ -126,6 +127,14 @@ class TierdLlamaCache(BaseLlamaCache):
     def _id(self, tokens: np.ndarray) -> str:
         return session_id(self.namespace, tokens)
 
+    def _mapped(self, lease: Any) -> np.ndarray:
+        """The lease's memory, mapped here and its pages faulted in (uint8)."""
+        with self._arena_lock:
+            [(_, rows)] = self.arena.runs(lease)
+        buf = rows.reshape(-1)
+        buf[::4096].max(initial=0)  # touch each page: the copy that follows takes no page faults
+        return buf
+
     def _memory(self) -> Any:
         return llama_cpp.llama_get_memory(self.llm._ctx.ctx)
 
@@ -150,20 +159,12 @@ class TierdLlamaCache(BaseLlamaCache):
         tokens = np.asarray(llm.input_ids[:n], dtype=np.int64)
         sid = self._id(tokens)
         state, head = int(llama_cpp.llama_state_seq_get_size(ctx, self.seq_id)), head_bytes(n)
-        lease = self.client.begin_save(sid, self.spec, n, size=head + state)
         try:
-            [(_, rows)] = self.arena.runs(lease)  # one segment, its pages back to back
-            buf = rows.reshape(-1)
-            # llama.cpp writes the state straight into the daemon's memory
-            wrote = int(llama_cpp.llama_state_seq_get_data(ctx, _pointer(buf, head), state, self.seq_id))
-            if wrote <= 0:
-                raise RuntimeError("llama.cpp wrote no state for the sequence")
-            write_head(buf, tokens, wrote)
-        except BaseException:
-            self.client.abort_save(lease)
-            raise
-        self.client.commit_save(lease)
-        self.client.release(sid)
+            wrote = self._store(sid, n, tokens, state, head)
+        except TierdError as exc:  # tierd is a cache: the completion stands, unstored
+            self.counts.save_failures += 1
+            log.warning("llama.cpp state of %d tokens not stored in tierd: %s", n, exc)
+            return None
         self._known[sid] = n
         self.counts.saves += 1
         self.counts.saved_bytes += head + wrote
@@ -173,12 +174,33 @@ class TierdLlamaCache(BaseLlamaCache):
         self._base = (sid, n)
         return sid
 
+    def _store(self, sid: str, n: int, tokens: np.ndarray, state: int, head: int) -> int:
+        """Have llama.cpp write the state into a save lease, and commit it; returns the state's bytes."""
+        lease = self.client.begin_save(sid, self.spec, n, size=head + state)
+        try:
+            buf = self._mapped(lease)  # one segment, its pages back to back
+            # llama.cpp writes the state straight into the daemon's memory
+            wrote = int(llama_cpp.llama_state_seq_get_data(self.llm._ctx.ctx, _pointer(buf, head), state,
+                                                           self.seq_id))
+            if wrote <= 0:
+                raise RuntimeError("llama.cpp wrote no state for the sequence")
+            write_head(buf, tokens, wrote)
+        except BaseException:
+            try:
+                self.client.abort_save(lease)
+            except TierdError:
+                pass  # (the lease ends with its ttl)
+            raise
+        self.client.commit_save(lease)
+        self.client.release(sid)
+        return wrote
+
     def _forget(self, sid: str) -> None:
         self._known.pop(sid, None)
         try:
             self.client.drop(sid)
-        except NotFound:
-            pass
+        except TierdError:
+            pass  # gone already, or tierd unreachable: the session stays until it is evicted
 
     def _miss(self, reason: str, sid: str, detail: str) -> None:
         self.counts.misses += 1
@@ -205,7 +227,7 @@ class TierdLlamaCache(BaseLlamaCache):
         llm, ctx, sid = self.llm, self.llm._ctx.ctx, stored.session_id
         self._check_reuse()
         try:
-            lease = self.client.begin_restore(sid, self.spec)
+            held = self.staged.take(sid) or self.staged.hold(sid)
         except NotFound:
             self._known.pop(sid, None)
             self._miss("gone", sid, "tierd holds it no more")
@@ -213,9 +235,15 @@ class TierdLlamaCache(BaseLlamaCache):
         except IdentityMismatch as exc:
             self._miss("another model", sid, str(exc))
             return self._reset()
+        except DataLoss as exc:  # damaged: never set into llama.cpp, and not asked for again
+            self._miss("damaged", sid, str(exc))
+            self._forget(sid)
+            return self._reset()
+        except TierdError as exc:  # tierd unreachable, say: the turn is decoded as without it
+            self._miss(type(exc).__name__, sid, str(exc))
+            return self._reset()
         try:
-            [(_, rows)] = self.arena.runs(lease)
-            buf = rows.reshape(-1)[: lease.nbytes]
+            buf = self._mapped(held.lease)[: held.lease.nbytes]
             state, n, head = read_head(buf, stored.input_ids), stored.n_tokens, head_bytes(stored.n_tokens)
             if state is None:
                 self._miss("other tokens", sid, "the snapshot is not a state of the prompt's tokens")
@@ -224,13 +252,10 @@ class TierdLlamaCache(BaseLlamaCache):
             # set from the daemon's memory, where the lease put it
             got = int(llama_cpp.llama_state_seq_set_data(ctx, _pointer(buf, head), state, self.seq_id))
         finally:
-            try:
-                self.client.end_restore(lease)
-            except NotFound:
-                got = 0  # the lease expired while it was read: what was read may be wrong
+            if not self.staged.end(held):
+                got = 0  # read past the lease's time: what was read may have been another's
         if got != state or self.held_tokens() != n:
-            self._miss("refused", sid, f"llama.cpp took {got} of {state} bytes and holds {self.held_tokens()} "
-                                       f"of {n} tokens")
+            self._miss("refused", sid, f"llama.cpp took {got} of {state} bytes, holds {self.held_tokens()} of {n}")
             return self._reset()
         llm.input_ids[:n] = stored.input_ids
         llm.n_tokens = n
@@ -246,20 +271,20 @@ class TierdLlamaCache(BaseLlamaCache):
         self._base = None
         return False
 
-    def prefetch(self, prompt: Sequence[int]) -> bool:
-        """Ask tierd to bring the stored conversation the prompt starts with
-        to host memory, ahead of the call; False if there is none."""
+    def prefetch(self, prompt: Sequence[int], wait: bool = False) -> bool:
+        """Stage the stored conversation the prompt starts with, for the
+        call's restore (module docstring); False if none does. wait: return
+        once it is staged."""
         found = self._find_longest_prefix_key(prompt)
         if found is None:
             return False
-        try:
-            self.client.prefetch(found.session_id, "host")
-        except NotFound:
-            self._known.pop(found.session_id, None)
-            return False
+        self.staged.begin(found.session_id)
+        if wait:
+            self.staged.wait()
         return True
 
     def close(self) -> None:
+        self.staged.drop()
         self.arena.close()
 
 

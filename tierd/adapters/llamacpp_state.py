@@ -6,39 +6,88 @@ llama_state_seq_get_data wrote it. A session is named
 <namespace>-<tokens>-<digest of the tokens>; the tokens in the snapshot
 are compared with the prompt's before the state is used, so a digest that
 collided would give a miss, never another conversation's KV. Runs in the
-application's process."""
+application's process.
+
+The identity a state is stored under (tierd refuses a restore under
+another: IDENTITY_MISMATCH) covers the model (the XXH3-128 of the whole
+GGUF, kept per file version; a LoRA adapter's too), the context's settings
+that change what the KV holds (cache types, flash attention, RoPE and YaRN,
+a full SWA cache), llama.cpp's version and the model's kind. Control
+vectors are not seen by llama-cpp-python's Llama, so not covered: give
+them a namespace of their own. The namespace defaults to a digest of the
+identity."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import xxhash
 
 MAGIC = b"TIERDLLC"
 HEADER = struct.Struct("<8sIIQ")  # magic, format, tokens, state bytes
 FORMAT = 1
-SAMPLES = 16  # blocks of tensor data a fingerprint reads, spread over the file
-SAMPLE_BYTES = 64 << 10
-HEAD_BYTES = 1 << 20  # the start of a GGUF a fingerprint reads whole: its header and metadata
+CHUNK = 16 << 20  # bytes a fingerprint reads at a time
+KEPT = 256  # file versions whose fingerprints are kept
 
 
-def fingerprint(path: str) -> str:
-    """A digest of a GGUF file that tells models apart without reading all of
-    it (gigabytes): its size, its first MiB (the header and metadata: the
-    architecture, vocabulary and shapes) and SAMPLES blocks of its data,
-    spread over the file (weights of another seed or fine-tune differ there)."""
-    size = os.path.getsize(path)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(size.to_bytes(8, "little"))
-    with open(path, "rb") as f:
-        h.update(f.read(HEAD_BYTES))
-        for i in range(SAMPLES):
-            f.seek(size * i // SAMPLES)
-            h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()
+def fingerprint(path: str, cache_dir: str | None = None) -> str:
+    """The XXH3-128 of a whole file (a GGUF, a LoRA adapter): two models
+    differ in it wherever their bytes differ. Kept per version of the file
+    (its path, inode, size, modification and change times) in cache_dir
+    ($XDG_CACHE_HOME/tierd, else ~/.cache/tierd), so each version is read
+    once; where that cannot be written, it is read every time."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    version = f"{real}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    base = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tierd")
+    cache = os.path.join(base, "fingerprints.json")
+    try:
+        with open(cache) as f:
+            known = json.load(f)
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(version), str):
+        return known[version]
+    h = xxhash.xxh3_128()
+    with open(real, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    known[version] = digest
+    known = dict(list(known.items())[-KEPT:])
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return digest
+
+
+# The context's settings that change what the KV holds (the positions' rotation, the cache's types,
+# attention's layout, what a sliding window keeps): a state is set only where they are the same.
+KV_SETTINGS = ("type_k", "type_v", "flash_attn_type", "swa_full", "rope_scaling_type", "rope_freq_base",
+               "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow",
+               "yarn_orig_ctx")
+
+
+def context_identity(llm: Any, kind: str) -> str:
+    """The spec's extra: the model's kind, the KV settings and a LoRA adapter's fingerprint and scale."""
+    params = llm.context_params
+    parts = [f"kind={kind}"] + [f"{name}={getattr(params, name)}" for name in KV_SETTINGS]
+    if llm.lora_path:
+        parts.append(f"lora={fingerprint(llm.lora_path)}@{llm.lora_scale}")
+    return ";".join(parts)
 
 
 def session_id(namespace: str, tokens: np.ndarray) -> str:
@@ -94,6 +143,7 @@ class Counts:
 
     saves: int = 0
     saved_bytes: int = 0
+    save_failures: int = 0  # states tierd did not take (full, unreachable): the completion stands
     restores: int = 0  # states set into llama.cpp that gave reuse
     restored_bytes: int = 0
     reused_tokens: int = 0  # tokens not decoded again, as llama.cpp counted them

@@ -18,6 +18,7 @@ from tierd.types import ID, SessionKey
 MAX_PRIORITY = 1000
 DEFAULT_LEASE_SECONDS = 60.0
 MAX_LEASE_SECONDS = 3600.0
+MAX_TOKENS = (1 << 63) - 1  # what the index holds of a token count
 
 
 def check_id(name: str, value: object) -> str:
@@ -69,10 +70,18 @@ def check_blocks_range(spec: KVSpec, start_token: int, num_tokens: int) -> int:
     if spec.is_opaque:
         raise InvalidArgument("an opaque spec has no blocks: use put", field="spec")
     first_page = check_start(spec, start_token)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= start_token:
-        raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}), "
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not start_token < num_tokens <= MAX_TOKENS:
+        raise InvalidArgument(f"num_tokens must be an integer above start_token ({start_token}) and under 2**63, "
                               f"got {shown(num_tokens)}", field="num_tokens", value=num_tokens)
     return first_page
+
+
+def check_token_count(num_tokens: object) -> int:
+    """A snapshot's token count as a Put or an opaque save lease gives it: an integer in [0, 2**63)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= MAX_TOKENS:
+        raise InvalidArgument(f"num_tokens must be an integer from 0 to 2**63-1, got {shown(num_tokens)}",
+                              field="num_tokens")
+    return num_tokens
 
 
 def check_opaque_size(spec: KVSpec, nbytes: object) -> tuple[int, int]:

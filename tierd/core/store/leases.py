@@ -28,6 +28,7 @@ from tierd.core.store.checks import (
     check_identity,
     check_lossy,
     check_opaque_size,
+    check_token_count,
     check_priority,
     check_readable,
     check_start,
@@ -77,6 +78,7 @@ class _RestoreLease(_Lease):
     what = "restore"
     source: str
     started: float
+    served: int  # bytes of the snapshot it holds (nbytes: its segment's, whole pages)
 
 
 class Leases:
@@ -130,9 +132,7 @@ class Leases:
         ttl = check_ttl(ttl)
         if spec.is_opaque:
             first_page = check_start(spec, start_token)
-            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-                raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
-                                      field="num_tokens")
+            check_token_count(num_tokens)
             n_pages, last = check_opaque_size(spec, nbytes)
         else:
             if nbytes:
@@ -249,7 +249,7 @@ class Leases:
         with self.table.lock:
             session.last_access, session.released_at, session.awaited = self.clock.now(), None, False
         lease = _RestoreLease(secrets.token_hex(16), key, self.clock.now() + ttl, segment, nbytes, source,
-                              started)
+                              started, held)
         with self._lock:
             self._leases[lease.lease_id] = lease
         return Lease(lease.lease_id, [Slot(segment.name, 0, 0, n)], snap.spec.page_bytes, snap.spec.page_bytes,
@@ -260,7 +260,7 @@ class Leases:
         expired first is NOT_FOUND."""
         lease = self._take_lease(tenant, lease_id, _RestoreLease)
         self._end_lease(lease)
-        self.events.restored(lease.source, lease.nbytes, time.perf_counter() - lease.started)
+        self.events.restored(lease.source, lease.served, time.perf_counter() - lease.started)
 
     def expire_leases(self, everything: bool = False) -> int:
         """End leases past their time (or all): their segments go, and the

@@ -12,7 +12,7 @@ import numpy as np
 
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import (check_blocks, check_blocks_range, check_lossy, check_opaque_size, check_priority,
-                                     check_start, token_hashes)
+                                     check_start, check_token_count, token_hashes)
 from tierd.core.store.pending import PendingWrite
 from tierd.core.store.writes import Writer
 from tierd.errors import InvalidArgument, ResourceExhausted, shown
@@ -86,9 +86,7 @@ class Saves:
         check_priority(priority)
         check_lossy(lossy, spec)
         first_page = check_start(spec, start_token)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidArgument(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}",
-                                  field="num_tokens")
+        check_token_count(num_tokens)
         if spec.is_opaque:
             n_pages, last = check_opaque_size(spec, nbytes)
         else:
