@@ -28,10 +28,10 @@ from tierd.core.store.checks import (
     check_identity,
     check_lossy,
     check_opaque_size,
-    check_token_count,
     check_priority,
     check_readable,
     check_start,
+    check_token_count,
     check_ttl,
     token_hashes,
 )
