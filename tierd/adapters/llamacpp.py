@@ -44,7 +44,7 @@ import xxhash
 
 from tierd.adapters.llamacpp_state import (Counts, Stored, context_identity, fingerprint, head_bytes, read_head,
                                            session_id, tokens_named, write_head)
-from tierd.adapters.staged import StagedRestore
+from tierd.adapters.staged import StagedRestore, save_opaque
 from tierd.client import Arena, Client, DataLoss, IdentityMismatch, KVSpec, NotFound, TierdError
 
 log = logging.getLogger("tierd.llamacpp")
@@ -176,8 +176,7 @@ class TierdLlamaCache(BaseLlamaCache):
 
     def _store(self, sid: str, n: int, tokens: np.ndarray, state: int, head: int) -> int:
         """Have llama.cpp write the state into a save lease, and commit it; returns the state's bytes."""
-        lease = self.client.begin_save(sid, self.spec, n, size=head + state)
-        try:
+        def write(lease: Any) -> int:
             buf = self._mapped(lease)  # one segment, its pages back to back
             # llama.cpp writes the state straight into the daemon's memory
             wrote = int(llama_cpp.llama_state_seq_get_data(self.llm._ctx.ctx, _pointer(buf, head), state,
@@ -185,15 +184,9 @@ class TierdLlamaCache(BaseLlamaCache):
             if wrote <= 0:
                 raise RuntimeError("llama.cpp wrote no state for the sequence")
             write_head(buf, tokens, wrote)
-        except BaseException:
-            try:
-                self.client.abort_save(lease)
-            except TierdError:
-                pass  # (the lease ends with its ttl)
-            raise
-        self.client.commit_save(lease)
-        self.client.release(sid)
-        return wrote
+            return wrote
+
+        return save_opaque(self.client, sid, self.spec, n, head + state, write)
 
     def _forget(self, sid: str) -> None:
         self._known.pop(sid, None)

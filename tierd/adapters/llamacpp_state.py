@@ -149,3 +149,71 @@ class Counts:
     reused_tokens: int = 0  # tokens not decoded again, as llama.cpp counted them
     misses: int = 0  # restores refused, failed or that gave no reuse
     miss_reasons: dict[str, int] = field(default_factory=dict)
+
+
+# GGUF metadata value types (gguf's GGUFValueType) and the struct each fixed-size one is read with.
+_GGUF_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+RECURRENT_ARCHS = ("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")
+
+
+def gguf_kind(path: str) -> str:
+    """dense, swa, hybrid or recurrent, from a GGUF's metadata (its
+    architecture, a sliding window, a state-space block), for a process that
+    has the file but not the model loaded; "unknown" where it cannot be read."""
+    try:
+        keys = _gguf_keys(path)
+    except (OSError, ValueError, struct.error):
+        return "unknown"
+    arch = keys.get("general.architecture")
+    if not isinstance(arch, str):
+        return "unknown"
+    if arch in RECURRENT_ARCHS:
+        return "recurrent"
+    if any(k.startswith((f"{arch}.ssm.", f"{arch}.wkv.")) for k in keys):
+        return "hybrid"
+    return "swa" if keys.get(f"{arch}.attention.sliding_window") else "dense"
+
+
+def _gguf_keys(path: str) -> dict[str, object]:
+    """A GGUF's metadata, arrays left out (their keys kept, valued None)."""
+    with open(path, "rb") as f:
+        def take(fmt: str) -> object:
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError("the GGUF ends inside its metadata")
+            return struct.unpack(fmt, data)[0]
+
+        def string() -> str:
+            n = int(take("<Q"))  # type: ignore[call-overload]
+            if n > 1 << 20:
+                raise ValueError("a GGUF string longer than 1 MiB")
+            return f.read(n).decode("utf-8", "replace")
+
+        def skip(kind: int, count: int) -> None:
+            if kind == _GGUF_STRING:
+                for _ in range(count):
+                    string()
+            elif kind in _GGUF_FIXED:
+                f.seek(struct.calcsize(_GGUF_FIXED[kind]) * count, os.SEEK_CUR)
+            else:
+                raise ValueError(f"GGUF value type {kind} in an array")
+
+        if f.read(4) != b"GGUF" or int(take("<I")) < 2:  # type: ignore[call-overload]
+            raise ValueError("not a GGUF of version 2 or later")
+        take("<Q")  # tensors
+        keys: dict[str, object] = {}
+        for _ in range(int(take("<Q"))):  # type: ignore[call-overload]
+            key, kind = string(), int(take("<I"))  # type: ignore[call-overload]
+            if kind == _GGUF_STRING:
+                keys[key] = string()
+            elif kind == _GGUF_ARRAY:
+                item, count = int(take("<I")), int(take("<Q"))  # type: ignore[call-overload]
+                skip(item, count)
+                keys[key] = None
+            elif kind in _GGUF_FIXED:
+                keys[key] = take(_GGUF_FIXED[kind])
+            else:
+                raise ValueError(f"GGUF value type {kind}")
+        return keys

@@ -7,9 +7,10 @@ off the read's path. A lease's bytes are the session's until it ends or
 expires; a read done before its deadline (its ttl, less a margin, from
 before it was asked for) read them so, and the lease is then ended on a
 thread of its own, the read not waiting for the call. One lease is staged
-at a time; one another session's read does not take is ended. Runs in the
-engine's process: begin() and take() on the caller's thread, the staging
-and ending on their own."""
+at a time; one another session's read does not take is ended. And
+save_opaque: a snapshot of opaque bytes written into a save lease. Runs in
+the engine's process: begin(), take() and save_opaque on the caller's
+thread, the staging and ending on their own."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 
 from tierd.client import Client, KVSpec, TierdError
 from tierd.types import Lease
 
 log = logging.getLogger("tierd.adapters")
+
+T = TypeVar("T")
 
 LEASE_TTL = 120.0  # seconds a lease waits for its read before the daemon ends it
 MARGIN = 10.0  # seconds of it a read must finish within to count
@@ -116,3 +120,23 @@ class StagedRestore:
             self.client.end_restore(lease)
         except TierdError as exc:  # expired meanwhile, or tierd gone: the daemon ends it by itself
             log.debug("restore lease %s not ended: %s", lease.lease_id, exc)
+
+
+def save_opaque(client: Client, session_id: str, spec: KVSpec, num_tokens: int, size: int,
+                write: Callable[[Lease], T]) -> T:
+    """Store size bytes as the session: write(lease) fills the save lease's
+    memory (one segment, its pages back to back), and it is committed and
+    the session released; a write that raises aborts the lease. Returns
+    what write returned."""
+    lease = client.begin_save(session_id, spec, num_tokens, size=size)
+    try:
+        out = write(lease)
+    except BaseException:
+        try:
+            client.abort_save(lease)
+        except TierdError:
+            pass  # (the lease ends with its ttl)
+        raise
+    client.commit_save(lease)
+    client.release(session_id)
+    return out
