@@ -85,6 +85,7 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
             _, gen, _ = turn(port, a, session)
             p2[port] = a + gen + _tokens(n + 2, NEW)
             turn(port, b, session and "b")  # b takes the slot
+        front.stored(2)  # (the front stores a turn after answering it)
         with daemon.client() as c:
             until(lambda: all(c.stat(f"llama-server-{s}").durable for s in "ab"), 120, "written back")
 

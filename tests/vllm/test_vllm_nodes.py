@@ -59,9 +59,13 @@ def test_turn_two_on_another_replica_is_served_from_the_remote_tier(model, tmp_p
             assert served(r2) == expected_served(p1, out1, p2) > 0
             assert r2["token_ids"] == out2
             with b.client() as c:  # turn 2 appended, and published again: coded fp8 now
-                wait_for(lambda: c.stat("chat").remote_durable and c.stat("chat").num_tokens == len(p2) + OUT - 1,
-                         timeout=60)
-                info = c.stat("chat")
+                def published_turn_2():  # (one stat: remote_durable of the version that holds turn 2)
+                    nonlocal info
+                    info = c.stat("chat")
+                    return info.remote_durable and info.num_tokens == len(p2) + OUT - 1
+
+                info = None
+                wait_for(published_turn_2, timeout=60)
                 assert info.codecs == {"remote": "fp8"} and 0 < info.tier_errors["remote"] <= 0.05
         finally:
             second.close()
