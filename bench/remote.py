@@ -17,6 +17,12 @@ replicas, started here from redis-server).
   restored from each on a third node: our time with lossless over our time
   without (below 1.0: the coding pays on this link); the note gives the
   bytes each version takes in the store.
+- remote_read_round_trips: calls on the store (manifest reads: script runs,
+  counted by the cluster's primaries) per local read of a session another
+  node published and nothing changed since (a Restore into engine blocks
+  on the node that fetched it), while the tier's change notices are live,
+  beside the same reads with --remote-recheck 0 (each asks); the note gives
+  the median time of a read each way.
 - trace_multinode_served: three daemons and one cluster; a router sends each
   turn of each session to a random node, which is told to prefetch it a
   lead time before. The share of resumes served from tierd, beside the same
@@ -66,16 +72,17 @@ def run(quick: bool) -> list[Result]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as root:
         cluster = RedisCluster(os.path.join(root, "redis")).start()
         try:
-            return _copies(root, cluster, quick) + _coded(root, cluster, quick) + _trace(root, cluster, quick)
+            return (_copies(root, cluster, quick) + _coded(root, cluster, quick) + _round_trips(root, cluster) +
+                    _trace(root, cluster, quick))
         finally:
             cluster.close()
 
 
-def _machine(root: str, name: str, url: str, nbytes: int, codec: str = "none"):
+def _machine(root: str, name: str, url: str, nbytes: int, codec: str = "none", recheck: float = 5.0):
     budget = -(-(nbytes * 2 + 64 * MiB) // 4096) * 4096
     cfg = Config(data_dir=os.path.join(root, name), host_budget=budget, host_slab=budget, disk_budget=nbytes * 2,
                  disk_io="posix", device="none", remote=url, remote_write="off", remote_prefix="bench",
-                 codec={"remote": codec})
+                 codec={"remote": codec}, remote_recheck=recheck)
     return build(cfg, policy=PolicyConfig(writeback_idle=None), clock=FakeClock())
 
 
@@ -247,6 +254,42 @@ def _coded(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:
         kv.close()
         for node in (*nodes.values(), reader):
             node.close(flush=False)
+
+
+def _round_trips(root: str, cluster: RedisCluster, reads: int = 200) -> list[Result]:
+    pages = 8
+    writer = _machine(root, "rt-writer", cluster.url, pages * SMALL.page_bytes)
+    kv = SharedKVCache(SMALL, pages, kind="layer_major")
+    counted: dict[str, tuple[float, float]] = {}
+    try:
+        memory, blocks = EngineMemory(kv.layout, kv.regions), np.arange(pages)
+        key = make_key("default", "bench-round-trips")
+        writer.store.put(key, SMALL, pages * 16, pages * SMALL.page_bytes, [random_bytes(pages * SMALL.page_bytes, 7)])
+        assert writer.store.publish(key)
+        for how, recheck in (("notices", 5.0), ("asking", 0.0)):
+            node = _machine(root, f"rt-{how}", cluster.url, pages * SMALL.page_bytes, recheck=recheck)
+            try:
+                deadline = time.monotonic() + 30
+                while recheck and not node.store.remote.store.hears_changes() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                node.store.restore(key, memory, SMALL, blocks)  # fetched: a copy of the published version
+                before, seconds = cluster.scripts_run(), []
+                for _ in range(reads):
+                    t0 = time.perf_counter()
+                    node.store.restore(key, memory, SMALL, blocks)
+                    seconds.append(time.perf_counter() - t0)
+                counted[how] = ((cluster.scripts_run() - before) / reads, statistics.median(seconds))
+            finally:
+                node.close(flush=False)
+    finally:
+        kv.close()
+        writer.close(flush=False)
+    ours, limit = counted["notices"], counted["asking"]
+    return [Result("remote_read_round_trips", round(ours[0], 3), "per read", round(limit[0], 3), None,
+                   "0 per read", ours[0] == 0, {"read_ms": ours[1] * 1e3, "read_ms_asking": limit[1] * 1e3},
+                   f"{reads} restores of a {pages}-page session published by another node, nothing changed: calls "
+                   f"on the store per read while change notices are live (limit: the same with --remote-recheck 0); "
+                   f"a read took {ours[1] * 1e3:.2f} ms, {limit[1] * 1e3:.2f} ms asking")]
 
 
 def _trace(root: str, cluster: RedisCluster, quick: bool) -> list[Result]:

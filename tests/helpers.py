@@ -66,6 +66,7 @@ class Harness:
     remote_queue: int = 256  # sessions waiting to be published, at most
     remote_timeout: float = 0.5  # seconds a remote call may take
     remote_idle: float = 60.0  # write back: seconds idle on disk before a session is published
+    remote_recheck: float = 5.0  # seconds a copy change notices vouch for is served without asking (0: always ask)
     remote_codec: str = "none"  # what pages are coded with on their way to the remote tier
     disk_codec: str = "none"  # and on their way to the disk tier
     host_codec: str = "none"  # what the host tier re-codes idle sessions with to make room ("none": nothing)
@@ -85,6 +86,7 @@ class Harness:
                      remote=self.remote, remote_write=self.remote_write, remote_prefix=self.remote_prefix,
                      tenant_remote_quota=self.remote_quota, remote_queue=self.remote_queue,
                      remote_timeout=self.remote_timeout, remote_idle=self.remote_idle,
+                     remote_recheck=self.remote_recheck,
                      codec={"disk": self.disk_codec, "host": self.host_codec,
                             **({"remote": self.remote_codec} if self.remote else {})},
                      lossy_tenants=self.lossy_tenants,
@@ -165,6 +167,23 @@ def kv_like(engine: HostEngine, seed: int) -> HostEngine:
 def published(store: Store, key) -> None:
     """Wait until the remote tier holds the session's current content."""
     wait_for(lambda: store.stat(key).remote_durable, what=f"{key} published")
+
+
+def heard(store: Store, key) -> None:
+    """Wait until the store's remote tier knows of no version of the session
+    but the one the tier holds: the change notices of another node's publish
+    or drop have arrived (until then, a copy they vouched for is served as it
+    is, asking nothing: tierd/remote/redis/notices.py)."""
+    backend = store.remote.store
+
+    def caught_up() -> bool:
+        known = backend.current(key)
+        if known is None:
+            return True
+        m, at = backend.reader.head(key)  # (read past the notices: remembers nothing)
+        return known == (at, m.write if m is not None else "")
+
+    wait_for(caught_up, what=f"{key} heard of")
 
 
 def metric(d, name: str, labels: str = "") -> float:

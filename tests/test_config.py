@@ -65,6 +65,8 @@ def test_writeback_can_be_turned_off():
     ({"remote": "redis://127.0.0.1:6379", "remote_timeout": "nan"}, "finite"),
     ({"remote": "redis://127.0.0.1:6379", "remote_timeout": "0"}, "0.01 to 60"),
     ({"remote_prefix": "a{b}"}, "without braces"),
+    ({"remote": "redis://127.0.0.1:6379", "remote_recheck": "-1"}, "seconds"),
+    ({"remote": "redis://127.0.0.1:6379", "remote_recheck": "7200"}, "0 to 3600"),
 ])
 def test_bad_remote_settings_are_refused_clearly(flags, words):
     with pytest.raises(InvalidArgument, match=words):

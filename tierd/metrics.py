@@ -54,9 +54,10 @@ class Metrics:
         self.quarantined_sessions = Counter("tierd_sessions_quarantined_total", "Sessions found damaged at start "
                                             "(a bad index row, a lost slab) and not served", ["reason"],
                                             registry=registry)
-        self.remote_ops = Counter("tierd_remote_ops_total", "Remote tier calls that did not simply succeed, and "
-                                  "publishes: op (manifest, fetch, publish, drop, ...), outcome (ok, "
-                                  "conflict, quota, queue_full, unavailable)", ["op", "outcome"], registry=registry)
+        self.remote_ops = Counter("tierd_remote_ops_total", "Remote tier calls that did not simply succeed, "
+                                  "publishes, and reads its change notices answered: op (manifest, fetch, publish, drop, "
+                                  "...), outcome (ok, conflict, quota, queue_full, unavailable, known)", ["op", "outcome"],
+                                  registry=registry)
         self.prefix_hits = Counter("tierd_prefix_hits_total", "Calls answered from pages other sessions of the "
                                    "tenant hold (prefix sharing): save, restore, lookup", ["call"], registry=registry)
         self.prefix_pages = Counter("tierd_prefix_pages_total", "Pages taken from other sessions of the tenant "
@@ -196,6 +197,10 @@ class _StoreCollector:
         for route, value in sorted(copier.bandwidth.items()):
             bw.add_metric([route], value)
         yield bw
+        if self.store.remote is not None:
+            yield GaugeMetricFamily("tierd_remote_notices", "1 while the remote tier's change notices are live (a "
+                                    "read of a copy nothing changed asks the tier nothing), 0 while every read asks",
+                                    value=float(self.store.remote.store.hears_changes()))
         sessions = GaugeMetricFamily("tierd_sessions", "Sessions held")
         sessions.add_metric([], self.store.count())
         yield sessions

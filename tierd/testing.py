@@ -156,6 +156,18 @@ class RedisCluster:
                 out.append((int(fields[1].split(":")[1].split("@")[0]), "master" if "master" in fields[2] else "slave"))
         return sorted(out)
 
+    def scripts_run(self) -> int:
+        """Lua scripts the masters have run (INFO commandstats: EVALSHA and
+        EVAL), summed: every manifest read of tierd's is one."""
+        import redis
+
+        total = 0
+        for port, role in self.nodes():
+            if role == "master":
+                stats = redis.Redis(port=port, password=self.password).info("commandstats")
+                total += sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+        return total
+
     def alive(self, port: int) -> bool:
         return self.procs[port].poll() is None
 

@@ -33,6 +33,12 @@ class ToyBackend:
         version, m, _ = self.held.get(key, (0, None, b""))
         return m, version
 
+    def current(self, key):
+        return None  # (hears of no change: every read asks)
+
+    def hears_changes(self):
+        return False
+
     def version_of(self, key):
         return self.head(key)[1]
 

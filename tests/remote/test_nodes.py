@@ -229,25 +229,17 @@ def test_a_huge_value_at_a_manifest_key_costs_the_node_little_and_fails_that_ses
         assert cb.stat("fine").tier == "remote" and cb.get("fine") == data  # the others are served
 
 
-def reads(cluster) -> int:
-    """Manifest reads, summed over the cluster's masters (INFO commandstats):
-    each is one run of a script (READ, or LOOK for a loss), whose GET and
-    STRLEN inside it count as commands of their own."""
-    import redis
-
-    total = 0
-    for port, role in cluster.nodes():
-        if role == "master":
-            stats = redis.Redis(port=port).info("commandstats")
-            total += sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
-    return total
-
-
-def test_each_call_reads_a_local_published_session_s_manifest_once_at_most(daemons, cluster):
+@pytest.mark.parametrize("recheck", ["5", "0"])
+def test_each_call_reads_a_local_published_session_s_manifest_once_at_most_and_not_at_all_while_notices_live(
+        daemons, cluster, recheck):
     """Lookup, BeginRestore and Prefetch read the remote manifest twice, even
     for a session this node holds and published (the prompt's limit, then
-    the call): once now, counted by the cluster itself."""
-    a = daemons("a")
+    the call): once now with --remote-recheck 0, and not at all while the
+    tier's change notices are live (nothing changed the session), counted
+    by the cluster itself."""
+    a = daemons("a", "--remote-recheck", recheck)
+    if recheck != "0":
+        wait_for(lambda: metric(a, "tierd_remote_notices") == 1, what="the notices live")
     tokens = list(range(5000, 5000 + 48))
     with a.client() as ca:
         ca.put("here", os.urandom(3 * SPEC.page_bytes), SPEC, 48, token_ids=tokens)
@@ -258,12 +250,15 @@ def test_each_call_reads_a_local_published_session_s_manifest_once_at_most(daemo
             "BeginRestore": lambda: ca.end_restore(ca.begin_restore("here", SPEC, 3, token_ids=tokens).lease_id),
             "Prefetch": lambda: ca.prefetch("here"),
         }
-        counted = {}
+        counted, known = {}, metric(a, "tierd_remote_ops_total", 'op="manifest",outcome="known"')
         for name, call in calls.items():
-            before = reads(cluster)
+            before = cluster.scripts_run()
             call()
-            counted[name] = reads(cluster) - before
-    assert counted == dict.fromkeys(calls, 1)
+            counted[name] = cluster.scripts_run() - before
+    assert counted == dict.fromkeys(calls, 1 if recheck == "0" else 0)
+    # (each call spares one read: the prompt's limit and the call share what the notices keep)
+    assert metric(a, "tierd_remote_ops_total", 'op="manifest",outcome="known"') - known == (recheck != "0") * 4
+    assert metric(a, "tierd_remote_notices") == (recheck != "0")
 
 
 def test_a_daemon_coding_its_remote_pages_says_so_in_stat_and_metrics(daemons):

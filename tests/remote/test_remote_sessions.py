@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, masters_stopped, published, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, MiB, flip_in_arena, heard, masters_stopped, published, wait_for
 from tierd.errors import DataLoss, NotFound, Unavailable
 from tierd.remote.manifest import tag_of
 from tierd.remote.redis.link import chunks_of
@@ -115,6 +115,7 @@ def test_the_next_turn_on_another_node_appends_and_publishes_one_history(nodes):
     # a holds turn 1 only: it finds b's turn 2 before it appends turn 3, and the history goes on
     assert a.stat(key).num_tokens == 48  # answered from the remote tier's manifest
     stored(a, key, eng, [3], 64, start_token=48)
+    heard(c, key)
     c.restore(key, dst.memory, SPEC, [5, 6, 7, 8])
     assert dst.pages([5, 6, 7, 8]) == eng.pages([0, 1, 2, 3]) and c.stat(key).num_tokens == 64
 
@@ -230,6 +231,7 @@ def test_a_session_dropped_on_one_node_is_gone_from_the_copies_of_the_others(nod
     _, reader = b.get(key)
     assert b"".join(bytes(x) for x in reader) == b"".join(old.pages([0, 1]))  # b holds a copy now
     a.drop(key)
+    heard(b, key)
     with pytest.raises(NotFound):
         b.stat(key)  # its copy is of a version dropped since: forgotten
     assert b.keys() == [] and b.check_accounting() == []
@@ -238,6 +240,7 @@ def test_a_session_dropped_on_one_node_is_gone_from_the_copies_of_the_others(nod
     assert b"".join(bytes(x) for x in reader) == b"".join(old.pages([0, 1]))
     a.drop(key)
     stored(c, key, new, [2, 3, 4], 48)  # a new history of the same id, after the drop
+    heard(b, key)
     _, reader = b.get(key)  # b's copy is neither version: the new one is fetched
     assert b"".join(bytes(x) for x in reader) == b"".join(new.pages([2, 3, 4]))
 
@@ -262,6 +265,7 @@ def test_copies_of_sessions_dropped_elsewhere_are_swept_without_a_call_naming_th
     seen = old.remote_version  # what a sweep read, before the drop and the new history below
     a.drop(keys[2])
     stored(a, keys[2], HostEngine(seed=35), [5], 16)
+    heard(b, keys[2])
     _, reader = b.get(keys[2])  # the new history fetched into the same session meanwhile
     assert b"".join(bytes(x) for x in reader) == HostEngine(seed=35).pages([5])[0]
     assert not b.finder.dropped_elsewhere(old, seen) and keys[2] in b.keys()  # not forgotten for the old one's drop
@@ -445,6 +449,8 @@ def test_stores_made_while_the_remote_tier_is_down_are_published_once_it_answers
         assert read(a, fresh) == b"".join(new.pages([0, 1]))  # a serves what it stored, never the older
     published(a, fresh)
     published(a, appended)
+    heard(b, fresh)
+    heard(b, appended)
     assert read(b, fresh) == b"".join(new.pages([0, 1]))
     assert read(b, appended) == b"".join(old.pages([2, 3]) + new.pages([4]))
     assert read(a, fresh) == b"".join(new.pages([0, 1]))
@@ -553,6 +559,7 @@ def test_a_lost_publish_whose_number_another_node_took_gives_way_to_that_node_s_
     client.set(manifest, before)  # ... and lost: the store holds the version before again
     save(a, key, eng, [5], 48, 32)  # A's turn onto that version, under the number B's had
     published(a, key)
+    heard(b, key)
     _, reader = b.get(key)
     assert b"".join(bytes(x) for x in reader) == b"".join(eng.pages([0, 1, 5]))
     assert b.publish(key) and client.get(manifest) == a.remote.store.client.get(manifest)

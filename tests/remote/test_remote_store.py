@@ -6,18 +6,16 @@ store that is down."""
 
 import re
 import shutil
-import socket
-import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from tests.helpers import wait_for
+from tests.remote.proxies import CuttingProxy
 from tierd.checksum import page_checksum
 from tierd.errors import DataLoss, FailedPrecondition, NotFound, Unauthenticated, Unavailable
-from tierd.testing import RedisCluster, _free_port
+from tierd.testing import RedisCluster
 from tierd.remote.backend import Refused
 from tierd.remote.manifest import FIRST_VERSIONS, tag_of
 from tierd.remote.redis import RemoteStore, connect
@@ -291,28 +289,6 @@ def test_a_replica_serves_the_session_after_its_master_is_killed(tmp_path):
         cluster.close()
 
 
-@pytest.fixture
-def single_server(tmp_path):
-    """A plain redis-server on loopback (no cluster): its port, once it answers."""
-    port = _free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-
-    def answers():
-        try:
-            connect(f"redis://127.0.0.1:{port}").close()
-            return True
-        except Unavailable:
-            return False
-
-    try:
-        wait_for(answers, timeout=20, what="redis-server answering")
-        yield port
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
 def test_a_single_server_is_found_for_what_it_is(single_server):
     client = connect(f"redis://127.0.0.1:{single_server}")
     assert type(client).__name__ == "Redis"
@@ -353,56 +329,6 @@ def test_calls_to_a_store_that_went_down_fail_fast(tmp_path):
         with pytest.raises(Unavailable, match="the remote store did not answer"):
             call()
         assert time.monotonic() - t0 < 5
-
-
-class CuttingProxy:
-    """A TCP proxy in front of a store that, once armed, closes the first
-    connection whose replies since then pass `cut` bytes; it records what
-    every connection carried to the store after that."""
-
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.cut: int | None = None
-        self.after = bytearray()  # what connections carried to the store once one was cut
-        self.was_cut = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
-
-    def _pipe(self, src, dst, up: bool) -> None:
-        down = 0
-        try:
-            while data := src.recv(1 << 16):
-                if up and self.was_cut:
-                    self.after += data
-                if not up and self.cut is not None:
-                    down += len(data)
-                    if down > self.cut:
-                        self.cut, self.was_cut = None, True  # once
-                        dst.sendall(data[: len(data) // 2])
-                        break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def test_a_fetch_cut_in_the_middle_reads_the_rest_through_redis_py_from_where_it_stopped(single_server):

@@ -106,6 +106,9 @@ class Config:
     remote_timeout: float = _opt(_seconds, "seconds a remote call may take before it fails (one retry at once)", 0.5)
     remote_prefix: str = _opt(_text, "first part of every key tierd writes to the remote tier (one per deployment "
                                      "sharing a cluster)", "tierd")
+    remote_recheck: float = _opt(_seconds, "seconds a copy the remote tier's change notices say nothing changed is "
+                                           "served without asking the tier again (a Redis tier; 0: every read asks)",
+                                 5.0)
     codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to the disk or remote tier "
                                           "(disk=lossless, remote=lossless: bit-exact, smaller; none: as they are; "
                                           "auto: lossless or none, whichever measures faster here), or re-code idle "
@@ -131,6 +134,8 @@ class Config:
         if not self.remote_prefix or any(c in self.remote_prefix for c in "{}: \t\n"):
             raise InvalidArgument(f"remote_prefix is a word without braces, colons or spaces, not "
                                   f"{self.remote_prefix!r}")
+        if self.remote_recheck > 3600:
+            raise InvalidArgument(f"remote_recheck is 0 to 3600 seconds, not {self.remote_recheck}")
         if not 0.01 <= self.remote_timeout <= 60:
             raise InvalidArgument(f"remote_timeout is 0.01 to 60 seconds, not {self.remote_timeout}")
         if self.codec.get("remote", "none") != "none" and not self.remote:

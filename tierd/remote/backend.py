@@ -47,6 +47,15 @@ class RemoteBackend(Protocol):
         0: none). None with a number: a tombstone (dropped). DataLoss for a
         manifest that does not parse or is another session's."""
 
+    def current(self, key: SessionKey) -> tuple[int, str] | None:
+        """(version number, write id: '' for a tombstone or none) at the
+        session's key, known without asking the store (a backend that hears
+        of every change keeps it: the Redis backend's notices); None where
+        that is not known now. Answers at once, from memory."""
+
+    def hears_changes(self) -> bool:
+        """Whether current() may answer now (the backend hears of every change)."""
+
     def version_of(self, key: SessionKey) -> int:
         """The version number the manifest's switch compares, whatever the
         rest of the manifest holds (0: none): what a store replacing an

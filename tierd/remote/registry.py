@@ -25,6 +25,7 @@ class Options:
     timeout: float = 0.5  # seconds a call may take
     password: str | None = None
     tls_ca: str | None = None
+    recheck: float = 0.0  # seconds a version notices say is current is trusted without asking (0: always ask)
 
 
 _BACKENDS: dict[str, tuple[str, str]] = {}

@@ -62,6 +62,8 @@ class Finder:
                 return None  # this node's own history: the session, whatever the remote tier holds
             version = -1 if session is None or session.damaged else session.remote_version
             write = "" if session is None else session.remote_write
+        if version > 0 and not whole and self._unchanged(key, version, write):
+            return None
         try:
             m, at = self.head(key)
         except Unavailable:
@@ -90,6 +92,22 @@ class Finder:
             self._own(session)  # recovered, and the remote tier holds nothing of it: this node's own history
         return None
 
+    def _unchanged(self, key: SessionKey, version: int, write: str) -> bool:
+        """Whether the remote tier's backend knows, without asking the store,
+        that the session's key still holds this copy's version (Redis's change
+        notices): then the copy is the session, as a read would have found."""
+        if self.link.down.is_set():
+            return False
+        known = self.remote.store.current(key)
+        if known is None or known[0] != version or not known[1] or (write and known[1] != write):
+            return False
+        spared = getattr(self._heads, "spared", None)
+        if spared is None or key not in spared:  # counted as the read it spares: once per call
+            self.link.events.remote_op("manifest", "known")
+            if spared is not None:
+                spared.add(key)
+        return True
+
     def _recognised(self, session: Session, m: Manifest) -> bool:
         """Whether a copy recovered from disk is manifest m's version (the same
         identity and page checksums): recorded as published, not fetched."""
@@ -115,11 +133,11 @@ class Finder:
         """Within this, on this thread (one API call), each session's remote
         manifest is read once at most: the call's steps (a prompt's limit,
         then the lookup, say) share what the first read found."""
-        self._heads.found = {}
+        self._heads.found, self._heads.spared = {}, set()
         try:
             yield
         finally:
-            self._heads.found = None
+            self._heads.found = self._heads.spared = None
 
     def head(self, key: SessionKey) -> tuple[Manifest | None, int]:
         """The session's remote manifest and the version at its key (see

@@ -4,7 +4,9 @@ whole versions at a time.
 
 Reading. Before a call reads a session (Stat, Lookup, Restore, Get,
 BeginRestore, an append: a store from start_token > 0, Prefetch), the store
-asks the remote tier for the session's manifest: where this node holds no
+asks the remote tier for the session's manifest, unless the backend knows
+without asking that the key still holds the version this node's copy is
+of (RemoteBackend.current: Redis's change notices): where this node holds no
 copy, or a copy of an older version with nothing stored here since, the
 remote version is the session; where the tier holds a tombstone past the
 version this node's copy builds on, the copy is forgotten, with any stores

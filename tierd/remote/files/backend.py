@@ -155,6 +155,12 @@ class FileBackend:
         m = owned(key, Manifest.decode(raw))
         return m, m.version
 
+    def current(self, key: SessionKey) -> tuple[int, str] | None:
+        return None  # a shared directory tells no one of a change: every read asks
+
+    def hears_changes(self) -> bool:
+        return False
+
     def version_of(self, key: SessionKey) -> int:
         return version_at(self._current(self.dir_of(key), head_only=True))
 

@@ -33,7 +33,9 @@ manifests.py (manifests read bounded by their size, large ones kept),
 tenants.py (each tenant's list, bytes and total), fetch.py and replies.py
 (chunks read off the socket straight into the caller's memory), all over
 link.py (the client, key names, calls bounded by the timeout); scripts.py
-holds the Lua the store runs.
+holds the Lua the store runs; notices.py hears of every switch and drop
+(each script publishes one), so that current() knows, without asking the
+store, which version a key holds.
 
 Never wrong KV. The manifest carries the identity fingerprint, the page
 checksums and the token hashes; every page read back is checked (DataLoss
@@ -59,7 +61,7 @@ from tierd.remote.redis.store import RemoteStore
 def open_backend(url: str, options: Any) -> RemoteStore:
     """The backend for redis[s]://[USER@]HOST:PORT[,HOST:PORT...] (registry.py)."""
     return RemoteStore(connect(url, options.password, options.tls_ca, options.timeout), prefix=options.prefix,
-                       ttl=options.ttl, hosts=url.partition("://")[2].rpartition("@")[2])
+                       ttl=options.ttl, hosts=url.partition("://")[2].rpartition("@")[2], recheck=options.recheck)
 
 
 __all__ = ["RemoteStore", "connect", "open_backend"]

@@ -19,7 +19,8 @@ end
 """
 
 # KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
-# manifest, its TTL in ms (0: none). Returns {1, old manifest's head} if switched, {0, current version} if another
+# manifest, its TTL in ms (0: none), the channel of change notices ('': none) and the notice's "VERSION WRITE"
+# (notices.py). Returns {1, old manifest's head} if switched, {0, current version} if another
 # writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
 CAS = _VERSION + """
 local cur = head(KEYS[1])
@@ -30,10 +31,11 @@ for i = 2, #KEYS, 1000 do there = there + redis.call('EXISTS', unpack(KEYS, i, m
 if there ~= #KEYS - 1 then return {2, there} end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
+if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], KEYS[1] .. ' ' .. ARGV[5]) end
 return {1, cur}
 """
 
-# KEYS[1]: the manifest. ARGV: a TTL in ms (0: none). A session dropped leaves a tombstone, "N dropped", one
+# KEYS[1]: the manifest. ARGV: a TTL in ms (0: none), the channel of change notices ('': none). A session dropped leaves a tombstone, "N dropped", one
 # version past the one it ends: a node holding a copy of a version before it learns the session is gone,
 # and the next history goes on numbering from it. Returns the head of the manifest replaced ('': none).
 DROP = _VERSION + """
@@ -45,6 +47,7 @@ local n = version(cur) + 1
 if n > 99999999999999 then n = 1 end  -- past what a Lua number holds exactly
 local tomb = n .. ' dropped'
 if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[1], tomb, 'PX', ARGV[1]) else redis.call('SET', KEYS[1], tomb) end
+if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], KEYS[1] .. ' ' .. n .. ' -') end
 return cur
 """
 

@@ -7,10 +7,12 @@ threads, the publisher); thread-safe.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -31,8 +33,11 @@ from tierd.remote.redis import scripts
 from tierd.remote.redis.fetch import Fetcher
 from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of
 from tierd.remote.redis.manifests import Manifests
+from tierd.remote.redis.notices import Notices
 from tierd.remote.redis.tenants import Tenants
 from tierd.types import SessionKey
+
+log = logging.getLogger("tierd.remote.redis")
 
 
 class RemoteStore:
@@ -41,7 +46,8 @@ class RemoteStore:
     chunk_bytes = CHUNK_BYTES
     publish_window = PIPELINE * CHUNK_BYTES
 
-    def __init__(self, client: Any, prefix: str = "tierd", ttl: float | None = None, hosts: str = "") -> None:
+    def __init__(self, client: Any, prefix: str = "tierd", ttl: float | None = None, hosts: str = "",
+                 recheck: float = 0.0) -> None:
         self.link = Link(client, prefix, ttl)
         self.client, self.prefix = client, prefix  # (what tools and tests name keys by)
         self.hosts = hosts  # where the store is, for the log
@@ -55,15 +61,51 @@ class RemoteStore:
         self._drop = client.register_script(scripts.DROP)
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
+        # Change notices: sent by every switch and drop (where the store lets this node publish), heard where
+        # copies are trusted for `recheck` seconds.
+        self._channel = self._may_publish(f"{prefix}:n")
+        self.notices = Notices(self.link, recheck) if recheck > 0 else None
+        if self.notices is not None:
+            self.notices.start()
         # The protocol's reads, answered by the parts.
-        self.head, self.heads, self.version_of = self.reader.head, self.reader.heads, self.reader.version_of
+        self.heads, self.version_of = self.reader.heads, self.reader.version_of
         self.tombstones, self.missing = self.reader.tombstones, self.reader.missing
         self.usage, self.listed, self.unlist = self.tenants.usage, self.tenants.listed, self.tenants.unlist
         self.read_into, self.read = self.fetcher.read_into, self.fetcher.read
 
     def close(self) -> None:
+        if self.notices is not None:
+            self.notices.close()
         self._sender.shutdown(wait=True)
         self.link.close()
+
+    def _may_publish(self, channel: str) -> str:
+        """The channel of change notices, where the store lets this node publish on it; else ''."""
+        try:  # a notice of no session's key (every node hears it, and forgets nothing)
+            self.link.call("a change notice", self.link.client.publish, channel, f"{self.prefix}:hello 0 -")
+        except Unavailable as exc:  # (Refused among them: the store's ACL gives this user no channel)
+            log.warning("remote tier: this node sends no change notices (%s): nodes that trust them see its "
+                        "publishes and drops up to --remote-recheck seconds late", exc)
+            return ""
+        return channel
+
+    def head(self, key: SessionKey) -> tuple[Manifest | None, int]:
+        """The session's current manifest (None: none, or a tombstone) and the
+        version number at its key; remembered as its current version while
+        notices say nothing changed (current())."""
+        if self.notices is None:
+            return self.reader.head(key)
+        with self.notices.watching(self.link.key(key, "m")) as seen:
+            m, at = self.reader.head(key)
+            if seen is not None:
+                seen.found = (at, m.write if m is not None else "")
+        return m, at
+
+    def current(self, key: SessionKey) -> tuple[int, str] | None:
+        return self.notices.current(self.link.key(key, "m")) if self.notices is not None else None
+
+    def hears_changes(self) -> bool:
+        return self.notices is not None and self.notices.live()
 
     def describe(self) -> str:
         from redis.cluster import RedisCluster
@@ -118,14 +160,7 @@ class RemoteStore:
                 chunks, nbytes = chunks + len(batch), nbytes + sum(map(len, batch))
             manifest = made(next_version(expect), write, fingerprint, spec, num_tokens, nbytes, page_bytes, checksums,
                             token_hashes, owner_of(key), coding)
-            # Not as a _call: the switch carries the manifest and checks every chunk (each read is bounded).
-            reply = self.link.run("the manifest switch", self._cas,
-                               keys=[self.link.key(key, "m")] + [self.link.key(key, f"w{write}", str(i))
-                                                                 for i in range(chunks)],
-                               args=[expect, manifest.encode(), self.link.ttl_ms])
-            if not isinstance(reply, list) or len(reply) != 2:
-                raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
-            ok, old = reply
+            ok, old = self._switch(key, write, chunks, expect, manifest)
             if ok == 2:
                 raise Refused(f"the remote store holds {old} of the {chunks} chunks written (lost in a fail-over, or "
                               "evicted): the version is not published")
@@ -151,6 +186,21 @@ class RemoteStore:
                 return manifest  # unreadable: its chunks go by their TTL
             self._delete(key, previous.write, chunks_of(previous.stored))  # the version replaced: reclaimed
         return manifest
+
+    def _switch(self, key: SessionKey, write: str, chunks: int, expect: int, manifest: Manifest) -> tuple[int, Any]:
+        """The manifest's compare-and-set (scripts.CAS): its reply."""
+        name = self.link.key(key, "m")
+        with self.notices.watching(name) if self.notices is not None else nullcontext() as seen:
+            # Not as a call: the switch carries the manifest and checks every chunk (each read is bounded).
+            reply = self.link.run("the manifest switch", self._cas,
+                                  keys=[name] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)],
+                                  args=[expect, manifest.encode(), self.link.ttl_ms, self._channel,
+                                        f"{manifest.version} {write}"])
+            if not isinstance(reply, list) or len(reply) != 2:
+                raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
+            if seen is not None and reply[0] == 1:
+                seen.found = (manifest.version, write)
+        return reply[0], reply[1]
 
     def _take_buffers(self, count: int) -> list[bytearray]:
         """Chunk buffers, the spare ones first: a new one costs a page fault per
@@ -182,7 +232,12 @@ class RemoteStore:
     def drop(self, key: SessionKey) -> bool:
         """Delete the session's current version, leaving a tombstone in its
         manifest's place; whether there was one."""
-        old = self.link.call("a drop", self._drop, keys=[self.link.key(key, "m")], args=[self.link.ttl_ms])
+        name = self.link.key(key, "m")
+        try:
+            old = self.link.call("a drop", self._drop, keys=[name], args=[self.link.ttl_ms, self._channel])
+        finally:
+            if self.notices is not None:
+                self.notices.forget(name)
         self.tenants.unlist(key.tenant, [key.session_id])
         if not old or dropped_at(old):
             return False
