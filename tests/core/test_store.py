@@ -431,3 +431,28 @@ def test_a_tick_looks_only_at_sessions_whose_move_may_be_due(store, harness, mon
     store.unpin(keys[0])
     assert [(m.key, m.reason) for m in store.tick()] == [(keys[0], "idle")]
     assert store.drain(30) and store.stat(keys[0]).tier == "disk"
+
+
+def test_a_tick_looks_at_no_session_of_the_lowest_tier_between_its_high_watermark_and_its_budget(tmp_path,
+                                                                                                monkeypatch):
+    """Regression: the tick built a view of every session of a tier past the
+    high watermark, though out of the lowest tier only what passes its budget
+    goes; with 100,000 sessions on a disk tier 98% full, that held the store
+    lock ~0.5 s every tick, and Stat's p99 was 31 ms."""
+    h = Harness(str(tmp_path), disk_budget=8 * MiB, disk_slab=8 * MiB)
+    store = h.open()
+    try:
+        looked = []
+        real = store_module.pressure_moves
+        monkeypatch.setattr(store_module, "pressure_moves", lambda views, *a: looked.append(len(views)) or
+                            real(views, *a))
+        keys = [make_key("default", f"s{i}") for i in range(31)]  # 31 of 256 KiB: 97% of the disk budget
+        for k in keys:
+            store.put(k, SPEC, 128, 8 * SPEC.page_bytes, [bytes(8 * SPEC.page_bytes)])
+            store.demote(k, "disk")
+        disk = store.tiers["disk"]
+        assert store.policy.high_watermark * disk.budget < disk.used <= disk.budget
+        assert store.tick() == [] and looked == []  # nothing to say, and nothing looked at
+        assert all(store.stat(k).tier == "disk" for k in keys)
+    finally:
+        h.close()

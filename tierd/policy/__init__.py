@@ -18,6 +18,7 @@ from tierd.policy.rules import (
     plan_eviction,
     pressure_moves,
     retry_delay,
+    under_pressure,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "plan_eviction",
     "pressure_moves",
     "retry_delay",
+    "under_pressure",
 ]

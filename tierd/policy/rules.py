@@ -214,6 +214,14 @@ def idle_due(v: SessionView, cfg: PolicyConfig, present: Iterable[str]) -> float
     return due if v.retry_at is None else max(due, v.retry_at)
 
 
+def under_pressure(tier: str, used: int, budget: int, cfg: PolicyConfig, present: Iterable[str]) -> bool:
+    """Whether pressure_moves has anything to say of the tier: it holds more
+    than the high watermark of its budget, or, the lowest tier, more than its
+    budget (what leaves it is dropped)."""
+    high = 1.0 if _next_lower(tier, present) == DROP else cfg.high_watermark
+    return budget > 0 and used > high * budget
+
+
 def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: int, cfg: PolicyConfig,
                    present: Iterable[str], now: float, shrink: float = 0.0) -> list[Move]:
     """Above the high watermark, re-code sessions in place where the tier
@@ -223,11 +231,10 @@ def pressure_moves(views: Iterable[SessionView], tier: str, used: int, budget: i
     over the budget goes (a budget lowered across a restart), never while the
     tier has room. A session held off after a failed move is left, its bytes
     counted as if moved: more valuable sessions do not go in its place."""
-    target = _next_lower(tier, present)
-    high, low = (1.0, 1.0) if target == DROP else (cfg.high_watermark, cfg.low_watermark)
-    if budget <= 0 or used <= high * budget:
+    if not under_pressure(tier, used, budget, cfg, present):
         return []
-    need = used - int(low * budget)
+    target = _next_lower(tier, present)
+    need = used - (budget if target == DROP else int(cfg.low_watermark * budget))
     order = [v for v in eviction_order(views, tier, cfg) if not _held_off(v, now)]
     moves, freed = _recodes(order, tier, need, shrink)
     recoded = {mv.key for mv in moves}
