@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from bench.common import Result, spread
+from bench.common import Result, copy_and_hash, spread, timed
 from tierd.client import Client, KVSpec
 from tierd.testing import ROOT, Daemon
 
@@ -100,7 +100,8 @@ def local_read(root: str, quick: bool) -> list[Result]:
     daemon = Daemon(os.path.join(root, "local"), "--host-budget", "1GiB", "--writeback-idle", "off").start()
     src, dst, out = (np.ones(total, dtype=np.uint8), np.empty(total, dtype=np.uint8),
                      np.empty(total, dtype=np.uint8))
-    times: dict[str, list[float]] = {"read": [], "into": [], "buffer": [], "memcpy": []}
+    times: dict[str, list[float]] = {"read": [], "into": [], "buffer": [], "memcpy": [], "checked": []}
+    checked_copy = copy_and_hash(src, dst)
     spec = KVSpec.opaque("bench/state", page_bytes=4 * MiB)
     try:
         with Client(daemon.socket) as c, c.local_buffer(spec, total) as buf:
@@ -121,21 +122,24 @@ def local_read(root: str, quick: bool) -> list[Result]:
                 t0 = time.perf_counter()
                 np.copyto(dst, src)
                 times["memcpy"].append(time.perf_counter() - t0)
+                times["checked"] += timed(checked_copy, 1)
     finally:
         daemon.stop()
     assert np.array_equal(out, src)
-    limit = statistics.median(times["memcpy"])
     results = []
     how = {"read": "a view of the lent memory", "into": "copied again into the client's buffer",
            "buffer": "read by the daemon into the client's registered memory (LocalBuffer)"}
-    for name, what in (("local_read_vs_memcpy", "read"), ("local_get_into_vs_memcpy", "into"),
-                       ("local_buffer_vs_memcpy", "buffer")):
+    limits = {"memcpy": ("memcpy", 0.8, "memcpy"),
+              "copy_and_hash": ("checked", 0.85, "a copy that XXH3-hashes what it copies, on both cores")}
+    for name, what in (("local_read", "read"), ("local_get_into", "into"), ("local_buffer", "buffer")):
         ours = statistics.median(times[what])
-        results.append(Result(name, total / ours / 1e9, "GB/s", total / limit / 1e9, round(limit / ours, 3),
-                              "ratio >= 0.8", limit / ours >= 0.8,
-                              {"ours_seconds": spread(times[what]), "limit_seconds": spread(times["memcpy"])},
-                              f"{total >> 20} MiB of opaque bytes in 4 MiB pages from the host tier, every page "
-                              "checked; " + how[what]))
+        for against, (key, target, whose) in limits.items():
+            limit = statistics.median(times[key])
+            results.append(Result(f"{name}_vs_{against}", total / ours / 1e9, "GB/s", total / limit / 1e9,
+                                  round(limit / ours, 3), f"ratio >= {target}", limit / ours >= target,
+                                  {"ours_seconds": spread(times[what]), "limit_seconds": spread(times[key])},
+                                  f"{total >> 20} MiB of opaque bytes in 4 MiB pages from the host tier, every page "
+                                  f"checked; {how[what]}; limit: {whose}"))
     return results
 
 

@@ -7,10 +7,12 @@ import os
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
+import xxhash
 
 
 @dataclass
@@ -56,6 +58,22 @@ def ratio_result(name: str, ours: list[float], limit: list[float], nbytes: int, 
         sp["ratio_of_medians"] = round(limit_s / ours_s, 3)
     return Result(name, nbytes / ours_s / 1e9, "GB/s", nbytes / limit_s / 1e9, round(ratio, 3),
                   f"ratio >= {target}", ratio >= target, sp, note)
+
+
+def copy_and_hash(src: np.ndarray, dst: np.ndarray, piece: int = 256 << 10) -> Callable[[], None]:
+    """src copied into dst and every piece of it hashed (XXH3, as page
+    checksums are), each core taking its share: no more than a copy that
+    checks its bytes must do."""
+    cores = os.cpu_count() or 1
+    share = -(-len(src) // cores // piece) * piece
+    pool = ThreadPoolExecutor(cores)
+
+    def part(lo: int) -> None:
+        for a in range(lo, min(lo + share, len(src)), piece):
+            np.copyto(dst[a : a + piece], src[a : a + piece])  # (numpy and xxhash let go of the GIL)
+            xxhash.xxh3_64_intdigest(src[a : a + piece])
+
+    return lambda: list(pool.map(part, range(0, len(src), share)))
 
 
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import xxhash
 
-from bench.common import Result, random_bytes, ratio_result, timed
+from bench.common import Result, copy_and_hash, random_bytes, ratio_result, timed
 from tierd.client.shm import SharedKVCache
 from tierd.clock import FakeClock
 from tierd.config import Config
@@ -92,22 +91,6 @@ class _RawFile:
         os.unlink(self.path)
 
 
-def _copy_and_hash(src: np.ndarray, dst: np.ndarray, piece: int = 256 << 10) -> Callable[[], None]:
-    """src copied into dst and every piece of it hashed (XXH3, as page
-    checksums are), each core taking its share: no more than a copy that
-    checks its bytes must do."""
-    cores = os.cpu_count() or 1
-    share = -(-len(src) // cores // piece) * piece
-    pool = ThreadPoolExecutor(cores)
-
-    def part(lo: int) -> None:
-        for a in range(lo, min(lo + share, len(src)), piece):
-            np.copyto(dst[a : a + piece], src[a : a + piece])  # (numpy and xxhash let go of the GIL)
-            xxhash.xxh3_64_intdigest(src[a : a + piece])
-
-    return lambda: list(pool.map(part, range(0, len(src), share)))
-
-
 def _alternating(ours: Callable[[], object], limit: Callable[[], object], repeat: int,
                  setup: Callable[[], object] | None = None) -> tuple[list[float], list[float]]:
     """Seconds of ours and of its limit, taken in turns: a virtual disk's speed
@@ -137,7 +120,7 @@ def run(quick: bool) -> list[Result]:
             src, dst = random_bytes(nbytes, 2), np.empty(nbytes, dtype=np.uint8)
             dst[:] = 0
             memcpy = timed(lambda: np.copyto(dst, src), repeat)
-            checked = timed(_copy_and_hash(src, dst), repeat)
+            checked = timed(copy_and_hash(src, dst), repeat)
             results.append(Result("host_copy_and_hash_vs_memcpy", nbytes / statistics.median(checked) / 1e9, "GB/s",
                                   nbytes / statistics.median(memcpy) / 1e9,
                                   round(statistics.median(memcpy) / statistics.median(checked), 3),
