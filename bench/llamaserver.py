@@ -10,9 +10,14 @@ token generated), timed as the client sees it (the HTTP call):
   ratio ours/limit, target <= 1.10;
 - through the front from tierd's disk tier, no hint, against llama-server's
   slot restore of a cold slot file (its pages dropped from the page cache)
-  and the turn: target <= 1.0.
+  and the turn: target <= 1.0. Through the front, the state goes from
+  tierd's disk into a restore lease, into a slot file, and then into
+  llama-server: two copies of it more than llama-server's own file read.
 
-Needs llama-server: `make bench-llamacpp`."""
+Each of our turns is timed beside the limit's turn before it (the ratio:
+the median of those pairs'); the front stores the other conversation's
+turn before ours starts (it stores a turn after answering it). Needs
+llama-server: `make bench-llamacpp`."""
 
 from __future__ import annotations
 
@@ -89,14 +94,23 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
         with daemon.client() as c:
             until(lambda: all(c.stat(f"llama-server-{s}").durable for s in "ab"), 120, "written back")
 
-        def timed(port, session=None, hint=False, cold_file=None):
+        def timed(port, session=None, hint=False, cold_file=None, on_disk=False):
             turn(port, b, session and "b")  # b back in the slot (untimed)
+            if session:  # ... and every turn stored: the front stores a turn after answering it, off the next's path
+                until(lambda: (st := front.stats())["saves"] + st["save_failures"] >= st["turns"], 60, "stored")
+            if on_disk:  # both conversations on tierd's disk tier alone, the host tier's room given back
+                with daemon.client() as c:
+                    c.set_budget("host", "1MiB")
+                    until(lambda: all(c.stat(f"llama-server-{s}").tier_bytes.keys() == {"disk"} for s in "ab"),
+                          120, "the sessions on disk")
+                    c.set_budget("host", "2GiB")
             if hint:
                 call(port, "POST", "/tierd/prefetch", {"session": session})
                 until(lambda: f"llama-server-{session}" in front.stats()["staged"], 60, "staged")
             t0 = time.perf_counter()
             if cold_file is not None:
                 fd = os.open(cold_file, os.O_RDONLY)
+                os.fsync(fd)  # (pages not yet written stay in the page cache whatever it is told)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: read from the device
                 os.close(fd)
                 status, got = call(port, "POST", "/slots/0?action=restore", {"filename": cold_file.name})
@@ -105,20 +119,18 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
             assert reused >= n, f"turn 2 reused {reused} of {n} tokens"
             return time.perf_counter() - t0 if cold_file is not None else seconds
 
-        ram_s = [timed(own.port) for _ in range(repeat)]
-        host_s = [timed(front.port, "a", hint=True) for _ in range(repeat)]
+        ram_s, host_s, file_s, disk_s = [], [], [], []
+        for _ in range(repeat):  # in turns: this machine's speed drifts within a minute
+            ram_s.append(timed(own.port))
+            host_s.append(timed(front.port, "a", hint=True))
         # llama-server's own slot file of the conversation, and tierd's state of it on disk alone
         turn(own.port, p2[own.port])
         status, saved = call(own.port, "POST", "/slots/0?action=save", {"filename": "a.bin"})
         assert status == 200, saved
-        file_s = [timed(own.port, cold_file=own_dir / "a.bin") for _ in range(repeat)]
         restores = front.stats()["restores"]
-        with daemon.client() as c:
-            c.set_budget("host", "1MiB")
-            until(lambda: all(c.stat(f"llama-server-{s}").tier_bytes.keys() == {"disk"} for s in "ab"), 120,
-                  "the sessions on disk")
-            disk_s = [timed(front.port, "a") for _ in range(repeat)]
-            c.set_budget("host", "2GiB")
+        for _ in range(repeat):
+            file_s.append(timed(own.port, cold_file=own_dir / "a.bin"))
+            disk_s.append(timed(front.port, "a", on_disk=True))
         stats = front.stats()
         assert stats["misses"] == 0 and stats["restores"] == restores + 2 * repeat, stats
         mib = saved["n_written"] / (1 << 20)
@@ -128,15 +140,17 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
         behind.stop()
     med = statistics.median
     host, ram, disk, cold = med(host_s), med(ram_s), med(disk_s), med(file_s)
+    host_ratio = med(h / r for h, r in zip(host_s, ram_s))  # each turn beside the limit's turn before it
+    disk_ratio = med(d / f for d, f in zip(disk_s, file_s))
     note = f"{n}-token conversation + {NEW} tokens through llama-server, {mib:.0f} MiB of slot state"
     return [
         Result(f"llamacpp_server_turn2_vs_cache_ram_{n}", round(host * 1e3, 1), "ms", round(ram * 1e3, 1),
-               round(host / ram, 3), "ratio (ours/limit) <= 1.10", host / ram <= 1.10,
+               round(host_ratio, 3), "ratio (ours/limit) <= 1.10", host_ratio <= 1.10,
                {"tierd_seconds": spread(host_s), "cache_ram_seconds": spread(ram_s)},
                note + "; tierd's host tier after a prefetch hint, through the front, against llama-server's "
                       "--cache-ram"),
         Result(f"llamacpp_server_turn2_disk_vs_slot_file_{n}", round(disk * 1e3, 1), "ms", round(cold * 1e3, 1),
-               round(disk / cold, 3), "ratio (ours/limit) <= 1.0", disk / cold <= 1.0,
+               round(disk_ratio, 3), "ratio (ours/limit) <= 1.0", disk_ratio <= 1.0,
                {"tierd_seconds": spread(disk_s), "slot_file_seconds": spread(file_s)},
                note + "; tierd's disk tier, no hint, through the front, against llama-server's restore of a cold "
                       "slot file"),

@@ -69,3 +69,21 @@ def test_a_staged_lease_is_handed_to_its_session_s_restore_and_ended_for_any_oth
             other.take("a")
         assert _free(c, "a")  # nothing of the refused ones left held
     arena.close()
+
+
+def test_a_stage_whose_preparation_fails_ends_its_lease_and_take_raises_why(one_lease):
+    """prepare (placing the bytes where the engine reads them, say) fails:
+    the lease it had is ended there, as no take will have it (the tenant's
+    one lease is free again), and take raises the error."""
+
+    def full(lease):
+        raise OSError(28, "No space left on device")
+
+    with one_lease.client() as c:
+        c.put("a", b"a" * 100, SPEC, 0)
+        staged = StagedRestore(c, SPEC, full)
+        staged.begin("a")
+        assert staged.wait(30)
+        assert _free(c, "a")
+        with pytest.raises(OSError, match="No space left"):
+            staged.take("a")

@@ -167,8 +167,17 @@ def test_prefetch_on_a_hint_stages_the_state_for_the_turn(stack, daemon):
     front.stored(3)
     status, body = call(front.port, "POST", "/tierd/prefetch", {"session": "c16"})
     assert status == 202 and body == {"session": "llama-server-c16"}
+    wait_for(lambda: "llama-server-c16" in front.stats()["staged"], timeout=60, what="staged")
+    # staged: a name in the slot dir linked to the shared memory of the daemon's restore lease (no copy)
+    [name] = [n for n in os.listdir(server.slot_dir) if n.startswith("tierd-stage-")]
+    target = os.readlink(os.path.join(server.slot_dir, name))
+    with daemon.client() as c:
+        state = c.get("llama-server-c16")
+    with open(target, "rb") as f:
+        assert os.path.dirname(target) == "/dev/shm" and f.read(len(state)) == state
     _, reused = complete(front.port, first + answer + prompt(116, NEW), "c16")
     assert reused >= TURN1 and front.stats()["restores"] == 1
+    assert not any(n.startswith("tierd-") for n in os.listdir(server.slot_dir))  # nothing left placed
 
 
 def test_a_slot_dir_others_may_write_is_refused(tmp_path, daemon):

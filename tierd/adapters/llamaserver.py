@@ -11,8 +11,9 @@ completion calls (llamaserver_http: native and OpenAI-compatible) are
 routed to a slot: the one that holds the conversation, else a free one,
 else the one used least lately. Into a slot that does not hold it, the
 conversation's stored state is set before the request goes on (llama-server's
-slot restore, from a file the front writes out of the restore lease the
-daemon lends); after each turn the slot's state is stored again (llama-server
+slot restore, of a name in the slot directory linked to the shared memory of
+the restore lease the daemon lends, read by llama-server as it is, the lease
+held until it has read it); after each turn the slot's state is stored again (llama-server
 writes its slot file, the front reads it into a save lease), so a
 conversation taken out of its slot, a restart of llama-server or of tierd,
 loses nothing stored. A request that names no conversation is served in a
@@ -30,7 +31,8 @@ the turn is then decoded as without tierd. A turn tierd cannot store
 stands; the slot is stored again before another conversation takes it.
 
 Prefetch: a request for a conversation no slot holds has its state staged
-(a restore lease, on a thread of its own) while it waits for a slot; POST
+(a restore lease, begun on a thread of its own, and its name in the slot
+directory) while it waits for a slot; POST
 /tierd/prefetch {"session": NAME} stages one on a hint. GET /tierd/stats
 gives the counts. Runs in its own process: a thread per HTTP connection,
 and the staging threads."""
@@ -45,14 +47,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler
+from collections.abc import Callable
 from typing import Any
 
 from tierd.adapters.llamacpp_state import Counts
 from tierd.adapters.llamaserver_http import SESSION_HEADER, FrontError, auth, relay
-from tierd.adapters.llamaserver_upstream import (Slot, Stages, Upstream, check_slot_dir, read_into, unlink,
+from tierd.adapters.llamaserver_upstream import (Slot, Staged, Stages, Upstream, check_slot_dir, read_into, unlink,
                                                  write_from)
-from tierd.adapters.staged import Held, StagedRestore, save_opaque
+from tierd.adapters.staged import StagedRestore, save_opaque
 from tierd.client import Arena, Client, DataLoss, IdentityMismatch, KVSpec, NotFound, TierdError
+from tierd.types import Lease
 
 log = logging.getLogger("tierd.llamaserver")
 
@@ -79,10 +83,13 @@ class Front:
             raise ValueError(f"a namespace is letters, digits and ._:@+=~-, got {namespace!r}")
         self.slots = [Slot(u, i, os.path.join(self.slot_dir, f"tierd-{n}-{i}.bin"))
                       for n, u in enumerate(upstreams) for i in range(u.slots)]
+        for name in os.listdir(self.slot_dir):  # states a front that was killed left placed (links to leases)
+            if name.startswith("tierd-"):
+                unlink(os.path.join(self.slot_dir, name))
         self.arena = Arena()
         self._arena_lock = threading.Lock()
         self._cond = threading.Condition()
-        self.stages = Stages(client, self._mapped)
+        self.stages = Stages(client, self.slot_dir, self._place)
         self.counts = FrontCounts()
         self._counts_lock = threading.Lock()
 
@@ -165,12 +172,11 @@ class Front:
         except OSError as exc:
             raise FrontError(502, f"llama-server at {slot.upstream.url}: {exc}") from None
         staged = self.stages.take(sid)
-        if staged is not None and staged.spec != spec:  # staged before llama-server's model changed
+        if staged is not None and staged.restore.spec != spec:  # staged before llama-server's model changed
             threading.Thread(target=staged.drop, name="tierd-unstage", daemon=True).start()
             staged = None
         try:
-            held = (staged.take(sid) if staged is not None else None) or \
-                StagedRestore(self.client, spec, self._mapped).hold(sid)
+            file, end = self._state_file(staged, slot, sid, spec)
         except NotFound:
             return 0  # a conversation tierd does not hold: its first turn
         except IdentityMismatch as exc:
@@ -181,18 +187,14 @@ class Front:
         except TierdError as exc:  # tierd unreachable, say: the turn is decoded as without it
             return self._miss(type(exc).__name__, sid, slot, str(exc), kind)
         try:
-            self._write_file(slot, held)
-        finally:
-            ender = staged or StagedRestore(self.client, spec)
-            in_time = ender.end(held)
-        if not in_time:  # read past the lease's time: what was read may have been another's
-            unlink(slot.file)
-            return self._miss("late", sid, slot, "the state was read after its lease's deadline", kind)
-        try:
             status, answer = slot.upstream.call("POST", f"/slots/{slot.id}?action=restore",
-                                                {"filename": slot.filename})
+                                                {"filename": os.path.basename(file)})
         finally:
-            unlink(slot.file)
+            unlink(file)
+            in_time = end()
+        if not in_time:  # read past the lease's time: what was read may have been another's
+            slot.upstream.call("POST", f"/slots/{slot.id}?action=erase")
+            return self._miss("late", sid, slot, "the state was read after its lease's deadline", kind)
         if status != 200 or not isinstance(answer, dict):
             message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
             return self._miss("refused", sid, slot, f"llama-server answered {status}: {message}", kind)
@@ -214,6 +216,7 @@ class Front:
         read into a save lease and committed as the conversation's session."""
         slot.dirty = True
         self.stages.drop(sid)  # a state staged before this turn is not the conversation's any more
+        unlink(slot.file)  # (llama-server writes a file of its own, never through a link)
         try:
             status, answer = slot.upstream.call("POST", f"/slots/{slot.id}?action=save", {"filename": slot.filename})
             if status != 200 or not isinstance(answer, dict) or not answer.get("n_saved"):
@@ -249,8 +252,43 @@ class Front:
                     lambda lease: read_into(slot.file, memoryview(self._mapped(lease))[:size]))
         return size
 
-    def _write_file(self, slot: Slot, held: Held) -> None:
-        write_from(slot.file, memoryview(self._mapped(held.lease))[: held.lease.nbytes])
+    def _state_file(self, staged: Staged | None, slot: Slot, sid: str,
+                    spec: KVSpec) -> tuple[str, Callable[[], bool]]:
+        """The conversation's state at a name in the slot directory, and
+        what ends its restore lease once llama-server has read it (whether it
+        was read in time): the name its stage placed it at, else the slot's,
+        placed now. Raises what begin_restore raised."""
+        if staged is not None:
+            try:
+                held = staged.restore.take(sid)
+            except OSError:  # it could not be placed (a full /dev/shm, say): read again below
+                held = None
+            except BaseException:
+                unlink(staged.file)
+                raise
+            if held is not None:
+                return staged.file, lambda: staged.restore.end(held)
+            unlink(staged.file)
+        restore = StagedRestore(self.client, spec)
+        held = restore.hold(sid)
+        try:
+            self._place(slot.file, held.lease)
+        except BaseException:
+            restore.end(held)
+            raise
+        return slot.file, lambda: restore.end(held)
+
+    def _place(self, path: str, lease: Lease) -> None:
+        """A restore lease's bytes at path in the slot directory: a link to
+        the lease's segment, which llama-server reads as it is (the state from
+        its first byte; it reads no further than the state, and the daemon
+        zeroes the rest), else a file written from it. Either stays the
+        conversation's while the lease is held."""
+        unlink(path)
+        if len(lease.slots) == 1 and lease.slots[0].offset == 0 and lease.page_stride == lease.page_bytes:
+            os.symlink(os.path.join(self.arena.shm_dir, lease.slots[0].shm_name), path)
+        else:
+            write_from(path, memoryview(self._mapped(lease))[: lease.nbytes])
 
     def prefetch(self, sid: str) -> None:
         """Stage the conversation's state (module docstring), unless a slot holds it."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
 import stat
 import threading
 import time
@@ -166,18 +167,37 @@ def unlink(path: str) -> None:
         pass
 
 
-class Stages:
-    """Conversations' states staged ahead of their turns (restore leases,
-    each begun on a thread of its own; at most STAGES, the oldest ended)."""
+@dataclass(eq=False)
+class Staged:
+    """A conversation's state staged: its restore lease, and the file in the
+    slot directory its bytes are written into as it is staged (a name of its
+    own: a stage begun while another of the conversation is read never
+    writes into that one's file)."""
 
-    def __init__(self, client: Client, prepare: Callable[[Lease], object]) -> None:
-        self.client, self.prepare = client, prepare
-        self._stages: dict[str, StagedRestore] = {}
+    restore: StagedRestore
+    file: str
+
+    def drop(self) -> None:
+        unlink(self.file)  # (first: the name never outlives the lease it links to)
+        self.restore.drop()
+
+
+class Stages:
+    """Conversations' states staged ahead of their turns: each a restore
+    lease begun on a thread of its own, whose bytes are then written into a
+    file of the slot directory (write(path, lease)), so that the turn's
+    restore has llama-server read a file already there; at most STAGES, the
+    oldest dropped."""
+
+    def __init__(self, client: Client, slot_dir: str, write: Callable[[str, Lease], object]) -> None:
+        self.client, self.slot_dir, self.write = client, slot_dir, write
+        self._stages: dict[str, Staged] = {}
         self._lock = threading.Lock()
 
     def begin(self, sid: str, spec: KVSpec) -> None:
         """Stage the session's state under spec; nothing where it is staged already."""
-        staged = StagedRestore(self.client, spec, self.prepare)
+        file = os.path.join(self.slot_dir, f"tierd-stage-{secrets.token_hex(8)}.bin")
+        staged = Staged(StagedRestore(self.client, spec, lambda lease: self.write(file, lease)), file)
         with self._lock:
             if sid in self._stages:
                 return
@@ -185,21 +205,21 @@ class Stages:
             old = list(self._stages)[:-STAGES]
         for other in old:
             self.drop(other)
-        staged.begin(sid)
+        staged.restore.begin(sid)
 
-    def take(self, sid: str) -> StagedRestore | None:
+    def take(self, sid: str) -> Staged | None:
         with self._lock:
             return self._stages.pop(sid, None)
 
     def drop(self, sid: str) -> None:
-        """End the session's staged lease, if any, off the caller's path."""
+        """End the session's staged lease, if any, and remove its file, off the caller's path."""
         staged = self.take(sid)
         if staged is not None:
             threading.Thread(target=staged.drop, name="tierd-unstage", daemon=True).start()
 
     def ready(self) -> list[str]:
         with self._lock:
-            return sorted(sid for sid, staged in self._stages.items() if staged.wait(0))
+            return sorted(sid for sid, staged in self._stages.items() if staged.restore.wait(0))
 
     def close(self) -> None:
         with self._lock:

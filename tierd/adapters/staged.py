@@ -71,8 +71,13 @@ class StagedRestore:
 
         def work() -> None:
             try:
-                stage.held = self.hold(session_id)
-                self.prepare(stage.held.lease)
+                held = self.hold(session_id)
+                try:
+                    self.prepare(held.lease)
+                except BaseException:
+                    self._end_lease(held.lease)  # never taken: ended here
+                    raise
+                stage.held = held
             except BaseException as exc:  # handed to take()
                 stage.error = exc
             finally:
