@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.remote.proxies import StallingProxy
+from tierd.checksum import page_checksum
 from tierd.remote.redis import RemoteStore, connect
 from tierd.remote.redis.notices import LEASE
 from tierd.types import SessionKey
@@ -23,9 +24,10 @@ KEY = SessionKey("alice", "chat")
 
 
 def publish(store, nbytes=1000, expect=0, key=KEY):
+    """A version of one page of nbytes (its bytes: of that size's own)."""
     data = np.random.default_rng(nbytes).bytes(nbytes)
-    return store.publish(key, expect, {"model_id": "m"}, "fp", 16, nbytes, np.array([0], dtype=np.uint64),
-                         np.arange(1, dtype=np.uint64), [(data, True)])
+    return store.publish(key, expect, {"model_id": "m"}, "fp", 16, nbytes,
+                         np.array([page_checksum(data)], dtype=np.uint64), np.arange(1, dtype=np.uint64), [(data, True)])
 
 
 def as_known(m):
@@ -90,9 +92,9 @@ def test_a_notice_that_does_not_parse_forgets_everything_and_one_of_no_session_n
     m, o = publish(a), publish(a, key=other)
     b.head(KEY)
     b.head(other)
-    # (what a node sends as it starts), on the primary of the other session, whose notice follows it there
+    # a notice of a key no session has, on the primary of the other session, whose notice follows it there
     node = b.link.client.get_node_from_key(b.link.key(other, "m"))
-    node.redis_connection.publish(b.notices.channel, f"{b.prefix}:hello 0 -")
+    node.redis_connection.publish(b.notices.channel, f"{b.prefix}:nobody 0 -")
     publish(a, 2000, expect=o.version, key=other)
     wait_for(lambda: b.current(other) is None, what="b hearing of the other session's version 2")
     assert b.current(KEY) == as_known(m)  # the notice before it named no session: nothing forgotten
@@ -114,8 +116,8 @@ def test_a_node_the_store_lets_not_publish_notices_still_publishes_and_others_as
     quiet = RemoteStore(connect(f"redis://quiet@127.0.0.1:{single_server}", password="pw"), prefix="q", recheck=60)
     try:
         wait_for(b.hears_changes, what="b's notices live")
-        assert "sends no change notices" in caplog.text
         m1 = publish(quiet)
+        assert "refuses this node's change notices" in caplog.text
         assert as_known(b.head(KEY)[0]) == b.current(KEY) == as_known(m1)
         m2 = publish(quiet, 2000, expect=m1.version)  # no notice: b trusts version 1 ...
         wait_for(lambda: b.current(KEY) is None, what="b asking again")  # ... for its recheck at most
@@ -159,3 +161,24 @@ def test_a_stalled_subscription_vouches_for_nothing_past_the_lease_and_a_lost_on
         b.close()
         a.close()
         proxy.close()
+
+
+def test_a_store_that_refuses_notices_at_run_time_takes_every_publish_and_drop_whole(single_server):
+    """Regression: the switch set the manifest, then failed at its notice
+    (the ACL changed at run time), so the publish was reported failed and
+    its chunks deleted under a manifest that named them; a drop failed too,
+    its tombstone set."""
+    url = f"redis://127.0.0.1:{single_server}"
+    a = RemoteStore(connect(url), prefix="r", recheck=1.0)
+    b = RemoteStore(connect(url), prefix="r", recheck=1.0)
+    try:
+        m1 = publish(a)
+        connect(url).execute_command("ACL", "SETUSER", "default", "-publish")
+        m2 = publish(a, 2000, expect=m1.version)  # taken, with no notice
+        m, _ = b.head(KEY)
+        assert as_known(m) == as_known(m2) and b"".join(b.read(KEY, m)) == np.random.default_rng(2000).bytes(2000)
+        assert a.drop(KEY) and b.head(KEY)[0] is None
+    finally:
+        connect(url).execute_command("ACL", "SETUSER", "default", "+publish")
+        a.close()
+        b.close()

@@ -3,13 +3,14 @@ here without asking the store, so that a read of a copy nothing changed
 costs no round trip.
 
 Every manifest switch (CAS) and drop (DROP) publishes a notice from inside
-its script, on the primary that holds the key: `NAME VERSION WRITE` on the
-channel PREFIX:n (WRITE `-` for a tombstone). A script's publish reaches
-only the subscribers of its own node (Redis Cluster passes it to no other
-node), so this node subscribes on every primary, each over a connection of
-its own watched by a thread that also sends a PING every HEARTBEAT
-seconds: a PONG says that every notice the primary sent before it has
-arrived. What a read (head), a publish or a drop here found at a key is
+its script, on the primary that holds the key, before its write: `NAME
+VERSION WRITE` on the channel PREFIX:n (WRITE `-` for a tombstone); where
+the store's ACL refuses it, the write goes on without (scripts.py). This
+node subscribes on every primary, each over a connection of its own watched
+by a thread that also sends a PING every HEARTBEAT seconds: a PONG says
+that every notice the primary sent before it has arrived. (Redis Cluster
+also passes a publish on to its other nodes over the cluster bus; only the
+primary's own delivery is watched.) What a read (head), a publish or a drop here found at a key is
 remembered, unless a notice of another version at that key arrived while
 it ran; a notice of another version forgets it.
 

@@ -18,37 +18,50 @@ local function version(cur)  -- a manifest's or tombstone's number; 0 for one th
 end
 """
 
+# A change notice (notices.py) on channel `channel`: "KEY VERSION WRITE". Sent before the write it tells of
+# (a script runs whole: no one reads the key in between), and by pcall: a store whose ACL gives the user no
+# channel refuses the notice, never the write. Returns 1 if it was sent, 0 if refused.
+_NOTICE = """
+local function notice(channel, text)
+  if channel == '' then return 1 end
+  local r = redis.pcall('PUBLISH', channel, text)
+  if type(r) == 'table' and r.err then return 0 end
+  return 1
+end
+"""
+
 # KEYS[1]: the manifest, KEYS[2..]: the new version's chunks. ARGV: the version expected (0: none), the new
-# manifest, its TTL in ms (0: none), the channel of change notices ('': none) and the notice's "VERSION WRITE"
-# (notices.py). Returns {1, old manifest's head} if switched, {0, current version} if another
-# writer got there first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
-CAS = _VERSION + """
+# manifest, its TTL in ms (0: none), the channel of change notices ('': none) and the notice's "VERSION WRITE".
+# Returns {1, old manifest's head, notice sent} if switched, {0, current version} if another writer got there
+# first, {2, chunks there} if some chunk is not (lost in a fail-over, or evicted already).
+CAS = _VERSION + _NOTICE + """
 local cur = head(KEYS[1])
 local have = version(cur)
 if have ~= tonumber(ARGV[1]) then return {0, have} end
 local there = 0
 for i = 2, #KEYS, 1000 do there = there + redis.call('EXISTS', unpack(KEYS, i, math.min(i + 999, #KEYS))) end
 if there ~= #KEYS - 1 then return {2, there} end
+local sent = notice(ARGV[4], KEYS[1] .. ' ' .. ARGV[5])
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 else redis.call('SET', KEYS[1], ARGV[2]) end
-if ARGV[4] ~= '' then redis.call('PUBLISH', ARGV[4], KEYS[1] .. ' ' .. ARGV[5]) end
-return {1, cur}
+return {1, cur, sent}
 """
 
-# KEYS[1]: the manifest. ARGV: a TTL in ms (0: none), the channel of change notices ('': none). A session dropped leaves a tombstone, "N dropped", one
-# version past the one it ends: a node holding a copy of a version before it learns the session is gone,
-# and the next history goes on numbering from it. Returns the head of the manifest replaced ('': none).
-DROP = _VERSION + """
+# KEYS[1]: the manifest. ARGV: a TTL in ms (0: none), the channel of change notices ('': none). A session
+# dropped leaves a tombstone, "N dropped", one version past the one it ends: a node holding a copy of a version
+# before it learns the session is gone, and the next history goes on numbering from it. Returns the head of the
+# manifest replaced ('': none), and whether a change notice was sent (1; 0: refused).
+DROP = _VERSION + _NOTICE + """
 local cur = head(KEYS[1])
 if redis.call('EXISTS', KEYS[1]) == 0 or (string.match(cur, '^%d+ dropped$') and version(cur) > 0) then
-  return cur  -- none, or dropped
+  return {cur, 1}  -- none, or dropped
 end
 local n = version(cur) + 1
 if n > 99999999999999 then n = 1 end  -- past what a Lua number holds exactly
+local sent = notice(ARGV[2], KEYS[1] .. ' ' .. n .. ' -')
 local tomb = n .. ' dropped'
 if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[1], tomb, 'PX', ARGV[1]) else redis.call('SET', KEYS[1], tomb) end
-if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], KEYS[1] .. ' ' .. n .. ' -') end
-return cur
+return {cur, sent}
 """
 
 

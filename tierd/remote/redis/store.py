@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
@@ -61,9 +62,10 @@ class RemoteStore:
         self._drop = client.register_script(scripts.DROP)
         self._spare: list[bytearray] = []  # chunk buffers between publishes
         self._spare_lock = threading.Lock()
-        # Change notices: sent by every switch and drop (where the store lets this node publish), heard where
-        # copies are trusted for `recheck` seconds.
-        self._channel = self._may_publish(f"{prefix}:n")
+        # Change notices: sent by every switch and drop (where the store's ACL lets this node publish on the
+        # channel), heard where copies are trusted for `recheck` seconds.
+        self._channel = f"{prefix}:n"
+        self._refused_said = float("-inf")  # when the log last said the store refused a notice
         self.notices = Notices(self.link, recheck) if recheck > 0 else None
         if self.notices is not None:
             self.notices.start()
@@ -79,15 +81,14 @@ class RemoteStore:
         self._sender.shutdown(wait=True)
         self.link.close()
 
-    def _may_publish(self, channel: str) -> str:
-        """The channel of change notices, where the store lets this node publish on it; else ''."""
-        try:  # a notice of no session's key (every node hears it, and forgets nothing)
-            self.link.call("a change notice", self.link.client.publish, channel, f"{self.prefix}:hello 0 -")
-        except Unavailable as exc:  # (Refused among them: the store's ACL gives this user no channel)
-            log.warning("remote tier: this node sends no change notices (%s): nodes that trust them see its "
-                        "publishes and drops up to --remote-recheck seconds late", exc)
-            return ""
-        return channel
+    def _sent(self, sent: Any) -> None:
+        """A switch's or drop's notice was sent (1) or refused (0: the store's ACL
+        gives this node's user no channel): said in the log, once a minute at most."""
+        if sent == 0 and time.monotonic() - self._refused_said > 60:
+            self._refused_said = time.monotonic()
+            log.warning("remote tier: the store refuses this node's change notices (its user may not publish on %s): "
+                        "nodes that trust them see its publishes and drops up to --remote-recheck seconds late",
+                        self._channel)
 
     def head(self, key: SessionKey) -> tuple[Manifest | None, int]:
         """The session's current manifest (None: none, or a tombstone) and the
@@ -196,10 +197,12 @@ class RemoteStore:
                                   keys=[name] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)],
                                   args=[expect, manifest.encode(), self.link.ttl_ms, self._channel,
                                         f"{manifest.version} {write}"])
-            if not isinstance(reply, list) or len(reply) != 2:
+            if not isinstance(reply, list) or len(reply) != (3 if reply and reply[0] == 1 else 2):
                 raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
-            if seen is not None and reply[0] == 1:
-                seen.found = (manifest.version, write)
+            if reply[0] == 1:
+                self._sent(reply[2])
+                if seen is not None:
+                    seen.found = (manifest.version, write)
         return reply[0], reply[1]
 
     def _take_buffers(self, count: int) -> list[bytearray]:
@@ -234,10 +237,14 @@ class RemoteStore:
         manifest's place; whether there was one."""
         name = self.link.key(key, "m")
         try:
-            old = self.link.call("a drop", self._drop, keys=[name], args=[self.link.ttl_ms, self._channel])
+            reply = self.link.call("a drop", self._drop, keys=[name], args=[self.link.ttl_ms, self._channel])
         finally:
             if self.notices is not None:
                 self.notices.forget(name)
+        if not isinstance(reply, list) or len(reply) != 2:
+            raise Unavailable(f"the remote store answered a drop with {str(reply)[:80]!r}")
+        old, sent = reply
+        self._sent(sent)
         self.tenants.unlist(key.tenant, [key.session_id])
         if not old or dropped_at(old):
             return False
