@@ -125,6 +125,7 @@ def _one(llama_cpp, attach, c, model: Path, root: Path, n: int, repeat: int) -> 
 
     def from_file():
         fd = os.open(slot, os.O_RDONLY)
+        os.fsync(fd)  # (pages not yet written stay in the page cache whatever it is told)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: read from the device
         os.close(fd)
         clear()

@@ -86,22 +86,24 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
 
         a, b = _tokens(n, n), _tokens(n + 1, n)
         p2 = {}
-        for port, session in ((own.port, None), (front.port, "a")):
+        # The conversations' names carry their size: the daemon still holds those of the sizes run before.
+        sa, sb = f"a{n}", f"b{n}"
+        for port, session in ((own.port, None), (front.port, sa)):
             _, gen, _ = turn(port, a, session)
             p2[port] = a + gen + _tokens(n + 2, NEW)
-            turn(port, b, session and "b")  # b takes the slot
+            turn(port, b, session and sb)  # b takes the slot
         front.stored(2)  # (the front stores a turn after answering it)
         with daemon.client() as c:
-            until(lambda: all(c.stat(f"llama-server-{s}").durable for s in "ab"), 120, "written back")
+            until(lambda: all(c.stat(f"llama-server-{s}").durable for s in (sa, sb)), 120, "written back")
 
         def timed(port, session=None, hint=False, cold_file=None, on_disk=False):
-            turn(port, b, session and "b")  # b back in the slot (untimed)
+            turn(port, b, session and sb)  # b back in the slot (untimed)
             if session:  # ... and every turn stored: the front stores a turn after answering it, off the next's path
                 until(lambda: (st := front.stats())["saves"] + st["save_failures"] >= st["turns"], 60, "stored")
             if on_disk:  # both conversations on tierd's disk tier alone, the host tier's room given back
                 with daemon.client() as c:
                     c.set_budget("host", "1MiB")
-                    until(lambda: all(c.stat(f"llama-server-{s}").tier_bytes.keys() == {"disk"} for s in "ab"),
+                    until(lambda: all(c.stat(f"llama-server-{s}").tier_bytes.keys() == {"disk"} for s in (sa, sb)),
                           120, "the sessions on disk")
                     c.set_budget("host", "2GiB")
             if hint:
@@ -122,7 +124,7 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
         ram_s, host_s, file_s, disk_s = [], [], [], []
         for _ in range(repeat):  # in turns: this machine's speed drifts within a minute
             ram_s.append(timed(own.port))
-            host_s.append(timed(front.port, "a", hint=True))
+            host_s.append(timed(front.port, sa, hint=True))
         # llama-server's own slot file of the conversation, and tierd's state of it on disk alone
         turn(own.port, p2[own.port])
         status, saved = call(own.port, "POST", "/slots/0?action=save", {"filename": "a.bin"})
@@ -130,7 +132,7 @@ def _one(daemon, model: Path, root: Path, n: int, repeat: int) -> list[Result]:
         restores = front.stats()["restores"]
         for _ in range(repeat):
             file_s.append(timed(own.port, cold_file=own_dir / "a.bin"))
-            disk_s.append(timed(front.port, "a", on_disk=True))
+            disk_s.append(timed(front.port, sa, on_disk=True))
         stats = front.stats()
         assert stats["misses"] == 0 and stats["restores"] == restores + 2 * repeat, stats
         mib = saved["n_written"] / (1 << 20)
