@@ -2,7 +2,11 @@
 TierdConnector: a 2,000-token conversation resumed from tierd (prefetched to
 host, or straight from disk) against the same turn computed from scratch on
 the same server (a request without a session id, which the connector leaves
-alone). Needs vLLM: run it with `make bench-vllm`."""
+alone); and, vllm_turn2_host_vs_prefix_cache, the turn from tierd's host
+tier against a server without tierd whose own prefix cache still holds the
+conversation (turn 1 just ran there: each turn 2 a conversation of its own,
+so that only turn 1's blocks are cached). Needs vLLM: run it with `make
+bench-vllm`."""
 
 from __future__ import annotations
 
@@ -64,6 +68,17 @@ def run(quick: bool) -> list[Result]:
         finally:
             server.close()
             daemon.close()
+        own = VllmServer(model, root / "own.log", prefix_caching=True)
+        try:
+            own.wait()
+            own.complete(p1[:64], 1)  # warm-up
+            cached = []
+            for i in range(repeat):
+                q1 = tok(text(2600, 10 + i))["input_ids"][:1900]
+                turn1 = own.complete(q1, 100)
+                cached.append(own.complete(q1 + turn1["token_ids"] + tok(" " + text(60, 2))["input_ids"], 1)["ttft"])
+        finally:
+            own.close()
     base = statistics.median(scratch)
     out = []
     for where in ("host", "disk"):
@@ -75,6 +90,12 @@ def run(quick: bool) -> list[Result]:
             f"{len(p2)}-token turn 2, {served[where]} tokens served from tierd "
             f"({'prefetched to host' if where == 'host' else 'read from disk at load'}); limit = the same turn "
             "computed from scratch on the same server"))
+    ours, held = statistics.median(timings["host"]), statistics.median(cached)
+    out.append(Result("vllm_turn2_host_vs_prefix_cache", round(ours * 1e3, 1), "ms", round(held * 1e3, 1),
+                      round(ours / held, 3), "ratio (ours/limit) <= 1.05", ours / held <= 1.05,
+                      {"tierd_seconds": spread(timings["host"]), "prefix_cache_seconds": spread(cached)},
+                      "turn 2 from tierd's host tier (prefetched), against a vLLM server without tierd whose own "
+                      "prefix cache holds turn 1"))
     return out
 
 

@@ -47,16 +47,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler
-from collections.abc import Callable
 from typing import Any
 
 from tierd.adapters.llamacpp_state import Counts
 from tierd.adapters.llamaserver_http import SESSION_HEADER, FrontError, auth, relay
-from tierd.adapters.llamaserver_upstream import (Slot, Staged, Stages, Upstream, check_slot_dir, read_into, unlink,
-                                                 write_from)
-from tierd.adapters.staged import StagedRestore, save_opaque
+from tierd.adapters.llamaserver_upstream import Slot, Stages, Upstream, check_slot_dir, read_into, unlink
+from tierd.adapters.staged import save_opaque
 from tierd.client import Arena, Client, DataLoss, IdentityMismatch, KVSpec, NotFound, TierdError
-from tierd.types import Lease
 
 log = logging.getLogger("tierd.llamaserver")
 
@@ -89,7 +86,7 @@ class Front:
         self.arena = Arena()
         self._arena_lock = threading.Lock()
         self._cond = threading.Condition()
-        self.stages = Stages(client, self.slot_dir, self._place)
+        self.stages = Stages(client, self.slot_dir, self._mapped, self.arena.shm_dir)
         self.counts = FrontCounts()
         self._counts_lock = threading.Lock()
 
@@ -171,12 +168,8 @@ class Front:
             spec, kind = slot.upstream.spec()
         except OSError as exc:
             raise FrontError(502, f"llama-server at {slot.upstream.url}: {exc}") from None
-        staged = self.stages.take(sid)
-        if staged is not None and staged.restore.spec != spec:  # staged before llama-server's model changed
-            threading.Thread(target=staged.drop, name="tierd-unstage", daemon=True).start()
-            staged = None
         try:
-            file, end = self._state_file(staged, slot, sid, spec)
+            file, end = self.stages.state_file(sid, spec, slot.file)
         except NotFound:
             return 0  # a conversation tierd does not hold: its first turn
         except IdentityMismatch as exc:
@@ -251,44 +244,6 @@ class Front:
         save_opaque(self.client, sid, spec, tokens, size,
                     lambda lease: read_into(slot.file, memoryview(self._mapped(lease))[:size]))
         return size
-
-    def _state_file(self, staged: Staged | None, slot: Slot, sid: str,
-                    spec: KVSpec) -> tuple[str, Callable[[], bool]]:
-        """The conversation's state at a name in the slot directory, and
-        what ends its restore lease once llama-server has read it (whether it
-        was read in time): the name its stage placed it at, else the slot's,
-        placed now. Raises what begin_restore raised."""
-        if staged is not None:
-            try:
-                held = staged.restore.take(sid)
-            except OSError:  # it could not be placed (a full /dev/shm, say): read again below
-                held = None
-            except BaseException:
-                unlink(staged.file)
-                raise
-            if held is not None:
-                return staged.file, lambda: staged.restore.end(held)
-            unlink(staged.file)
-        restore = StagedRestore(self.client, spec)
-        held = restore.hold(sid)
-        try:
-            self._place(slot.file, held.lease)
-        except BaseException:
-            restore.end(held)
-            raise
-        return slot.file, lambda: restore.end(held)
-
-    def _place(self, path: str, lease: Lease) -> None:
-        """A restore lease's bytes at path in the slot directory: a link to
-        the lease's segment, which llama-server reads as it is (the state from
-        its first byte; it reads no further than the state, and the daemon
-        zeroes the rest), else a file written from it. Either stays the
-        conversation's while the lease is held."""
-        unlink(path)
-        if len(lease.slots) == 1 and lease.slots[0].offset == 0 and lease.page_stride == lease.page_bytes:
-            os.symlink(os.path.join(self.arena.shm_dir, lease.slots[0].shm_name), path)
-        else:
-            write_from(path, memoryview(self._mapped(lease))[: lease.nbytes])
 
     def prefetch(self, sid: str) -> None:
         """Stage the conversation's state (module docstring), unless a slot holds it."""

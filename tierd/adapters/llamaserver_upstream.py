@@ -184,20 +184,19 @@ class Staged:
 
 class Stages:
     """Conversations' states staged ahead of their turns: each a restore
-    lease begun on a thread of its own, whose bytes are then written into a
-    file of the slot directory (write(path, lease)), so that the turn's
-    restore has llama-server read a file already there; at most STAGES, the
-    oldest dropped."""
+    lease begun on a thread of its own, its bytes then placed at a name of
+    the slot directory (place()), so that the turn's restore has llama-server
+    read what is there already; at most STAGES, the oldest dropped."""
 
-    def __init__(self, client: Client, slot_dir: str, write: Callable[[str, Lease], object]) -> None:
-        self.client, self.slot_dir, self.write = client, slot_dir, write
+    def __init__(self, client: Client, slot_dir: str, mapped: Callable[[Lease], Any], shm_dir: str) -> None:
+        self.client, self.slot_dir, self.mapped, self.shm_dir = client, slot_dir, mapped, shm_dir
         self._stages: dict[str, Staged] = {}
         self._lock = threading.Lock()
 
     def begin(self, sid: str, spec: KVSpec) -> None:
         """Stage the session's state under spec; nothing where it is staged already."""
         file = os.path.join(self.slot_dir, f"tierd-stage-{secrets.token_hex(8)}.bin")
-        staged = Staged(StagedRestore(self.client, spec, lambda lease: self.write(file, lease)), file)
+        staged = Staged(StagedRestore(self.client, spec, lambda lease: self.place(file, lease)), file)
         with self._lock:
             if sid in self._stages:
                 return
@@ -211,8 +210,49 @@ class Stages:
         with self._lock:
             return self._stages.pop(sid, None)
 
+    def state_file(self, sid: str, spec: KVSpec, slot_file: str) -> tuple[str, Callable[[], bool]]:
+        """The conversation's state under spec at a name in the slot
+        directory, and what ends its restore lease once llama-server has read
+        it (whether it was read in time): the name its stage placed it at,
+        else slot_file, placed now. Raises what begin_restore raised."""
+        staged = self.take(sid)
+        if staged is not None and staged.restore.spec != spec:  # staged before llama-server's model changed
+            threading.Thread(target=staged.drop, name="tierd-unstage", daemon=True).start()
+            staged = None
+        if staged is not None:
+            try:
+                held = staged.restore.take(sid)
+            except OSError:  # it could not be placed (a full /dev/shm, say): read again below
+                held = None
+            except BaseException:
+                unlink(staged.file)
+                raise
+            if held is not None:
+                return staged.file, lambda: staged.restore.end(held)
+            unlink(staged.file)
+        restore = StagedRestore(self.client, spec)
+        held = restore.hold(sid)
+        try:
+            self.place(slot_file, held.lease)
+        except BaseException:
+            restore.end(held)
+            raise
+        return slot_file, lambda: restore.end(held)
+
+    def place(self, path: str, lease: Lease) -> None:
+        """A restore lease's bytes at path in the slot directory: a link to
+        the lease's segment, which llama-server reads as it is (the state from
+        its first byte; it reads no further than the state, and the daemon
+        zeroes the rest), else a file written from it. Either stays the
+        conversation's while the lease is held."""
+        unlink(path)
+        if len(lease.slots) == 1 and lease.slots[0].offset == 0 and lease.page_stride == lease.page_bytes:
+            os.symlink(os.path.join(self.shm_dir, lease.slots[0].shm_name), path)
+        else:
+            write_from(path, memoryview(self.mapped(lease))[: lease.nbytes])
+
     def drop(self, sid: str) -> None:
-        """End the session's staged lease, if any, and remove its file, off the caller's path."""
+        """End the session's staged lease, if any, and remove its name, off the caller's path."""
         staged = self.take(sid)
         if staged is not None:
             threading.Thread(target=staged.drop, name="tierd-unstage", daemon=True).start()
