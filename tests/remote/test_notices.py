@@ -26,8 +26,8 @@ KEY = SessionKey("alice", "chat")
 def publish(store, nbytes=1000, expect=0, key=KEY):
     """A version of one page of nbytes (its bytes: of that size's own)."""
     data = np.random.default_rng(nbytes).bytes(nbytes)
-    return store.publish(key, expect, {"model_id": "m"}, "fp", 16, nbytes,
-                         np.array([page_checksum(data)], dtype=np.uint64), np.arange(1, dtype=np.uint64), [(data, True)])
+    return store.publish(key, expect, {"model_id": "m"}, "fp", 16, nbytes, np.array([page_checksum(data)],
+                         dtype=np.uint64), np.arange(1, dtype=np.uint64), [(data, True)])
 
 
 def as_known(m):
