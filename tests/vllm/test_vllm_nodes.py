@@ -77,8 +77,9 @@ def test_turn_two_on_another_replica_is_served_from_the_remote_tier(model, tmp_p
         try:
             r3 = third.complete(p3, OUT, session="chat")
             assert served(r3) == expected_served(p2, out2, p3) > 0
-            with c3.client() as c:
-                assert c.stat("chat").rel_error == pytest.approx(info.tier_errors["remote"])  # it carries that error
+            with c3.client() as c:  # it carries the error of the fp8 pages it holds (turn 3's save, just after
+                # the answer, may have put an exact page in place of the last of them: at most their worst)
+                assert 0 < c.stat("chat").rel_error <= info.tier_errors["remote"] * (1 + 1e-6)
         finally:
             third.close()
         same = sum(x == y for x, y in zip(r3["token_ids"], out3))
