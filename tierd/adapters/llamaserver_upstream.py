@@ -169,10 +169,10 @@ def unlink(path: str) -> None:
 
 @dataclass(eq=False)
 class Staged:
-    """A conversation's state staged: its restore lease, and the file in the
-    slot directory its bytes are written into as it is staged (a name of its
-    own: a stage begun while another of the conversation is read never
-    writes into that one's file)."""
+    """A conversation's state staged: its restore lease, and the name in the
+    slot directory its bytes are placed at as it is staged (Stages.place; a
+    name of its own: a stage begun while another of the conversation is read
+    never places anything at that one's name)."""
 
     restore: StagedRestore
     file: str
