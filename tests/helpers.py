@@ -67,6 +67,7 @@ class Harness:
     remote_timeout: float = 0.5  # seconds a remote call may take
     remote_idle: float = 60.0  # write back: seconds idle on disk before a session is published
     remote_recheck: float = 5.0  # seconds a copy change notices vouch for is served without asking (0: always ask)
+    remote_replicas: int = 1  # replicas that must acknowledge a publish before it is remote-durable
     remote_codec: str = "none"  # what pages are coded with on their way to the remote tier
     disk_codec: str = "none"  # and on their way to the disk tier
     host_codec: str = "none"  # what the host tier re-codes idle sessions with to make room ("none": nothing)
@@ -86,7 +87,7 @@ class Harness:
                      remote=self.remote, remote_write=self.remote_write, remote_prefix=self.remote_prefix,
                      tenant_remote_quota=self.remote_quota, remote_queue=self.remote_queue,
                      remote_timeout=self.remote_timeout, remote_idle=self.remote_idle,
-                     remote_recheck=self.remote_recheck,
+                     remote_recheck=self.remote_recheck, remote_replicas=self.remote_replicas,
                      codec={"disk": self.disk_codec, "host": self.host_codec,
                             **({"remote": self.remote_codec} if self.remote else {})},
                      lossy_tenants=self.lossy_tenants,

@@ -67,6 +67,8 @@ def test_writeback_can_be_turned_off():
     ({"remote_prefix": "a{b}"}, "without braces"),
     ({"remote": "redis://127.0.0.1:6379", "remote_recheck": "-1"}, "seconds"),
     ({"remote": "redis://127.0.0.1:6379", "remote_recheck": "7200"}, "0 to 3600"),
+    ({"remote": "redis://127.0.0.1:6379", "remote_replicas": "-1"}, "whole number"),
+    ({"remote": "redis://127.0.0.1:6379", "remote_replicas": "17"}, "0 to 16"),
 ])
 def test_bad_remote_settings_are_refused_clearly(flags, words):
     with pytest.raises(InvalidArgument, match=words):

@@ -152,7 +152,7 @@ def remote_tier(cfg: Config) -> tuple[Remote | None, str]:
     from tierd.remote import registry
 
     options = registry.Options(cfg.remote_prefix, cfg.remote_ttl, cfg.remote_timeout, remote_password(cfg),
-                               cfg.remote_tls_ca or None, cfg.remote_recheck)
+                               cfg.remote_tls_ca or None, cfg.remote_recheck, cfg.remote_replicas)
     codec = cfg.codec.get("remote", "none")
     try:
         check_codec(codec)

@@ -56,7 +56,8 @@ class Metrics:
                                             registry=registry)
         self.remote_ops = Counter("tierd_remote_ops_total", "Remote tier calls that did not simply succeed, "
                                   "publishes, and reads its change notices answered: op (manifest, fetch, publish, "
-                                  "drop, ...), outcome (ok, conflict, quota, queue_full, unavailable, known)",
+                                  "drop, ...), outcome (ok, conflict, quota, queue_full, unavailable, unreplicated, "
+                                  "known)",
                                   ["op", "outcome"], registry=registry)
         self.prefix_hits = Counter("tierd_prefix_hits_total", "Calls answered from pages other sessions of the "
                                    "tenant hold (prefix sharing): save, restore, lookup", ["call"], registry=registry)

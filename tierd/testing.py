@@ -139,7 +139,8 @@ class RedisCluster:
         auth = f"requirepass {self.password}\nmasterauth {self.password}\n" if self.password else ""
         (node / "redis.conf").write_text(
             f"port {port}\nbind 127.0.0.1\ndir {node}\ncluster-enabled yes\ncluster-config-file nodes.conf\n"
-            f"cluster-node-timeout 1000\nsave \"\"\nappendonly no\nlogfile {node / 'redis.log'}\n{auth}")
+            f"cluster-node-timeout 1000\nsave \"\"\nappendonly no\nrepl-diskless-sync-delay 0\n"
+            f"logfile {node / 'redis.log'}\n{auth}")
         self.procs[port] = subprocess.Popen(["redis-server", str(node / "redis.conf")], stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL)
 
@@ -193,7 +194,7 @@ class RedisCluster:
             while True:
                 info = self._cli("info", "replication", port=port, timeout=5)
                 offset = re.search(r"master_repl_offset:(\d+)", info)
-                replicas = re.findall(r"slave\d+:.*?offset=(\d+)", info)
+                replicas = re.findall(r"slave\d+:.*?state=online,offset=(\d+)", info)  # (not still syncing)
                 if offset and len(replicas) >= self.replicas and all(int(o) >= int(offset.group(1))
                                                                      for o in replicas):
                     break

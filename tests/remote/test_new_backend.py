@@ -39,6 +39,9 @@ class ToyBackend:
     def hears_changes(self):
         return False
 
+    def replicated(self, keys):
+        return [True] * len(keys)  # (one copy, in memory: as durable as it gets)
+
     def version_of(self, key):
         return self.head(key)[1]
 

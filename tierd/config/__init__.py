@@ -109,6 +109,9 @@ class Config:
     remote_recheck: float = _opt(_seconds, "seconds a copy the remote tier's change notices say nothing changed is "
                                            "served without asking the tier again (a Redis tier; 0: every read asks)",
                                  5.0)
+    remote_replicas: int = _opt(_count, "replicas of a Redis primary that must acknowledge a publish before the "
+                                        "session is remote-durable (fewer where the primary has fewer connected; "
+                                        "0: the primary's acknowledgement alone)", 1)
     codec: dict[str, str] = _opt(_codecs, "TIER=CODEC: code pages on their way to the disk or remote tier "
                                           "(disk=lossless, remote=lossless: bit-exact, smaller; none: as they are; "
                                           "auto: lossless or none, whichever measures faster here), or re-code idle "
@@ -134,6 +137,8 @@ class Config:
         if not self.remote_prefix or any(c in self.remote_prefix for c in "{}: \t\n"):
             raise InvalidArgument(f"remote_prefix is a word without braces, colons or spaces, not "
                                   f"{self.remote_prefix!r}")
+        if self.remote_replicas > 16:
+            raise InvalidArgument(f"remote_replicas is 0 to 16, not {self.remote_replicas}")
         if self.remote_recheck > 3600:
             raise InvalidArgument(f"remote_recheck is 0 to 3600 seconds, not {self.remote_recheck}")
         if not 0.01 <= self.remote_timeout <= 60:

@@ -253,6 +253,9 @@ class Session:
     remote_stored: int = 0  # bytes the remote version takes in the store (coded, or as it is)
     remote_codec: str = "none"  # the codec its pages are coded with there
     remote_error: float = 0.0  # the worst relative error of a page there (coded lossily)
+    # The snapshot version of this node's last publish that the store took but did not yet hold as durably as
+    # it promises (no replica acknowledged it in time; -1: none): remote-durable once it does.
+    remote_unacked: int = -1
 
     def remote_is(self, m: Any) -> None:
         """Record the remote version this content builds on: manifest m's."""

@@ -36,6 +36,16 @@ class Refused(Unavailable):
     call failed, the store is not down."""
 
 
+class Unreplicated(Refused):
+    """A version the store took (it is the session's now, manifest), which is
+    not yet held as durably as the backend promises (Redis: no replica
+    acknowledged it in time); replicated() says once it is."""
+
+    def __init__(self, message: str, manifest: Any) -> None:
+        super().__init__(message)
+        self.manifest = manifest
+
+
 class RemoteBackend(Protocol):
     """Sessions' versions in a store every node reaches."""
 
@@ -78,9 +88,17 @@ class RemoteBackend(Protocol):
         pages' coded bytes, which the manifest then describes
         (manifest.made).
         FailedPrecondition (with the version found) where another writer got
-        there first: nothing is left behind. Refused, before anything is
+        there first: nothing is left behind. Unreplicated (with the manifest)
+        where the store took the version but does not hold it as durably as
+        the backend promises yet. Refused, before anything is
         written, for a session past what a manifest may be
         (manifest.check_bounds)."""
+
+    def replicated(self, keys: list[SessionKey]) -> list[bool]:
+        """For each session, whether everything the store took for it until
+        now is held as durably as the backend promises (Redis: acknowledged by
+        the replicas --remote-replicas asks for, fewer where its primary has
+        fewer connected); False where that is not so yet."""
 
     def read_into(self, key: SessionKey, manifest: Any, claim: Callable[[int], list[Any]]) -> Iterator[int]:
         """Read the version into the memory claim(n) gives for each next n

@@ -26,6 +26,7 @@ class Options:
     password: str | None = None
     tls_ca: str | None = None
     recheck: float = 0.0  # seconds a version notices say is current is trusted without asking (0: always ask)
+    replicas: int = 0  # replicas that must acknowledge a version before it is durable (0: the store's own ack)
 
 
 _BACKENDS: dict[str, tuple[str, str]] = {}

@@ -23,6 +23,7 @@ from tierd.core.store.finder import Finder
 from tierd.core.store.remote import PublishQueue, Remote, RemoteBusy
 from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable, shown
+from tierd.remote.backend import Unreplicated
 from tierd.remote.coded import holds
 from tierd.remote.manifest import Manifest
 from tierd.tiers import tier_rank
@@ -124,6 +125,7 @@ class Publisher:
             num_tokens, spans, geom = snap.num_tokens, snap.best_spans(served=False), snap.geometry
             base, fresh = session.remote_version, session.remote_fresh > session.remote_at
             base_write = session.remote_write
+            unacked = session.remote_unacked == version  # this content, published: waits for a replica
             session.readers += 1
         try:
             unusable = False
@@ -131,6 +133,11 @@ class Publisher:
                 m, expect = self.link.call("manifest", backend.head, key)
             except DataLoss:  # unusable (garbled, another session's): replaced, whatever its version
                 m, expect, unusable = None, self.link.call("manifest", backend.version_of, key), True
+            if unacked and m is not None and (m.version, m.write) == (base, base_write):
+                # This node's publish of this content, not yet on a replica: asked again, not published again.
+                if self.link.call("replication", backend.replicated, [key])[0]:
+                    self._published(session, version, m)
+                return
             if m is None and expect and expect != base and not fresh and not unusable:  # a tombstone
                 self.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node dropped it (only a store from token 0 starts it "
@@ -138,8 +145,11 @@ class Publisher:
                 self.finder.dropped_elsewhere(session, base)
                 return
             if m is not None and (m.version != base or (base_write and m.write != base_write)) and not fresh:
-                if holds(m, spec.fingerprint, sums):
-                    self._published(session, version, m)  # the same content is there already
+                if holds(m, spec.fingerprint, sums):  # the same content is there already
+                    if self.link.call("replication", backend.replicated, [key])[0]:
+                        self._published(session, version, m)
+                    else:
+                        self._unreplicated(session, version, m)
                     return
                 self.events.remote_op("publish", "conflict")
                 log.info("%s/%s not published: another node stored a newer version (%d) of it", *key, m.version)
@@ -166,6 +176,10 @@ class Publisher:
                                     geom.nbytes, seconds)
             self.events.remote_op("publish", "ok")
             self._published(session, version, new)
+        except Unreplicated as exc:  # the store took it: the session's version, not remote-durable yet
+            self.events.remote_op("publish", "unreplicated")
+            self._unreplicated(session, version, exc.manifest)
+            log.info("%s/%s published, not remote-durable yet: %s", *key, exc)
         except FailedPrecondition as exc:
             self.events.remote_op("publish", "conflict")
             log.info("%s/%s not published: %s", *key, exc)
@@ -194,9 +208,18 @@ class Publisher:
                  held, self.remote.tenant_quota)
         return False
 
+    def _unreplicated(self, session: Session, version: int, m: Manifest) -> None:
+        """Record that the remote tier took snapshot `version` as manifest m,
+        not yet as durably as it promises: it is remote-durable once the tier
+        says it is (the sweeper asks each second, sweeper.py)."""
+        with self.table.lock:
+            session.remote_is(m)
+            session.remote_unacked = version
+
     def _published(self, session: Session, version: int, m: Manifest) -> None:
         """Record that the remote tier holds snapshot `version` as manifest m."""
         with self.table.lock:
             session.remote_is(m)
+            session.remote_unacked = -1
             if session.snap.version == version:
                 session.remote_at = version

@@ -1,12 +1,16 @@
 """The sweep: each `Remote.sweep` seconds, every remote-durable copy this
 node holds is looked at in the remote tier, those no call named since too
-(the module docstring of remote.py says what it does with what it finds).
-Runs on its own thread (or the caller's, for sweep())."""
+(the module docstring of remote.py says what it does with what it finds);
+and each ACK_SECONDS, the copies this node published that the tier took
+but held less durably than it promises (no replica had acknowledged them)
+are asked about again. Runs on its own thread (or the caller's, for sweep()
+and acknowledged())."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from tierd.core.store.finder import Finder
 from tierd.core.store.link import RemoteLink
@@ -17,6 +21,7 @@ from tierd.errors import Unavailable
 log = logging.getLogger("tierd.core.store")
 
 SWEEP_BATCH = 1000  # copies a sweep asks the remote tier about in one round trip
+ACK_SECONDS = 1.0  # between asks whether copies the remote tier took are replicated now
 
 
 class Sweeper:
@@ -34,11 +39,38 @@ class Sweeper:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.remote.sweep):
+        swept = time.monotonic()
+        while not self._stop.wait(min(ACK_SECONDS, self.remote.sweep)):
             try:
-                self.sweep()
+                self.acknowledged()
+                if time.monotonic() - swept >= self.remote.sweep:
+                    swept = time.monotonic()
+                    self.sweep()
             except Exception:  # noqa: BLE001 - the sweeper outlives any one pass
                 log.exception("looking for sessions dropped on other nodes failed")
+
+    def acknowledged(self) -> int:
+        """Ask the remote tier whether the copies it took from this node but
+        did not yet hold as durably as it promises (no replica acknowledged
+        them) are so now: those are remote-durable from then on. How many."""
+        with self.table.lock:
+            waiting = [(s, s.remote_unacked) for s in self.table.sessions(
+                lambda s: s.remote_unacked >= 0 and not s.dropped)]
+        if not waiting or self.link.down.is_set():
+            return 0
+        try:
+            ok = self.link.call("replication", self.remote.store.replicated, [s.key for s, _ in waiting])
+        except Unavailable:
+            return 0
+        done = 0
+        with self.table.lock:
+            for (session, version), yes in zip(waiting, ok):
+                if yes and session.remote_unacked == version:
+                    session.remote_unacked = -1
+                    if session.snap.version == version:
+                        session.remote_at = version
+                        done += 1
+        return done
 
     def sweep(self) -> int:
         """Look at every remote-durable copy held here, those no call named

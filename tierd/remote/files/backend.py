@@ -161,6 +161,9 @@ class FileBackend:
     def hears_changes(self) -> bool:
         return False
 
+    def replicated(self, keys: list[SessionKey]) -> list[bool]:
+        return [True] * len(keys)  # a publish syncs its files and directories before it returns
+
     def version_of(self, key: SessionKey) -> int:
         return version_at(self._current(self.dir_of(key), head_only=True))
 

@@ -35,7 +35,8 @@ tenants.py (each tenant's list, bytes and total), fetch.py and replies.py
 link.py (the client, key names, calls bounded by the timeout); scripts.py
 holds the Lua the store runs; notices.py hears of every switch and drop
 (each script publishes one), so that current() knows, without asking the
-store, which version a key holds.
+store, which version a key holds; replicas.py has a switch wait until the
+primary's replicas acknowledge it (remote-durable: on a replica).
 
 Never wrong KV. The manifest carries the identity fingerprint, the page
 checksums and the token hashes; every page read back is checked (DataLoss
@@ -61,7 +62,8 @@ from tierd.remote.redis.store import RemoteStore
 def open_backend(url: str, options: Any) -> RemoteStore:
     """The backend for redis[s]://[USER@]HOST:PORT[,HOST:PORT...] (registry.py)."""
     return RemoteStore(connect(url, options.password, options.tls_ca, options.timeout), prefix=options.prefix,
-                       ttl=options.ttl, hosts=url.partition("://")[2].rpartition("@")[2], recheck=options.recheck)
+                       ttl=options.ttl, hosts=url.partition("://")[2].rpartition("@")[2], recheck=options.recheck,
+                       replicas=options.replicas)
 
 
 __all__ = ["RemoteStore", "connect", "open_backend"]

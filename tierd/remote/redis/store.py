@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tierd.errors import DataLoss, FailedPrecondition, Unavailable
-from tierd.remote.backend import Refused
+from tierd.remote.backend import Refused, Unreplicated
 from tierd.remote.coded import Coding
 from tierd.remote.manifest import (
     Head,
@@ -35,6 +35,7 @@ from tierd.remote.redis.fetch import Fetcher
 from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of
 from tierd.remote.redis.manifests import Manifests
 from tierd.remote.redis.notices import Notices
+from tierd.remote.redis.replicas import Moved, Replicas
 from tierd.remote.redis.tenants import Tenants
 from tierd.types import SessionKey
 
@@ -48,8 +49,9 @@ class RemoteStore:
     publish_window = PIPELINE * CHUNK_BYTES
 
     def __init__(self, client: Any, prefix: str = "tierd", ttl: float | None = None, hosts: str = "",
-                 recheck: float = 0.0) -> None:
+                 recheck: float = 0.0, replicas: int = 0) -> None:
         self.link = Link(client, prefix, ttl)
+        self.replicas = Replicas(self.link, replicas)  # what a version waits for before it is durable
         self.client, self.prefix = client, prefix  # (what tools and tests name keys by)
         self.hosts = hosts  # where the store is, for the log
         # Sends one batch of chunks while a publish reads the next (the socket releases the GIL), and
@@ -101,6 +103,9 @@ class RemoteStore:
             if seen is not None:
                 seen.found = (at, m.write if m is not None else "")
         return m, at
+
+    def replicated(self, keys: list[SessionKey]) -> list[bool]:
+        return self.replicas.replicated([self.link.key(key, "r") for key in keys])
 
     def current(self, key: SessionKey) -> tuple[int, str] | None:
         return self.notices.current(self.link.key(key, "m")) if self.notices is not None else None
@@ -189,20 +194,28 @@ class RemoteStore:
         return manifest
 
     def _switch(self, key: SessionKey, write: str, chunks: int, expect: int, manifest: Manifest) -> tuple[int, Any]:
-        """The manifest's compare-and-set (scripts.CAS): its reply."""
+        """The manifest's compare-and-set (scripts.CAS): its reply; Unreplicated
+        where it switched and too few replicas acknowledged it in time."""
         name = self.link.key(key, "m")
+        keys = [name] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)]
+        args = [expect, manifest.encode(), self.link.ttl_ms, self._channel, f"{manifest.version} {write}"]
         with self.notices.watching(name) if self.notices is not None else nullcontext() as seen:
-            # Not as a call: the switch carries the manifest and checks every chunk (each read is bounded).
-            reply = self.link.run("the manifest switch", self._cas,
-                                  keys=[name] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)],
-                                  args=[expect, manifest.encode(), self.link.ttl_ms, self._channel,
-                                        f"{manifest.version} {write}"])
+            acked: tuple[int, int] | None = None
+            try:
+                # Not as a call: the switch carries the manifest and checks every chunk (each read is bounded).
+                [reply], acked = self.replicas.on_primary(name, "the manifest switch",
+                                                          lambda pipe: self._cas(keys=keys, args=args, client=pipe))
+            except Moved:  # the slot moved meanwhile: through the cluster client, then asked again
+                reply = self.link.run("the manifest switch", self._cas, keys=keys, args=args)
             if not isinstance(reply, list) or len(reply) != (3 if reply and reply[0] == 1 else 2):
                 raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
             if reply[0] == 1:
                 self._sent(reply[2])
                 if seen is not None:
                     seen.found = (manifest.version, write)
+        if reply[0] == 1 and not (self.replicas.enough(acked) if acked is not None else self.replicated([key])[0]):
+            raise Unreplicated(f"version {manifest.version} is published, but too few replicas acknowledged it in "
+                               f"time ({acked[0] if acked else '?'} of {acked[1] if acked else '?'})", manifest)
         return reply[0], reply[1]
 
     def _take_buffers(self, count: int) -> list[bytearray]:
