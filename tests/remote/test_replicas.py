@@ -98,3 +98,14 @@ def test_a_session_is_remote_durable_once_on_a_replica_and_survives_its_master_k
     finally:
         a.close()
         b.close()
+
+
+def test_a_primary_with_no_replica_acknowledges_on_its_own_word(single_server):
+    """A single server (or a primary whose replicas are all gone): nothing to
+    wait for; a publish is remote-durable as the primary took it."""
+    store = RemoteStore(connect(f"redis://127.0.0.1:{single_server}"), prefix="one", replicas=1)
+    try:
+        m = publish(store, 1000)  # no Unreplicated
+        assert store.head(KEY)[0].version == m.version and store.replicated([KEY]) == [True]
+    finally:
+        store.close()

@@ -26,6 +26,9 @@ class Replicas:
     def __init__(self, link: Link, count: int) -> None:
         self.link = link
         self.count = count  # replicas a write must be on (0: the primary's acknowledgement alone)
+        # Replicas each primary had connected when last asked (ROLE): WAIT asks for no more (with none
+        # connected, WAIT would hold the call for its whole timeout).
+        self._connected: dict[tuple[Any, Any], int] = {}
 
     def replicated(self, barriers: list[str]) -> list[bool]:
         """For each barrier key (one of its session's slot), whether the
@@ -36,8 +39,7 @@ class Replicas:
         by_primary: dict[tuple[Any, Any], bool] = {}
         out = []
         for barrier in barriers:
-            kw = self.primary(barrier).connection_pool.connection_kwargs
-            where = (kw.get("host"), kw.get("port"))
+            where = _address(self.primary(barrier))
             if where not in by_primary:
                 try:
                     _, acked = self.on_primary(barrier, "a replication check",
@@ -69,11 +71,14 @@ class Replicas:
         from redis.cluster import RedisCluster
         from redis.exceptions import AskError, MovedError
 
-        pipe = self.primary(name).pipeline(transaction=False)
+        primary = self.primary(name)
+        where = _address(primary)
+        wait = min(self.count, self._connected.get(where, self.count))
+        pipe = primary.pipeline(transaction=False)
         first(pipe)
         if self.count:
-            # (half the call's timeout: the socket's read of the answer is bounded by all of it)
-            pipe.execute_command("WAIT", self.count, max(1, int((self.link.timeout or 0.5) * 500)))
+            if wait:  # (half the call's timeout: the socket's read of the answer is bounded by all of it)
+                pipe.execute_command("WAIT", wait, max(1, int((self.link.timeout or 0.5) * 500)))
             pipe.execute_command("ROLE")
 
         def execute() -> list[Any]:
@@ -89,6 +94,13 @@ class Replicas:
         replies = self.link.run(what, execute)
         if not self.count:
             return replies, None
-        *own, acked, role = replies
+        *own, role = replies
+        acked = own.pop() if wait else 0
         connected = len(role[2]) if isinstance(role, list) and len(role) > 2 and isinstance(role[2], list) else 0
+        self._connected[where] = connected
         return own, (int(acked), connected)
+
+
+def _address(client: Any) -> tuple[Any, Any]:
+    kw = client.connection_pool.connection_kwargs
+    return kw.get("host"), kw.get("port")
