@@ -109,3 +109,56 @@ def test_a_primary_with_no_replica_acknowledges_on_its_own_word(single_server):
         assert store.head(KEY)[0].version == m.version and store.replicated([KEY]) == [True]
     finally:
         store.close()
+
+
+def test_a_drop_no_replica_acknowledged_is_taken_and_said_so_and_the_next_drop_finds_it_gone(cluster):
+    store = RemoteStore(connect(cluster.url), prefix="x", replicas=1)
+    try:
+        _, replica = master_and_replica(cluster, f"x:{{{tag_of(KEY)}}}:m")
+        publish(store, 1000)
+        os.kill(cluster.procs[replica].pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Unreplicated, match="drop is taken"):
+                store.drop(KEY)
+            assert store.head(KEY)[0] is None  # taken: a tombstone in its place
+        finally:
+            os.kill(cluster.procs[replica].pid, signal.SIGCONT)
+        wait_for(lambda: store.replicated([KEY]) == [True], what="the replica has the tombstone")
+        assert store.drop(KEY) is False  # nothing there; acknowledged, so no Unreplicated
+    finally:
+        store.close()
+
+
+def test_a_daemon_drop_no_replica_acknowledged_is_unavailable_and_dropped_here(cluster, tmp_path):
+    from tierd.errors import NotFound, Unavailable
+
+    a = Harness(str(tmp_path / "a"), remote=cluster.url, remote_prefix="y")
+    sa = a.open()
+    try:
+        _, replica = master_and_replica(cluster, sa.remote.store.link.key(KEY, "m"))
+        eng = HostEngine(seed=7)
+        sa.save(KEY, eng.memory, SPEC, [0, 1, 2], 48, token_ids=list(range(48)))
+        wait_for(lambda: sa.stat(KEY).remote_durable, what="published and on a replica")
+        os.kill(cluster.procs[replica].pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable, match="is dropped, but .*drop it again"):
+                sa.drop(KEY)
+            with pytest.raises(NotFound):
+                sa.stat(KEY)  # gone here as well: nothing of it is served
+        finally:
+            os.kill(cluster.procs[replica].pid, signal.SIGCONT)
+        wait_for(lambda: _drop_not_found(sa), what="the next drop finds it gone")
+    finally:
+        a.close()
+
+
+def _drop_not_found(store):
+    from tierd.errors import NotFound, Unavailable
+
+    try:
+        store.drop(KEY)
+    except NotFound:
+        return True
+    except Unavailable:
+        return False
+    raise AssertionError("a drop of a dropped session answered OK")

@@ -23,6 +23,7 @@ from tierd.core.store.remote_info import info_of
 from tierd.core.store.table import SessionTable
 from tierd.errors import DataLoss, NotFound, Unavailable, shown
 from tierd.layout import KVSpec
+from tierd.remote.backend import Unreplicated
 from tierd.remote.manifest import Manifest
 from tierd.types import LookupResult, SessionInfo, SessionKey
 
@@ -101,7 +102,9 @@ class RemoteCalls:
     def drop(self, key: SessionKey) -> None:
         """Forget the session in the remote tier (unless it is read-only), then
         here. A drop the remote tier does not take fails (Unavailable) and
-        changes nothing: the engine tries again. Taken here alone, it would be
+        changes nothing: the engine tries again (one taken there that no replica
+        acknowledged in time is dropped here too, and is Unavailable: the next
+        drop finds it gone, once a replica has it). Taken here alone, it would be
         undone once the tier answers (this node and the others would find the
         remote copy again). A fetch or publish of the session on this node
         ends before the drop starts, and none starts until it is done: no copy
@@ -115,6 +118,10 @@ class RemoteCalls:
                     there = self.link.call("drop", self.remote.store.drop, key)
                 except DataLoss as exc:  # the store holds something else there: no copy any node serves
                     why = exc
+                except Unreplicated as exc:  # taken, not yet safe from a fail-over: dropped here too, and said so
+                    self._drop_here(key)
+                    raise Unavailable(f"session {shown(key.session_id)} is dropped, but {exc}: drop it again to have "
+                                      "it on a replica (then it is not found)", session_id=key.session_id) from None
                 except Unavailable as exc:
                     raise Unavailable(f"session {shown(key.session_id)} is not dropped: {exc}; nothing was changed, "
                                       "try again", session_id=key.session_id) from None

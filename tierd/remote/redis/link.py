@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as Late
 from typing import Any
@@ -134,3 +135,26 @@ def connect(url: str, password: str | None = None, tls_ca: str | None = None, ti
         except (redis.RedisError, RedisClusterException, OSError) as exc:
             raise Unavailable(f"the remote store's cluster did not answer ({type(exc).__name__}: {exc})") from None
     raise Unavailable(f"no node of the remote store answered ({last})")
+
+
+def rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[bytearray]) -> Iterator[memoryview]:
+    """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter):
+    views of a piece that stays valid where a chunk lies in it, else copies
+    into buffers in turn (a buffer is filled again len(buffers) copies later)."""
+    turn, filled = 0, 0
+    for piece, held in data:
+        piece = memoryview(piece).cast("B")
+        while len(piece):
+            if held and not filled and len(piece) >= CHUNK_BYTES:
+                yield piece[:CHUNK_BYTES]
+                piece = piece[CHUNK_BYTES:]
+                continue
+            out = buffers[turn % len(buffers)]
+            take = min(len(piece), CHUNK_BYTES - filled)
+            out[filled : filled + take] = piece[:take]
+            filled, piece = filled + take, piece[take:]
+            if filled == CHUNK_BYTES:
+                yield memoryview(out)
+                turn, filled = turn + 1, 0
+    if filled:
+        yield memoryview(buffers[turn % len(buffers)])[:filled]

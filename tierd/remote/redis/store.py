@@ -11,7 +11,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import Any
@@ -32,7 +32,7 @@ from tierd.remote.manifest import (
 )
 from tierd.remote.redis import scripts
 from tierd.remote.redis.fetch import Fetcher
-from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of
+from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of, rechunk
 from tierd.remote.redis.manifests import Manifests
 from tierd.remote.redis.notices import Notices
 from tierd.remote.redis.replicas import Moved, Replicas
@@ -151,7 +151,7 @@ class RemoteStore:
         # again only once the batch it went out in has been sent).
         buffers = self._take_buffers(2 * PIPELINE)
         try:
-            for chunk in _rechunk(data, buffers):
+            for chunk in rechunk(data, buffers):
                 batch.append(chunk)
                 if len(batch) == PIPELINE:
                     if sending is not None:
@@ -247,10 +247,21 @@ class RemoteStore:
 
     def drop(self, key: SessionKey) -> bool:
         """Delete the session's current version, leaving a tombstone in its
-        manifest's place; whether there was one."""
-        name = self.link.key(key, "m")
+        manifest's place; whether there was one. Unreplicated where the
+        tombstone is taken but too few replicas acknowledged it in time."""
+        name, barrier = self.link.key(key, "m"), self.link.key(key, "r")
+        args = [self.link.ttl_ms, self._channel]
+        acked: tuple[int, int] | None = None
         try:
-            reply = self.link.call("a drop", self._drop, keys=[name], args=[self.link.ttl_ms, self._channel])
+            try:
+                def first(pipe: Any) -> None:
+                    self._drop(keys=[name], args=args, client=pipe)
+                    if self.replicas.count:  # a write of its own: WAIT covers a tombstone an earlier drop left too
+                        pipe.set(barrier, b"", px=1000)
+
+                (reply, *_), acked = self.replicas.on_primary(name, "a drop", first)
+            except Moved:
+                reply = self.link.call("a drop", self._drop, keys=[name], args=args)
         finally:
             if self.notices is not None:
                 self.notices.forget(name)
@@ -259,35 +270,15 @@ class RemoteStore:
         old, sent = reply
         self._sent(sent)
         self.tenants.unlist(key.tenant, [key.session_id])
-        if not old or dropped_at(old):
-            return False
-        try:
-            head = Head.parse(old)
-        except DataLoss:
-            return True  # unreadable: its chunks go by their TTL
-        if head.meta.get("owner", "") == owner_of(key):  # (another session's manifest names chunks of its own)
-            self._delete(key, head.write, chunks_of(head.stored))
-        return True
-
-
-def _rechunk(data: Iterable[tuple[bytes | memoryview, bool]], buffers: list[bytearray]) -> Iterator[memoryview]:
-    """The bytes of data in chunks of CHUNK_BYTES (the last may be shorter):
-    views of a piece that stays valid where a chunk lies in it, else copies
-    into buffers in turn (a buffer is filled again len(buffers) copies later)."""
-    turn, filled = 0, 0
-    for piece, held in data:
-        piece = memoryview(piece).cast("B")
-        while len(piece):
-            if held and not filled and len(piece) >= CHUNK_BYTES:
-                yield piece[:CHUNK_BYTES]
-                piece = piece[CHUNK_BYTES:]
-                continue
-            out = buffers[turn % len(buffers)]
-            take = min(len(piece), CHUNK_BYTES - filled)
-            out[filled : filled + take] = piece[:take]
-            filled, piece = filled + take, piece[take:]
-            if filled == CHUNK_BYTES:
-                yield memoryview(out)
-                turn, filled = turn + 1, 0
-    if filled:
-        yield memoryview(buffers[turn % len(buffers)])[:filled]
+        there = bool(old) and not dropped_at(old)
+        if there:
+            try:
+                head = Head.parse(old)
+            except DataLoss:
+                head = None  # unreadable: its chunks go by their TTL
+            if head is not None and head.meta.get("owner", "") == owner_of(key):  # (another's names its own)
+                self._delete(key, head.write, chunks_of(head.stored))
+        if not (self.replicas.enough(acked) if acked is not None else self.replicated([key])[0]):
+            raise Unreplicated("the drop is taken (a tombstone in the session's place), but too few replicas "
+                               "acknowledged it in time", None)
+        return there
