@@ -49,8 +49,8 @@ def build_data_dir(data_dir: str, sessions: int, pages: int) -> int:
         offset = (s // per_slab) * slab + (s % per_slab) * per_session
         stmts.append(("INSERT INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                       (*key, 0, pages, offset, per_session, sums, token_hashes, "", b"")))
-        stmts.append(DiskIndex._row_stmt(key, Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0)))
-    index._tx(stmts)  # one transaction: building the fixture, not measuring writes
+        stmts.append(DiskIndex.row_stmt(key, Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0)))
+    index.apply(stmts)  # one transaction: building the fixture, not measuring writes
     index.close()
     return slab
 

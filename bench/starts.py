@@ -1,7 +1,8 @@
 """Start times of a real daemon over a data dir of durable sessions (quick:
 500; else 2,000), as it is, on a full file system, with one damaged index
-row, and with a garbled index (moved aside and rebuilt), each beside the
-sessions it then serves. The data dir is a tmpfs mounted for the run (a
+row, and with a garbled index (moved aside and rebuilt from the session
+records), each beside the sessions it then serves (all of them but the
+damaged row's). The data dir is a tmpfs mounted for the run (a
 file system that fills up for real): that needs root; without it the full
 file system case is left out."""
 
@@ -72,7 +73,7 @@ def run(quick: bool) -> list[Result]:
         for suffix in ("-wal", "-shm"):
             if os.path.exists(os.path.join(d.data_dir, "index.db" + suffix)):
                 os.unlink(os.path.join(d.data_dir, "index.db" + suffix))
-        row("start_garbled_index_seconds", "the index garbled (moved aside, rebuilt)")
+        row("start_garbled_index_seconds", "the index garbled (moved aside, rebuilt from the session records)")
         d.close()
         return out
     finally:

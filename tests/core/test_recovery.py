@@ -197,13 +197,14 @@ def test_an_unreadable_index_is_moved_aside_and_rebuilt(six, caplog, how):
     aside = [n for n in os.listdir(h.root) if n.startswith("index.db.damaged-")]
     assert len(aside) == 1 and (Path(h.root) / aside[0]).read_bytes() == before
     assert f"moved to {os.path.join(h.root, aside[0])}" in caplog.text
-    # a fresh index: the sessions it held are lost, their space is reused, new ones survive restarts
-    serves_exactly(store, {})
+    # a fresh index, rebuilt from the session records: every session served; a new version survives restarts
+    content = six[2]
+    serves_exactly(store, content)
     eng = HostEngine(seed=2)
     store.save(KEYS[0], eng.memory, SPEC, [0, 1], 32)
     store.demote(KEYS[0])
     store = h.reopen()
-    serves_exactly(store, {KEYS[0]: b"".join(eng.pages([0, 1]))})
+    serves_exactly(store, {**content, KEYS[0]: b"".join(eng.pages([0, 1]))})
 
 
 def test_a_daemon_starts_on_a_garbled_index(tmp_path):

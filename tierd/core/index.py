@@ -23,7 +23,6 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -31,10 +30,11 @@ import numpy as np
 
 from tierd.codecs.stored import PageCodes
 from tierd.core import tokens
-from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, SQLITE_FULL, IndexFormatError,
-                                     IndexUnavailable, columns, tierd_columns, unsound)
-from tierd.core.rows import Damaged, Problem, Recovered, Row, parse
-from tierd.errors import ResourceExhausted, TierdError, Unavailable
+from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, IndexFormatError, IndexUnavailable,
+                                     columns, failed, set_aside, tierd_columns, unsound)
+from tierd.core.records import Record, Records
+from tierd.core.rows import Damaged, Problem, Recovered, Row, parse, piece_values, row_values
+from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
 from tierd.types import SessionKey
 
@@ -57,6 +57,7 @@ class DiskIndex:
                 self._open()
             except sqlite3.Error as again:
                 raise IndexUnavailable(f"cannot create a new disk index {path}: {again}") from None
+        self.records = Records(os.path.join(os.path.dirname(os.path.abspath(path)), "records.bin"))
 
     def _open(self) -> None:
         try:
@@ -89,17 +90,7 @@ class DiskIndex:
                                    f"{FORMAT_VERSION}")
 
     def _set_aside(self, why: str) -> None:
-        """Move an unreadable index, with its WAL and wal-index, out of the way
-        (a fresh one is opened next): never a start that fails over and over."""
-        aside = f"{self.path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-        while os.path.lexists(aside):
-            aside += "+"
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.lexists(self.path + suffix):
-                os.replace(self.path + suffix, aside + suffix)
-        self.set_aside = aside
-        log.error("the disk index %s is unreadable (%s): moved to %s; starting with an empty index: the sessions "
-                  "it held are lost and their disk space is reused", self.path, why, aside)
+        self.set_aside = set_aside(self.path, why)
 
     def _connect(self, exclusive: bool) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -116,23 +107,14 @@ class DiskIndex:
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-    def _failed(self, exc: sqlite3.Error, doing: str) -> TierdError:
-        """The tierd error for a failed SQLite call."""
-        code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11 on; before it, the message says
-        full = (code & 0xFF) == SQLITE_FULL if code is not None else "is full" in str(exc)
-        if full:
-            return ResourceExhausted(f"the disk index has no room to {doing} ({exc}): free space under "
-                                     f"{os.path.dirname(self.path)}; nothing was changed", path=self.path)
-        return Unavailable(f"the disk index could not {doing} ({exc}); nothing was changed, try again",
-                           path=self.path)
+        self.records.close()
 
     @contextmanager
     def _sqlite(self, doing: str) -> Iterator[None]:
         try:
             yield
         except sqlite3.Error as exc:
-            raise self._failed(exc, doing) from exc
+            raise failed(exc, doing, self.path) from exc
 
     def _tx(self, statements: list[tuple[str, tuple]]) -> None:
         # No cursor is kept in a local: a traceback that outlives the call (a
@@ -152,40 +134,31 @@ class DiskIndex:
                 raise
 
     @staticmethod
-    def _row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
-        return (
-            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes,
-             row.created, row.last_access, row.priority, row.errors, row.lossy),
-        )
+    def row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
+        return "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row_values(key, row)
 
     @staticmethod
-    def _piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple[str, tuple]]:
-        return [
-            ("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-             (key.tenant, key.session_id, p.first_page, p.n_pages, p.offset, p.alloc_bytes,
-              np.ascontiguousarray(sums, dtype="<u8").tobytes(),
-              np.ascontiguousarray(hashes, dtype=np.uint8).tobytes() if hashes.any() else b"",
-              *((p.codes.codec, p.codes.to_bytes()) if p.codes is not None else ("", b""))))
-            for p, sums, hashes in pieces
-        ]
+    def piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple[str, tuple]]:
+        return [("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+                for values in piece_values(key, pieces)]
 
     def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
-                   row: Row | None) -> None:
+                   row: Row | None, record: Record | None = None) -> None:
         """Record pieces already written and synced (or held by another session
         already: shared prefix pages), with their pages' checksums and token
-        hashes; with row, mark a complete state."""
-        stmts = self._piece_stmts(key, pieces)
-        if row is not None:
-            stmts.append(self._row_stmt(key, row))
-        self._tx(stmts)
+        hashes; with row, mark a complete state (described by `record`)."""
+        stmts = self.piece_stmts(key, pieces) + ([self.row_stmt(key, row)] if row is not None else [])
+        self._tx(stmts + ([("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)",
+                            (*key, record.offset, record.nbytes, record.gen))] if record is not None else []))
 
     def truncate(self, key: SessionKey, n_pages: int, row: Row | None,
-                 pieces: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None) -> None:
+                 pieces: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None, unrecord: bool = False) -> None:
         """Forget pages from n_pages on, and record `pieces` (as add_pieces,
         in the same transaction). row is the state that remains complete on
-        disk, or None when no complete state remains."""
-        self._tx(self._truncate_stmts(key, n_pages, row) + self._piece_stmts(key, pieces or []))
+        disk, or None when no complete state remains; unrecord: its record
+        describes it no more."""
+        self._tx(self._truncate_stmts(key, n_pages, row) + self.piece_stmts(key, pieces or []) +
+                 ([("DELETE FROM records WHERE tenant=? AND session_id=?", tuple(key))] if unrecord else []))
 
     def _truncate_stmts(self, key: SessionKey, n_pages: int, row: Row | None) -> list[tuple[str, tuple]]:
         stmts: list[tuple[str, tuple]] = [
@@ -206,7 +179,7 @@ class DiskIndex:
         if row is None:
             stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
         else:
-            stmts.append(self._row_stmt(key, row))
+            stmts.append(self.row_stmt(key, row))
         return stmts
 
     @staticmethod
@@ -214,6 +187,7 @@ class DiskIndex:
         return [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=?", tuple(key)),
             ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),
+            ("DELETE FROM records WHERE tenant=? AND session_id=?", tuple(key)),
         ]
 
     def delete(self, key: SessionKey) -> None:
@@ -249,7 +223,7 @@ class DiskIndex:
                 raise sqlite3.DatabaseError("quick_check: " + " ".join(str(r[0]).replace("\n", " ") for r in verdict))
         except sqlite3.Error as exc:
             if not unsound(exc):
-                raise self._failed(exc, "read its rows") from exc
+                raise failed(exc, "read its rows", self.path) from exc
             self._db.close()
             self._set_aside(str(exc))  # before anything was written to it: as it was found
             self._open()
@@ -298,3 +272,14 @@ class DiskIndex:
     def count(self) -> tuple[int, int]:
         with self._lock, self._sqlite("count its rows"):
             return tuple(self._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("sessions", "pieces"))
+
+    def named_records(self) -> dict[SessionKey, Record]:
+        """The record the index names for each session."""
+        with self._lock, self._sqlite("read its records"):
+            rows = self._db.execute("SELECT * FROM records").fetchall()
+        return {SessionKey(t, s): Record(o, n, g) for t, s, o, n, g in rows
+                if all(type(v) is int for v in (o, n, g))}
+
+    def apply(self, stmts: list[tuple[str, tuple]]) -> None:
+        """Commit these statements in one transaction (a rebuild from records)."""
+        self._tx(stmts)

@@ -5,7 +5,12 @@ data and functions: any thread (index.py holds the connection)."""
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import sqlite3
+import time
+
+from tierd.errors import ResourceExhausted, TierdError, Unavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -36,11 +41,20 @@ CREATE TABLE IF NOT EXISTS pieces (
     PRIMARY KEY (tenant, session_id, first_page)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS records (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    offset INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    gen INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session_id)
+) WITHOUT ROWID;
 """
-FORMAT_VERSION = "5"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
+FORMAT_VERSION = "6"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
 # the errors their pages carry (empty: exact); 4: pieces record the codec their pages are coded with and each
 # page's coded size and checksum (empty: as they are); 5: sessions record a save's consent to lossy codes (NULL:
-# the tenant's setting). A codec added later comes with a format of its own.
+# the tenant's setting); 6: the records table names each session's record (core/records.py; the script creates
+# it). A codec added later comes with a format of its own.
 # What takes an index of an earlier format to this one, by the format found.
 _CODES = ["ALTER TABLE pieces ADD COLUMN codec TEXT NOT NULL DEFAULT ''",
           "ALTER TABLE pieces ADD COLUMN codes BLOB NOT NULL DEFAULT x''"]
@@ -51,7 +65,9 @@ MIGRATIONS = {
     "2": [*_ERRORS, *_CODES, *_LOSSY],
     "3": [*_CODES, *_LOSSY],
     "4": _LOSSY,
+    "5": [],
 }
+log = logging.getLogger("tierd.core.index")
 SQLITE_FULL = 13  # the primary result code of "database or disk is full"
 
 
@@ -71,8 +87,33 @@ def unsound(exc: sqlite3.Error) -> bool:
     return type(exc) is sqlite3.DatabaseError
 
 
+def failed(exc: sqlite3.Error, doing: str, path: str) -> TierdError:
+    """The tierd error for a failed SQLite call on the index at path."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11 on; before it, the message says
+    full = (code & 0xFF) == SQLITE_FULL if code is not None else "is full" in str(exc)
+    if full:
+        return ResourceExhausted(f"the disk index has no room to {doing} ({exc}): free space under "
+                                 f"{os.path.dirname(path)}; nothing was changed", path=path)
+    return Unavailable(f"the disk index could not {doing} ({exc}); nothing was changed, try again", path=path)
+
+
+def set_aside(path: str, why: str) -> str:
+    """Move an unreadable index, with its WAL and wal-index, out of the way
+    (a fresh one is opened next): never a start that fails over and over.
+    Where it went."""
+    aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    while os.path.lexists(aside):
+        aside += "+"
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.lexists(path + suffix):
+            os.replace(path + suffix, aside + suffix)
+    log.error("the disk index %s is unreadable (%s): moved to %s; starting with an empty index, rebuilt from the "
+              "session records beside the slab files where they are sound", path, why, aside)
+    return aside
+
+
 def columns(db: sqlite3.Connection) -> dict[str, list[str]]:
-    return {t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in ("sessions", "pieces", "meta")}
+    return {t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in ("sessions", "pieces", "meta", "records")}
 
 
 @functools.cache

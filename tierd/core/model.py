@@ -234,6 +234,7 @@ class Session:
     awaited: bool = False  # prefetched, not yet restored or read
     row: Any = None  # the complete state recorded in the disk index (index.Row), if any
     row_version: int = -1  # the snapshot version that row describes
+    record: Any = None  # the record that describes that row beside the slab files (records.Record), if any
     idle_check: float | None = None  # when the policy tick looks at it next (None: not scheduled)
     retry_at: float | None = None  # a move of it failed: no idle or pressure move before this time
     failures: int = 0  # moves of it that failed in a row

@@ -212,15 +212,12 @@ class Placement:
 
     def write_durable(self, session: Session, io_class: IOClass, reason: str, evict: bool) -> None:
         """Give every page a copy in the durable tier (evict: as alloc) and record the session as durable."""
-        durable = self.durable
-        if self.index is None or durable is None:
+        if self.index is None or self.durable is None:
             raise ResourceExhausted("there is no disk tier")
-        snap = session.snap
-        if session.durable:
-            return
-        missing = snap.missing([durable])
-        with self._one_copy(session, durable, missing):
-            self._write_durable(session, missing, io_class, reason, evict)
+        if not session.durable:
+            missing = session.snap.missing([self.durable])
+            with self._one_copy(session, self.durable, missing):
+                self._write_durable(session, missing, io_class, reason, evict)
 
     def _write_durable(self, session: Session, missing: list[tuple[int, int]], io_class: IOClass,
                        reason: str, evict: bool) -> None:
@@ -250,16 +247,20 @@ class Placement:
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
                   session.priority, snap.errors.astype("<f4").tobytes(), session.lossy)
         pieces += borrowed
+        entries = [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],
+                    snap.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in snap.pieces(durable) + pieces]
+        record = self.index.records.describe(session.key, row, entries)  # (the whole state) before the index
         try:
-            self.index.add_pieces(session.key, [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],
-                                                 snap.token_hashes[p.first_page : p.first_page + p.n_pages])
-                                                for p in pieces], row)
+            self.index.add_pieces(session.key, entries[len(entries) - len(pieces):], row, record)
         except BaseException:
             self.free(durable, pieces)
+            self.index.records.discard(record)
             raise
         with self.lock:
             snap.add_pieces(durable, pieces)
             session.row, session.row_version = row, snap.version
+            replaced, session.record = (session.record, record) if record is not None else (None, session.record)
+        self.index.records.discard(replaced)
 
     def truncate(self, session: Session, n_pages: int,
                  add: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None) -> list[tuple[str, Piece]]:
@@ -273,21 +274,23 @@ class Placement:
             return []
         if self.index is not None and (add or snap.pieces(self.durable) or session.row is not None):
             row = session.row.cut(n_pages) if session.row is not None else None
-            self.index.truncate(session.key, n_pages, row, add)
+            self.index.truncate(session.key, n_pages, row, add, unrecord=cut)
             session.row = row
         if not cut:
             return []
+        session.record = self.index.records.discard(session.record) if session.record is not None else None
         with self.lock:
             freed = snap.truncate(n_pages)
             snap.version += 1
         return freed
 
     def unindex(self, session: Session) -> None:
-        """Remove the session's index entry, the first step of forgetting it:
-        if the index cannot be written, this raises and nothing has changed."""
+        """Remove the session's index entry and record, the first step of forgetting
+        it: where either cannot be written, this raises and the session is served as before."""
         if self.index is not None and (session.row is not None or session.snap.pieces(self.durable)):
+            self.index.records.wipe(session.record)  # erased for good first: a rebuilt index never brings it back
             self.index.delete(session.key)
-            session.row = None
+            session.row, session.record = None, self.index.records.free(session.record)
 
     def forget(self, session: Session) -> None:
         """Free every copy of a session already unindexed."""

@@ -10,17 +10,28 @@ tenant, same offset, size and first page, and the same checksums and codes
 for the pages both hold). A session that fails is quarantined too. Each quarantined session
 gets one log line and one count in tierd_sessions_quarantined_total{reason},
 and leaves the index; the rest are reserved in the disk tier and served.
+
+An index that holds no session (new, or moved aside unreadable) is first
+rebuilt from the session records beside the slab files (core/records.py):
+each session's newest sound record, newer records first, a record cut
+before its first piece that shares bytes with a newer one's (other than
+the same allocation of shared pages); the rebuilt rows are then checked as
+any. Last, the records file holds the recovered sessions' records and
+punches out the rest.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import numpy as np
 
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
-from tierd.core.rows import Problem, Recovered
+from tierd.core.records import Found, Record
+from tierd.core.rows import Damaged, Problem, Recovered, parse
+from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
 from tierd.tiers.disk import DiskTier
 from tierd.transfer.runs import page_stride
@@ -29,13 +40,26 @@ from tierd.types import SessionKey
 log = logging.getLogger("tierd.core.recovery")
 
 
-def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents) -> tuple[list[Recovered], list[Problem]]:
-    """The sessions to serve, reserved in the disk tier, and what was repaired."""
+def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
+            ) -> tuple[list[Recovered], list[Problem], dict[SessionKey, Record]]:
+    """The sessions to serve, reserved in the disk tier, what was repaired,
+    and the sessions' records."""
     # Slabs the budget allows, or as many as the index records pieces in: a stray
     # file named slab-099999.bin made the disk tier create and open 100,000 slabs.
     top = index.highest_offset()
     lost = disk.open_existing(max(disk.max_slabs(), 0 if top is None else top // disk.slab_bytes + 1))
     found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
+    punch = True
+    if not found:
+        try:
+            rebuilt = rebuild(index, index.records.scan())
+        except (OSError, TierdError) as exc:  # the records stay as they are for the next start
+            log.error("recovery: the index could not be rebuilt from the session records (%s)", exc)
+            rebuilt, punch = 0, False
+        if rebuilt:
+            found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
+            log.warning("recovery: the index was rebuilt from the session records: %d sessions, %d served",
+                        rebuilt, len(found))
     allocations = {p.offset: (p, rec.key.tenant) for rec in found for p in rec.pieces}  # a shared one once
     disk.reserve(list(allocations.values()))
     for problem in problems:
@@ -46,7 +70,51 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents) -> tuple[list
         else:
             log.warning("recovery: %s", problem)
     log.info("recovered %d sessions from the disk index", len(found))
-    return found, problems
+    named = index.named_records()
+    records = index.records.start({rec.key: named[rec.key] for rec in found if rec.key in named}, punch)
+    return found, problems, records
+
+
+def rebuild(index: DiskIndex, newest: dict[SessionKey, Found]) -> int:
+    """Rows for the sessions of these records, into the index (newer records
+    first; one whose pieces share bytes with a newer one's is cut before the
+    first such piece); how many sessions."""
+    claimed: dict[int, tuple[int, str]] = {}  # start of each piece taken -> (end, tenant)
+    starts: list[int] = []
+    stmts: list[tuple[str, tuple]] = []
+    for found in sorted(newest.values(), key=lambda f: -f.record.gen):
+        key = found.key
+        try:
+            if any(p[:2] != tuple(key) for p in found.pieces):
+                raise Damaged("bad_row", "pieces of another session")
+            rec = parse(key, found.row[2:], [p[2:] for p in found.pieces])
+        except Damaged as exc:
+            log.warning("recovery: the record of %s/%s is not used (%s)", *key, exc.detail)
+            continue
+        keep = rec.row.num_pages
+        for p in rec.pieces:
+            end, at = p.offset + p.alloc_bytes, bisect.bisect_right(starts, p.offset) - 1
+            shared = claimed.get(p.offset) == (end, key.tenant)  # the same allocation of shared pages
+            if not shared and (at >= 0 and claimed[starts[at]][0] > p.offset or bisect.bisect_left(starts, end) > at + 1):
+                keep = p.first_page
+                break
+        row = rec.row.cut(keep)
+        if row is None:
+            continue
+        pieces = [p.head(min(p.n_pages, keep - p.first_page)) for p in rec.pieces if p.first_page < keep]
+        for p in pieces:
+            if p.offset not in claimed:
+                bisect.insort(starts, p.offset)
+            claimed[p.offset] = (p.offset + p.alloc_bytes, key.tenant)
+        stmts.append(index.row_stmt(key, row))
+        stmts += index.piece_stmts(key, [(p, rec.checksums[p.first_page : p.first_page + p.n_pages],
+                                          rec.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in pieces])
+        if row is rec.row:  # (a record of more pages than kept describes it no more: punched out)
+            stmts.append(("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)",
+                          (*key, found.record.offset, found.record.nbytes, found.record.gen)))
+    if stmts:
+        index.apply(stmts)
+    return sum(1 for sql, _ in stmts if "INTO sessions" in sql)
 
 
 def extent_problems(found: list[Recovered], disk: DiskTier, lost: dict[int, int | None]) -> list[Problem]:

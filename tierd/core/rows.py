@@ -117,6 +117,21 @@ def _codes(spec: KVSpec, first: int, n: int, alloc: int, codec: object, raw: obj
     return codes
 
 
+def row_values(key: SessionKey, row: Row) -> tuple:
+    """The sessions table's values for a session's row."""
+    return (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes, row.created,
+            row.last_access, row.priority, row.errors, row.lossy)
+
+
+def piece_values(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple]:
+    """The pieces table's values for pieces with their pages' checksums and token hashes."""
+    return [(key.tenant, key.session_id, p.first_page, p.n_pages, p.offset, p.alloc_bytes,
+             np.ascontiguousarray(sums, dtype="<u8").tobytes(),
+             np.ascontiguousarray(hashes, dtype=np.uint8).tobytes() if hashes.any() else b"",
+             *((p.codes.codec, p.codes.to_bytes()) if p.codes is not None else ("", b"")))
+            for p, sums, hashes in pieces]
+
+
 def parse(key: SessionKey, r: tuple, recs: list[tuple]) -> Recovered:
     """A session from its row (spec, num_tokens, num_pages, nbytes, created,
     last_access, priority, errors, lossy) and its pieces' rows, checked against the format;

@@ -116,7 +116,7 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
     """The sessions the index holds, into the table; with a remote tier
     (with_remote), each is asked about there before it is served (another node
     may have dropped it, or stored a newer turn, while this one was down)."""
-    kept, problems = recovery.recover(index, disk, events)
+    kept, problems, records = recovery.recover(index, disk, events)
     now = clock.now()
     held: set[int] = set()
     for rec in kept:
@@ -127,6 +127,7 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
         snap.set_errors(0, np.frombuffer(rec.row.errors, dtype="<f4").copy() if rec.row.errors else None)
         session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
                           priority=rec.row.priority, lossy=rec.row.lossy, row=rec.row, row_version=snap.version,
+                          record=records.get(rec.key),
                           remote_version=UNKNOWN if with_remote else 0)
         table.add(session)
         idle.schedule(session)
