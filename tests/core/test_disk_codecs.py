@@ -151,7 +151,9 @@ def test_a_damaged_blob_whose_checksum_was_rewritten_to_match_is_still_data_loss
     ("UPDATE pieces SET codec=''", "a codec this tierd does not know"),
     ("UPDATE pieces SET codes=x''", "0 bytes of page codes for 2 pages"),
 ])
-def test_damaged_codes_in_the_index_quarantine_that_session_alone(coded, edit, reason):
+@pytest.mark.parametrize("record", ["sound", "lost"])
+def test_damaged_codes_in_the_index_cost_that_session_alone(coded, edit, reason, record):
+    """Rebuilt from its record where that is sound (records.bin), else quarantined."""
     store = coded.open()
     src = kv_like(HostEngine(seed=7), seed=7)
     on_disk(store, A, src, [0, 1])
@@ -161,11 +163,16 @@ def test_damaged_codes_in_the_index_quarantine_that_session_alone(coded, edit, r
     db.execute(edit + " WHERE session_id='a'")
     db.commit()
     db.close()
+    if record == "lost":
+        os.unlink(os.path.join(coded.root, "records.bin"))
     store = coded.open()
     (problem,) = store.recovery_problems
     assert problem.key == A and problem.reason == "bad_codes"
     assert re.search(reason, problem.detail), problem.detail
-    assert store.keys() == [B] and restored(store, B, [2, 3]) == src.pages([2, 3])
+    assert problem.quarantined == (record == "lost")
+    assert store.keys() == ([B] if record == "lost" else [A, B]) and restored(store, B, [2, 3]) == src.pages([2, 3])
+    if record == "sound":
+        assert restored(store, A, [0, 1]) == src.pages([0, 1])  # its coded pages, from the codes its record holds
     assert store.check_accounting() == []
 
 

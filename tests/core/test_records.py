@@ -4,6 +4,7 @@ are sound, each as its newest durable state; a dropped session never comes
 back, a damaged record costs only its session, and a record that names
 bytes a newer one holds is cut before them (never another session's bytes)."""
 
+import logging
 import os
 import sqlite3
 import struct
@@ -14,7 +15,8 @@ import numpy as np
 from tests.core.test_recovery import KEYS, serves_exactly, six  # noqa: F401 - six: the fixture
 from tests.helpers import SPEC, HostEngine, wait_for
 from tierd.client import KVSpec
-from tierd.core.records import GRANULE, Records, decode, encode
+from tierd.core.record_format import decode, encode
+from tierd.core.records import GRANULE, Records
 from tierd.testing import Daemon
 
 
@@ -92,6 +94,40 @@ def test_a_record_that_names_another_sessions_bytes_is_cut_before_them(six):
     store = h.open()
     serves_exactly(store, content)
     assert len(records_in(h.root)) == 6  # the forged record is punched out at start
+
+
+def test_a_records_file_lost_is_written_anew_at_start(six):
+    """Deleted, the index kept: every session is served and gets a record
+    again at start (else the next loss of the index lost them all)."""
+    h, _, content, _ = six
+    os.unlink(os.path.join(h.root, "records.bin"))
+    serves_exactly(h.open(), content)
+    assert len(records_in(h.root)) == 6
+    h.close()
+    lose_index(h.root)
+    serves_exactly(h.open(), content)
+
+
+def test_a_records_file_that_cannot_be_opened_is_moved_aside(six, caplog):
+    h, _, content, _ = six
+    path = os.path.join(h.root, "records.bin")
+    os.unlink(path)
+    os.mkdir(path)  # a directory in its place
+    with caplog.at_level(logging.ERROR, logger="tierd"):
+        serves_exactly(h.open(), content)
+    assert "records.bin cannot be opened" in caplog.text
+    assert [n for n in os.listdir(h.root) if n.startswith("records.bin.damaged-")]
+    h.close()
+    lose_index(h.root)
+    serves_exactly(h.open(), content)
+
+
+def test_a_records_file_grown_huge_and_sparse_is_cut_at_start(six):
+    h, _, content, _ = six
+    path = os.path.join(h.root, "records.bin")
+    os.truncate(path, 1 << 42)  # 4 TiB of holes
+    serves_exactly(h.open(), content)
+    assert os.path.getsize(path) <= 64 << 20
 
 
 def test_a_daemon_with_500_durable_sessions_serves_them_all_after_its_index_is_garbled(tmp_path):

@@ -158,9 +158,11 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_row_quarantines_only_its_sessions(six, caplog, damage):
+    """With no record to rebuild them from (records.bin lost as well)."""
     h, metrics, content, _ = six
     statements, reason, others = DAMAGE[damage]
     _sql(h, *statements)
+    os.unlink(os.path.join(h.root, "records.bin"))
     with caplog.at_level(logging.WARNING, logger="tierd"):
         store = h.open()
     victims = {make_key("default", n) for n in ["s0", *others]}
@@ -172,6 +174,23 @@ def test_a_damaged_row_quarantines_only_its_sessions(six, caplog, damage):
     assert store.index.count() == (len(KEYS) - len(victims),) * 2  # gone from the index too
     store = h.reopen()
     assert store.recovery_problems == []
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_session_whose_rows_are_damaged_is_rebuilt_from_its_record(six, caplog, damage):
+    h, metrics, content, _ = six
+    statements, reason, others = DAMAGE[damage]
+    _sql(h, *statements)
+    with caplog.at_level(logging.WARNING, logger="tierd"):
+        store = h.open()
+    serves_exactly(store, content)  # every session, byte-exact
+    assert "rebuilt from the session records" in caplog.text
+    # only a row under an id no record names (the id stored as a blob) is quarantined
+    assert quarantined(metrics, reason) == (damage == "session id stored as a blob")
+    assert store.index.count()[0] == len(KEYS)
+    store = h.reopen()
+    assert store.recovery_problems == []
+    serves_exactly(store, content)
 
 
 def _garble(path, how):

@@ -32,7 +32,8 @@ from tierd.codecs.stored import PageCodes
 from tierd.core import tokens
 from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, IndexFormatError, IndexUnavailable,
                                      columns, failed, set_aside, tierd_columns, unsound)
-from tierd.core.records import Record, Records
+from tierd.core.record_format import Record
+from tierd.core.records import Records
 from tierd.core.rows import Damaged, Problem, Recovered, Row, parse, piece_values, row_values
 from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
@@ -142,14 +143,17 @@ class DiskIndex:
         return [("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
                 for values in piece_values(key, pieces)]
 
+    @staticmethod
+    def record_stmt(key: SessionKey, record: Record) -> tuple[str, tuple]:
+        return "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)", (*key, record.offset, record.nbytes, record.gen)
+
     def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
                    row: Row | None, record: Record | None = None) -> None:
         """Record pieces already written and synced (or held by another session
         already: shared prefix pages), with their pages' checksums and token
         hashes; with row, mark a complete state (described by `record`)."""
         stmts = self.piece_stmts(key, pieces) + ([self.row_stmt(key, row)] if row is not None else [])
-        self._tx(stmts + ([("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)",
-                            (*key, record.offset, record.nbytes, record.gen))] if record is not None else []))
+        self._tx(stmts + ([self.record_stmt(key, record)] if record is not None else []))
 
     def truncate(self, key: SessionKey, n_pages: int, row: Row | None,
                  pieces: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None, unrecord: bool = False) -> None:

@@ -9,14 +9,18 @@ restarts), in a granule-aligned extent of its own; the index names each
 session's current record (its records table). A newer record replaces the
 older, whose extent is then punched out; a dropped session's record is
 punched out and synced before the index forgets the session, so a rebuild
-never brings back a dropped session. At start, every extent no indexed
-record holds is punched out (records a crash left between a record and its
-index commit). A record that cannot be written (a full file system) leaves
-the session durable as the index says, described by its record before (if
-any), and is logged (once a minute at most).
+never brings back a dropped session. At start, the records the index
+names are read back (their heads), every other extent is punched out
+(records a crash left between a record and its index commit) and the file
+cut after the last; sessions with no record there (an index of an earlier
+format, a records file lost) are described anew (recovery.py). A file that
+cannot be opened is moved aside. A record that cannot be written (a full
+file system) leaves the session durable as the index says, described by its
+record before (if any), and is logged (once a minute at most). The format:
+record_format.py.
 
 Runs in the threads that write the index (movers, RPC threads), under the
-session's op lock; a lock of its own guards the file's allocator.
+session's op lock, and at start; a lock of its own guards the file's allocator.
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from tierd.checksum import page_checksum
+from tierd.core.record_format import HEAD, MAGIC, Found, Record, decode, encode
 from tierd.core.rows import Row, piece_values, row_values
 from tierd.errors import Unavailable
 from tierd.tiers.allocator import ExtentAllocator, Piece
@@ -40,86 +43,24 @@ from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.records")
 
-MAGIC = b"tierdRC1"
-_HEAD = struct.Struct("<8sQIIQ")  # magic, gen, body bytes, pieces, XXH3-64 of (gen, body bytes, pieces, body)
 GRANULE = 512
 SPAN = 64 << 20  # the file's allocator grows it in spans of this size (sparse)
-ROW_VALUES, PIECE_VALUES = 11, 10  # the index's sessions and pieces columns
 _PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    offset: int
-    nbytes: int
-    gen: int
-
-
-@dataclass(frozen=True, slots=True)
-class Found:
-    """A sound record read back: where it is, and the index rows it holds."""
-
-    record: Record
-    row: tuple
-    pieces: list[tuple]
-
-    @property
-    def key(self) -> SessionKey:
-        return SessionKey(self.row[0], self.row[1])
-
-
-def encode(gen: int, row: tuple, pieces: list[tuple]) -> bytes:
-    """A record of the index's sessions row and pieces rows (values as the index writes them)."""
-    body = bytearray()
-    for values in (row, *pieces):
-        for v in values:
-            if v is None:
-                body += b"N"
-            elif isinstance(v, int):
-                body += b"I" + struct.pack("<q", v)
-            elif isinstance(v, float):
-                body += b"F" + struct.pack("<d", v)
-            else:
-                raw = v.encode() if isinstance(v, str) else bytes(v)
-                body += (b"S" if isinstance(v, str) else b"B") + struct.pack("<I", len(raw)) + raw
-    meta = struct.pack("<QII", gen, len(body), len(pieces))
-    return _HEAD.pack(MAGIC, gen, len(body), len(pieces), page_checksum(meta + body)) + body
-
-
-def decode(data: bytes | memoryview) -> tuple[int, tuple, list[tuple]]:
-    """(gen, row, pieces) of a record; ValueError where it is not a whole, sound one."""
-    if len(data) < _HEAD.size:
-        raise ValueError("shorter than a record's head")
-    magic, gen, size, n, checksum = _HEAD.unpack_from(data)
-    body = bytes(data[_HEAD.size : _HEAD.size + size])
-    if magic != MAGIC or len(body) != size or page_checksum(struct.pack("<QII", gen, size, n) + body) != checksum:
-        raise ValueError("not a sound record")
-    values, at = [], 0
-    while at < size:
-        tag, at = body[at : at + 1], at + 1
-        if tag == b"N":
-            values.append(None)
-        elif tag in (b"I", b"F"):
-            values.append(struct.unpack_from("<q" if tag == b"I" else "<d", body, at)[0])
-            at += 8
-        elif tag in (b"S", b"B"):
-            (length,) = struct.unpack_from("<I", body, at)
-            raw, at = body[at + 4 : at + 4 + length], at + 4 + length
-            values.append(raw.decode() if tag == b"S" else raw)
-        else:
-            raise ValueError(f"a value of unknown kind {tag!r}")
-    if len(values) != ROW_VALUES + n * PIECE_VALUES:
-        raise ValueError(f"{len(values)} values for a row and {n} pieces")
-    pieces = [tuple(values[i : i + PIECE_VALUES]) for i in range(ROW_VALUES, len(values), PIECE_VALUES)]
-    return gen, tuple(values[:ROW_VALUES]), pieces
-
-
 class Records:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # (a directory in its place, say): moved aside, as an unreadable index is
+            aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+            os.replace(path, aside)
+            log.error("records: %s cannot be opened (%s): moved to %s; each session gets a record anew", path,
+                      exc.strerror or exc, aside)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(SPAN, GRANULE)
         self._gen = 0
@@ -150,11 +91,11 @@ class Records:
             at = chunk.find(MAGIC)
             while at >= 0:
                 if (pos + at) % GRANULE == 0:
-                    head = os.pread(self.fd, _HEAD.size, pos + at)
+                    head = os.pread(self.fd, HEAD.size, pos + at)
                     try:
-                        body = _HEAD.unpack(head)[2] if len(head) == _HEAD.size else -1
-                        gen, row, pieces = decode(os.pread(self.fd, _HEAD.size + max(body, 0), pos + at))
-                        found = Found(Record(pos + at, _HEAD.size + body, gen), row, pieces)
+                        body = HEAD.unpack(head)[2] if len(head) == HEAD.size else -1
+                        gen, row, pieces = decode(os.pread(self.fd, HEAD.size + max(body, 0), pos + at))
+                        found = Found(Record(pos + at, HEAD.size + body, gen), row, pieces)
                         if found.key not in newest or newest[found.key].record.gen < gen:
                             newest[found.key] = found
                         self._gen = max(self._gen, gen)
@@ -164,60 +105,95 @@ class Records:
             pos += max(len(chunk) - len(MAGIC), 1)
         return newest
 
+    def read(self, named: dict[SessionKey, Record]) -> dict[SessionKey, Found]:
+        """The records the index names that are there, sound, and of their session."""
+        out = {}
+        for key, r in named.items():
+            try:
+                gen, row, pieces = decode(os.pread(self.fd, r.nbytes, r.offset) if 0 < r.nbytes <= SPAN else b"")
+            except (ValueError, struct.error, UnicodeDecodeError, OSError):
+                continue
+            if gen == r.gen and Found(r, row, pieces).key == key:
+                out[key] = Found(r, row, pieces)
+        return out
+
     def start(self, named: dict[SessionKey, Record], punch: bool = True) -> dict[SessionKey, Record]:
-        """Hold the records the index names (those that lie where a record can:
-        returned); punch out every other extent of the file (unless not punch)."""
+        """Hold the records the index names that are there (their head read
+        back: returned); punch out every other extent of the file, cut it
+        after the last record held (unless not punch)."""
         held: dict[SessionKey, Record] = {}
         end = 0
         for key, r in sorted(named.items(), key=lambda kv: kv[1].offset):
             size = -(-r.nbytes // GRANULE) * GRANULE
-            if r.offset % GRANULE == 0 and 0 < r.nbytes <= SPAN and r.offset >= end and \
-                    r.offset // SPAN == (r.offset + size - 1) // SPAN:
+            if r.offset % GRANULE == 0 and HEAD.size <= r.nbytes <= SPAN and r.offset >= end and \
+                    r.offset // SPAN == (r.offset + size - 1) // SPAN and self._there(r):
                 held[key], end = r, r.offset + size
         with self._lock:
-            while self._alloc.capacity < max(end, os.fstat(self.fd).st_size):
-                self._alloc.add_slab()
-            self._alloc.reserve_all([(r.offset, r.nbytes) for r in held.values()])
-            self._gen = max([self._gen, *(r.gen for r in held.values())])
-            size = os.fstat(self.fd).st_size
             try:
+                if punch:  # (a file cut after its records needs no allocator over a sparse tail)
+                    os.ftruncate(self.fd, -(-end // SPAN) * SPAN)
+                while self._alloc.capacity < max(end, os.fstat(self.fd).st_size):
+                    self._alloc.add_slab()
+                self._alloc.reserve_all([(r.offset, r.nbytes) for r in held.values()])
+                self._gen = max([self._gen, *(r.gen for r in held.values())])
                 for start, length in self._alloc.free_extents() if punch else []:
-                    if start < size:
-                        self._punch(start, min(length, size - start))
+                    self._punch(start, length)
                 os.fdatasync(self.fd)
             except OSError as exc:
                 log.warning("records: could not punch out records no session holds (%s); the next start does", exc)
         return held
+
+    def _there(self, r: Record) -> bool:
+        try:
+            head = os.pread(self.fd, HEAD.size, r.offset)
+        except OSError:
+            return False
+        return len(head) == HEAD.size and HEAD.unpack(head)[:3] == (MAGIC, r.gen, r.nbytes - HEAD.size)
 
     # -- while running -------------------------------------------------------------
 
     def describe(self, key: SessionKey, row: Row, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> Record | None:
         """Write and sync a record of the session's complete state: its row and
         every piece of it (with its pages' checksums and token hashes)."""
-        return self.write(row_values(key, row), piece_values(key, sorted(pieces, key=lambda e: e[0].first_page)))
+        return self.describe_many([(key, row, pieces)])[0]
 
-    def write(self, row: tuple, pieces: list[tuple]) -> Record | None:
-        """Write and sync a record of these index rows; None where it could not be (logged)."""
-        with self._lock:
-            self._gen = gen = max(time.time_ns(), self._gen + 1)
-            data = encode(gen, row, pieces)
-            offset = self._alloc.alloc(len(data)) if len(data) <= SPAN else None
-            while offset is None and len(data) <= SPAN:
-                self._alloc.add_slab()
-                offset = self._alloc.alloc(len(data))
-        if offset is None:
-            self._failed(f"a record of {len(data)} bytes is larger than {SPAN}")
-            return None
-        record = Record(offset, len(data), gen)
+    def describe_many(self, states: list[tuple[SessionKey, Row, list[tuple[Piece, np.ndarray, np.ndarray]]]],
+                      ) -> list[Record | None]:
+        """Records of these states, synced once; None for one that could not be written (logged)."""
+        return self._write([(row_values(key, row), piece_values(key, sorted(pieces, key=lambda e: e[0].first_page)))
+                            for key, row, pieces in states])
+
+    def _write(self, states: list[tuple[tuple, list[tuple]]]) -> list[Record | None]:
+        out: list[Record | None] = []
+        for row, pieces in states:
+            with self._lock:
+                self._gen = gen = max(time.time_ns(), self._gen + 1)
+                data = encode(gen, row, pieces)
+                offset = self._alloc.alloc(len(data)) if len(data) <= SPAN else None
+                while offset is None and len(data) <= SPAN:
+                    self._alloc.add_slab()
+                    offset = self._alloc.alloc(len(data))
+            if offset is None:
+                self._failed(f"a record of {len(data)} bytes is larger than {SPAN}")
+                out.append(None)
+                continue
+            record = Record(offset, len(data), gen)
+            try:
+                if os.pwrite(self.fd, data, offset) != len(data):
+                    raise OSError(errno.ENOSPC, "short write")
+                out.append(record)
+            except OSError as exc:
+                self.discard(record)
+                self._failed(f"{exc.strerror or exc}")
+                out.append(None)
         try:
-            if os.pwrite(self.fd, data, offset) != len(data):
-                raise OSError(errno.ENOSPC, "short write")
             os.fdatasync(self.fd)
         except OSError as exc:
-            self.discard(record)
+            for record in out:
+                self.discard(record)
             self._failed(f"{exc.strerror or exc}")
-            return None
-        return record
+            return [None] * len(out)
+        return out
 
     def wipe(self, record: Record | None) -> None:
         """Punch the record out and sync (before the index forgets its session);

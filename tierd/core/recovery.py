@@ -11,25 +11,30 @@ for the pages both hold). A session that fails is quarantined too. Each quaranti
 gets one log line and one count in tierd_sessions_quarantined_total{reason},
 and leaves the index; the rest are reserved in the disk tier and served.
 
-An index that holds no session (new, or moved aside unreadable) is first
-rebuilt from the session records beside the slab files (core/records.py):
-each session's newest sound record, newer records first, a record cut
-before its first piece that shares bytes with a newer one's (other than
-the same allocation of shared pages); the rebuilt rows are then checked as
-any. Last, the records file holds the recovered sessions' records and
-punches out the rest.
+Sessions are then rebuilt from the session records beside the slab files
+(core/records.py): where the index holds none (new, or moved aside
+unreadable), each session's newest sound record; else the record the index
+names of each session it did not serve (damaged rows, or a record named
+beside no row), unless its slab file is lost. Newer records first, a record
+is cut before its first piece that shares bytes with a newer one's or a
+served session's (other than the same allocation of shared pages); the
+rebuilt rows are then checked as any. Last, the records file holds the
+recovered sessions' records and punches out the rest, and sessions with no
+record there get one.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
-from tierd.core.records import Found, Record
+from tierd.core.record_format import Found, Record
 from tierd.core.rows import Damaged, Problem, Recovered, parse
 from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
@@ -48,18 +53,9 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
     # file named slab-099999.bin made the disk tier create and open 100,000 slabs.
     top = index.highest_offset()
     lost = disk.open_existing(max(disk.max_slabs(), 0 if top is None else top // disk.slab_bytes + 1))
+    named = _named(index)  # (read before recovery removes the rows of what it refuses)
     found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
-    punch = True
-    if not found:
-        try:
-            rebuilt = rebuild(index, index.records.scan())
-        except (OSError, TierdError) as exc:  # the records stay as they are for the next start
-            log.error("recovery: the index could not be rebuilt from the session records (%s)", exc)
-            rebuilt, punch = 0, False
-        if rebuilt:
-            found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
-            log.warning("recovery: the index was rebuilt from the session records: %d sessions, %d served",
-                        rebuilt, len(found))
+    found, problems, punch = _from_records(index, named, found, problems, lambda recs: extent_problems(recs, disk, lost))
     allocations = {p.offset: (p, rec.key.tenant) for rec in found for p in rec.pieces}  # a shared one once
     disk.reserve(list(allocations.values()))
     for problem in problems:
@@ -72,15 +68,67 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
     log.info("recovered %d sessions from the disk index", len(found))
     named = index.named_records()
     records = index.records.start({rec.key: named[rec.key] for rec in found if rec.key in named}, punch)
+    records.update(_describe_missing(index, [rec for rec in found if rec.key not in records]))
     return found, problems, records
 
 
-def rebuild(index: DiskIndex, newest: dict[SessionKey, Found]) -> int:
+def _named(index: DiskIndex) -> dict[SessionKey, Record]:
+    try:
+        return index.named_records()
+    except TierdError:
+        return {}  # (an index that is not sound: recover() sets it aside, and the records are scanned)
+
+
+def _from_records(index: DiskIndex, named: dict[SessionKey, Record], found: list[Recovered], problems: list[Problem],
+                  check: Callable[[list[Recovered]], list[Problem]]) -> tuple[list[Recovered], list[Problem], bool]:
+    """With the sessions the index lost or held damaged rows of rebuilt from
+    their records: every session's newest where the index holds none (new,
+    or moved aside), else those the index names a record of but recovery
+    did not serve. Whether the records file may then be cut to what is held."""
+    have = {rec.key for rec in found}
+    lost = {p.key for p in problems if p.reason in ("missing_slab", "truncated_slab")}  # (its record would not help)
+    try:
+        candidates = index.records.scan() if not found else index.records.read(
+            {key: r for key, r in named.items() if key not in have and key not in lost})
+        rebuilt = rebuild(index, candidates, found)
+    except (OSError, TierdError) as exc:  # the records stay as they are for the next start
+        log.error("recovery: sessions could not be rebuilt from the session records (%s)", exc)
+        return found, problems, False
+    if not rebuilt:
+        return found, problems, True
+    found, again = index.recover(check)
+    have = {rec.key for rec in found}
+    log.warning("recovery: rebuilt from the session records: %d sessions; %d served in all", rebuilt, len(found))
+    again_keys = {p.key for p in again}
+    return found, [replace(p, quarantined=False, detail=f"{p.detail}; rebuilt from its record")
+                   if p.quarantined and p.key in have else p for p in problems if p.key not in again_keys] + again, True
+
+
+def _describe_missing(index: DiskIndex, found: list[Recovered]) -> dict[SessionKey, Record]:
+    """Records written now for sessions served with none there (an index of
+    an earlier format, a records file lost or cut)."""
+    made = {rec.key: r for rec, r in zip(found, index.records.describe_many([(rec.key, rec.row, [
+        (p, rec.checksums[p.first_page : p.first_page + p.n_pages],
+         rec.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in rec.pieces]) for rec in found]))
+        if r is not None} if found else {}
+    try:
+        index.apply([index.record_stmt(key, r) for key, r in made.items()])
+    except TierdError as exc:
+        log.warning("recovery: the records of %d sessions could not be named in the index (%s)", len(made), exc)
+        for r in made.values():
+            index.records.discard(r)
+        return {}
+    if made:
+        log.info("recovery: %d sessions had no record: written", len(made))
+    return made
+
+
+def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recovered] = ()) -> int:
     """Rows for the sessions of these records, into the index (newer records
-    first; one whose pieces share bytes with a newer one's is cut before the
-    first such piece); how many sessions."""
-    claimed: dict[int, tuple[int, str]] = {}  # start of each piece taken -> (end, tenant)
-    starts: list[int] = []
+    first; one whose pieces share bytes with a newer one's, or with those of
+    the sessions `taken`, is cut before the first such piece); how many sessions."""
+    claimed = {p.offset: (p.offset + p.alloc_bytes, rec.key.tenant) for rec in taken for p in rec.pieces}
+    starts = sorted(claimed)  # claimed: start of each piece taken -> (end, tenant)
     stmts: list[tuple[str, tuple]] = []
     for found in sorted(newest.values(), key=lambda f: -f.record.gen):
         key = found.key
@@ -110,8 +158,7 @@ def rebuild(index: DiskIndex, newest: dict[SessionKey, Found]) -> int:
         stmts += index.piece_stmts(key, [(p, rec.checksums[p.first_page : p.first_page + p.n_pages],
                                           rec.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in pieces])
         if row is rec.row:  # (a record of more pages than kept describes it no more: punched out)
-            stmts.append(("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)",
-                          (*key, found.record.offset, found.record.nbytes, found.record.gen)))
+            stmts.append(index.record_stmt(key, found.record))
     if stmts:
         index.apply(stmts)
     return sum(1 for sql, _ in stmts if "INTO sessions" in sql)
