@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.core.test_recovery import KEYS, serves_exactly, six  # noqa: F401 - six: the fixture
 from tests.helpers import SPEC, HostEngine, wait_for
@@ -108,15 +109,23 @@ def test_a_records_file_lost_is_written_anew_at_start(six):
     serves_exactly(h.open(), content)
 
 
-def test_a_records_file_that_cannot_be_opened_is_moved_aside(six, caplog):
+@pytest.mark.parametrize("what", ["a directory", "a link to a slab file", "a hard link to a slab file",
+                                  "a link to /dev/null"])
+def test_a_records_file_that_is_not_its_own_is_moved_aside_and_nothing_else_is_touched(six, caplog, what):
+    """A link to a slab file made the start cut and punch out that slab file's pages."""
     h, _, content, _ = six
     path = os.path.join(h.root, "records.bin")
+    slab = os.path.join(h.root, "slabs", "slab-000000.bin")
     os.unlink(path)
-    os.mkdir(path)  # a directory in its place
+    before = Path(slab).read_bytes()
+    {"a directory": lambda: os.mkdir(path), "a link to a slab file": lambda: os.symlink(slab, path),
+     "a hard link to a slab file": lambda: os.link(slab, path),
+     "a link to /dev/null": lambda: os.symlink("/dev/null", path)}[what]()
     with caplog.at_level(logging.ERROR, logger="tierd"):
         serves_exactly(h.open(), content)
-    assert "records.bin cannot be opened" in caplog.text
+    assert "records.bin cannot be used" in caplog.text
     assert [n for n in os.listdir(h.root) if n.startswith("records.bin.damaged-")]
+    assert Path(slab).read_bytes() == before
     h.close()
     lose_index(h.root)
     serves_exactly(h.open(), content)
@@ -128,6 +137,32 @@ def test_a_records_file_grown_huge_and_sparse_is_cut_at_start(six):
     os.truncate(path, 1 << 42)  # 4 TiB of holes
     serves_exactly(h.open(), content)
     assert os.path.getsize(path) <= 64 << 20
+
+
+def test_a_records_row_that_names_another_sessions_record_gets_the_session_a_record_of_its_own(six):
+    h, _, content, _ = six
+    db = sqlite3.connect(os.path.join(h.root, "index.db"))
+    db.execute("UPDATE records SET (offset, nbytes, gen) = (SELECT offset, nbytes, gen FROM records "
+               "WHERE session_id='s1') WHERE session_id='s0'")
+    db.commit()
+    db.close()
+    serves_exactly(h.open(), content)
+    found = records_in(h.root)
+    assert len(found) == 6 and found[KEYS[0]].record != found[KEYS[1]].record
+    h.close()
+    lose_index(h.root)
+    serves_exactly(h.open(), content)
+
+
+def test_a_session_whose_row_and_records_row_are_both_gone_is_found_in_the_records_file(six):
+    """Its pieces' rows left behind (damage): the file is scanned, not only what the index names."""
+    h, _, content, _ = six
+    db = sqlite3.connect(os.path.join(h.root, "index.db"))
+    db.execute("DELETE FROM sessions WHERE session_id='s2'")
+    db.execute("DELETE FROM records WHERE session_id='s2'")
+    db.commit()
+    db.close()
+    serves_exactly(h.open(), content)
 
 
 def test_a_daemon_with_500_durable_sessions_serves_them_all_after_its_index_is_garbled(tmp_path):

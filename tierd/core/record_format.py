@@ -80,3 +80,18 @@ def decode(data: bytes | memoryview) -> tuple[int, tuple, list[tuple]]:
         raise ValueError(f"{len(values)} values for a row and {n} pieces")
     pieces = [tuple(values[i : i + PIECE_VALUES]) for i in range(ROW_VALUES, len(values), PIECE_VALUES)]
     return gen, tuple(values[:ROW_VALUES]), pieces
+
+
+def leading_key(body: bytes) -> SessionKey:
+    """The session key a record's body begins with (its row's tenant and id);
+    ValueError where it does not begin with two strings."""
+    out, at = [], 0
+    for _ in range(2):
+        if body[at : at + 1] != b"S":
+            raise ValueError("the body does not begin with its key")
+        (length,) = struct.unpack_from("<I", body, at + 1)
+        if at + 5 + length > len(body):
+            raise ValueError("the key runs past what was read")
+        out.append(body[at + 5 : at + 5 + length].decode())
+        at += 5 + length
+    return SessionKey(out[0], out[1])

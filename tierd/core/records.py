@@ -29,13 +29,14 @@ import ctypes
 import errno
 import logging
 import os
+import stat
 import struct
 import threading
 import time
 
 import numpy as np
 
-from tierd.core.record_format import HEAD, MAGIC, Found, Record, decode, encode
+from tierd.core.record_format import HEAD, MAGIC, Found, Record, decode, encode, leading_key
 from tierd.core.rows import Row, piece_values, row_values
 from tierd.errors import Unavailable
 from tierd.tiers.allocator import ExtentAllocator, Piece
@@ -54,13 +55,13 @@ class Records:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:  # (a directory in its place, say): moved aside, as an unreadable index is
-            aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-            os.replace(path, aside)
-            log.error("records: %s cannot be opened (%s): moved to %s; each session gets a record anew", path,
+            self.fd = _open_own(path)
+        except OSError as exc:  # (a directory, a link, a device in its place): moved aside, as an unreadable
+            aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"  # index is
+            os.replace(path, aside)  # (the name: a link's target is never touched)
+            log.error("records: %s cannot be used (%s): moved to %s; each session gets a record anew", path,
                       exc.strerror or exc, aside)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self.fd = _open_own(path)
         self._lock = threading.Lock()
         self._alloc = ExtentAllocator(SPAN, GRANULE)
         self._gen = 0
@@ -126,7 +127,7 @@ class Records:
         for key, r in sorted(named.items(), key=lambda kv: kv[1].offset):
             size = -(-r.nbytes // GRANULE) * GRANULE
             if r.offset % GRANULE == 0 and HEAD.size <= r.nbytes <= SPAN and r.offset >= end and \
-                    r.offset // SPAN == (r.offset + size - 1) // SPAN and self._there(r):
+                    r.offset // SPAN == (r.offset + size - 1) // SPAN and self._there(key, r):
                 held[key], end = r, r.offset + size
         with self._lock:
             try:
@@ -143,12 +144,14 @@ class Records:
                 log.warning("records: could not punch out records no session holds (%s); the next start does", exc)
         return held
 
-    def _there(self, r: Record) -> bool:
+    def _there(self, key: SessionKey, r: Record) -> bool:
+        """Whether the record's head is there, and its body begins with the key."""
         try:
-            head = os.pread(self.fd, HEAD.size, r.offset)
-        except OSError:
+            data = os.pread(self.fd, min(r.nbytes, HEAD.size + 1024), r.offset)
+            return HEAD.unpack_from(data)[:3] == (MAGIC, r.gen, r.nbytes - HEAD.size) and \
+                leading_key(data[HEAD.size :]) == key
+        except (OSError, ValueError, struct.error, UnicodeDecodeError):
             return False
-        return len(head) == HEAD.size and HEAD.unpack(head)[:3] == (MAGIC, r.gen, r.nbytes - HEAD.size)
 
     # -- while running -------------------------------------------------------------
 
@@ -237,3 +240,14 @@ class Records:
             self._warned = time.monotonic()
             log.warning("records: a session's record could not be written (%s): it is durable, but a rebuild of "
                         "the index would find it as it was at its last record, or not at all", why)
+
+
+def _open_own(path: str) -> int:
+    """The records file, opened: a regular file of its own name alone (never
+    through a link: its cuts and punches would reach another file)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise OSError(errno.EEXIST, "not a regular file of its own (a link to another, or a device)")
+    return fd

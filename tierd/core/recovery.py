@@ -82,15 +82,17 @@ def _named(index: DiskIndex) -> dict[SessionKey, Record]:
 def _from_records(index: DiskIndex, named: dict[SessionKey, Record], found: list[Recovered], problems: list[Problem],
                   check: Callable[[list[Recovered]], list[Problem]]) -> tuple[list[Recovered], list[Problem], bool]:
     """With the sessions the index lost or held damaged rows of rebuilt from
-    their records: every session's newest where the index holds none (new,
-    or moved aside), else those the index names a record of but recovery
-    did not serve. Whether the records file may then be cut to what is held."""
+    their records (the newest of each session recovery did not serve, from a
+    scan of the file where the index holds no session or recovery found
+    damage; else the ones the index names). Whether the records file may
+    then be cut to what is held."""
     have = {rec.key for rec in found}
     lost = {p.key for p in problems if p.reason in ("missing_slab", "truncated_slab")}  # (its record would not help)
     try:
-        candidates = index.records.scan() if not found else index.records.read(
-            {key: r for key, r in named.items() if key not in have and key not in lost})
-        rebuilt = rebuild(index, candidates, found)
+        # Damage found (or no session at all): every record in the file, as a damaged row may have taken its
+        # records row with it; else the records the index names of sessions it did not serve.
+        candidates = index.records.scan() if not found or problems else index.records.read(named)
+        rebuilt = rebuild(index, {k: f for k, f in candidates.items() if k not in have and k not in lost}, found)
     except (OSError, TierdError) as exc:  # the records stay as they are for the next start
         log.error("recovery: sessions could not be rebuilt from the session records (%s)", exc)
         return found, problems, False
@@ -126,9 +128,13 @@ def _describe_missing(index: DiskIndex, found: list[Recovered]) -> dict[SessionK
 def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recovered] = ()) -> int:
     """Rows for the sessions of these records, into the index (newer records
     first; one whose pieces share bytes with a newer one's, or with those of
-    the sessions `taken`, is cut before the first such piece); how many sessions."""
-    claimed = {p.offset: (p.offset + p.alloc_bytes, rec.key.tenant) for rec in taken for p in rec.pieces}
-    starts = sorted(claimed)  # claimed: start of each piece taken -> (end, tenant)
+    the sessions `taken`, other than the same allocation of the same shared
+    pages, is cut before the first such piece); how many sessions."""
+    def holder(rec: Recovered, p: Piece) -> tuple:  # what one allocation of shared pages has the same
+        return p.offset + p.alloc_bytes, rec.key.tenant, p.first_page, rec.checksums[p.first_page]
+
+    claimed = {p.offset: holder(rec, p) for rec in taken for p in rec.pieces}
+    starts = sorted(claimed)  # claimed: start of each piece taken -> holder()
     stmts: list[tuple[str, tuple]] = []
     for found in sorted(newest.values(), key=lambda f: -f.record.gen):
         key = found.key
@@ -142,7 +148,7 @@ def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recov
         keep = rec.row.num_pages
         for p in rec.pieces:
             end, at = p.offset + p.alloc_bytes, bisect.bisect_right(starts, p.offset) - 1
-            shared = claimed.get(p.offset) == (end, key.tenant)  # the same allocation of shared pages
+            shared = claimed.get(p.offset) == holder(rec, p)  # (its first page's checksum: not an older tenant)
             if not shared and (at >= 0 and claimed[starts[at]][0] > p.offset or bisect.bisect_left(starts, end) > at + 1):
                 keep = p.first_page
                 break
@@ -153,7 +159,7 @@ def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recov
         for p in pieces:
             if p.offset not in claimed:
                 bisect.insort(starts, p.offset)
-            claimed[p.offset] = (p.offset + p.alloc_bytes, key.tenant)
+            claimed[p.offset] = holder(rec, p)
         stmts.append(index.row_stmt(key, row))
         stmts += index.piece_stmts(key, [(p, rec.checksums[p.first_page : p.first_page + p.n_pages],
                                           rec.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in pieces])
