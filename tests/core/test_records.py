@@ -18,6 +18,7 @@ from tests.helpers import SPEC, HostEngine, wait_for
 from tierd.client import KVSpec
 from tierd.core.record_format import decode, encode
 from tierd.core.records import GRANULE, Records
+from tierd.errors import TierdError
 from tierd.testing import Daemon
 
 
@@ -73,6 +74,19 @@ def test_a_damaged_record_costs_only_its_session(six):
         f.write(b"\xff" * 8)
     lose_index(h.root)
     serves_exactly(h.open(), {k: v for k, v in content.items() if k != KEYS[3]})
+
+
+def test_a_record_damaged_while_the_index_is_sound_is_written_anew_at_start(six):
+    h, _, content, _ = six
+    at = records_in(h.root)[KEYS[3]].record.offset
+    with open(os.path.join(h.root, "records.bin"), "r+b") as f:
+        f.seek(at + 40)  # in its body: its head is whole
+        f.write(b"\xff" * 8)
+    serves_exactly(h.open(), content)
+    assert len(records_in(h.root)) == 6
+    h.close()
+    lose_index(h.root)
+    serves_exactly(h.open(), content)
 
 
 def test_a_record_that_names_another_sessions_bytes_is_cut_before_them(six):
@@ -162,6 +176,25 @@ def test_a_session_whose_row_and_records_row_are_both_gone_is_found_in_the_recor
     db.execute("DELETE FROM records WHERE session_id='s2'")
     db.commit()
     db.close()
+    serves_exactly(h.open(), content)
+
+
+def test_a_drop_the_index_cannot_take_leaves_the_sessions_record(six):
+    """Drop erases the record before the index forgets the session: where the
+    index then fails, the record is put back (the session is still served)."""
+    h, _, content, _ = six
+    store = h.open()
+    blocker = sqlite3.connect(os.path.join(h.root, "index.db"), isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # the index's writer waits, then gives up
+    try:
+        with pytest.raises(TierdError, match="disk index"):
+            store.drop(KEYS[0])
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    serves_exactly(store, content)
+    h.close()
+    lose_index(h.root)
     serves_exactly(h.open(), content)
 
 

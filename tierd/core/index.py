@@ -194,8 +194,16 @@ class DiskIndex:
             ("DELETE FROM records WHERE tenant=? AND session_id=?", tuple(key)),
         ]
 
-    def delete(self, key: SessionKey) -> None:
-        self._tx(self._delete_stmts(key))
+    def delete(self, key: SessionKey, record: Record | None = None) -> None:
+        """Forget the session. Its record is erased and synced first (a rebuild
+        never brings it back), and put back where the index cannot forget it."""
+        kept = self.records.wipe(record)
+        try:
+            self._tx(self._delete_stmts(key))
+        except BaseException:
+            self.records.put_back(record, kept)
+            raise
+        self.records.free(record)
 
     def highest_offset(self) -> int | None:
         """The highest piece offset recorded (None: none, or the index cannot say)."""

@@ -288,9 +288,8 @@ class Placement:
         """Remove the session's index entry and record, the first step of forgetting
         it: where either cannot be written, this raises and the session is served as before."""
         if self.index is not None and (session.row is not None or session.snap.pieces(self.durable)):
-            self.index.records.wipe(session.record)  # erased for good first: a rebuilt index never brings it back
-            self.index.delete(session.key)
-            session.row, session.record = None, self.index.records.free(session.record)
+            self.index.delete(session.key, session.record)
+            session.row = session.record = None
 
     def forget(self, session: Session) -> None:
         """Free every copy of a session already unindexed."""

@@ -54,14 +54,21 @@ def encode(gen: int, row: tuple, pieces: list[tuple]) -> bytes:
     return HEAD.pack(MAGIC, gen, len(body), len(pieces), page_checksum(meta + body)) + body
 
 
-def decode(data: bytes | memoryview) -> tuple[int, tuple, list[tuple]]:
-    """(gen, row, pieces) of a record; ValueError where it is not a whole, sound one."""
+def checked(data: bytes | memoryview) -> tuple[int, int, bytes]:
+    """(gen, pieces, body) of a whole record whose checksum holds; ValueError else."""
     if len(data) < HEAD.size:
         raise ValueError("shorter than a record's head")
     magic, gen, size, n, checksum = HEAD.unpack_from(data)
     body = bytes(data[HEAD.size : HEAD.size + size])
     if magic != MAGIC or len(body) != size or page_checksum(struct.pack("<QII", gen, size, n) + body) != checksum:
         raise ValueError("not a sound record")
+    return gen, n, body
+
+
+def decode(data: bytes | memoryview) -> tuple[int, tuple, list[tuple]]:
+    """(gen, row, pieces) of a record; ValueError where it is not a whole, sound one."""
+    gen, n, body = checked(data)
+    size = len(body)
     values, at = [], 0
     while at < size:
         tag, at = body[at : at + 1], at + 1

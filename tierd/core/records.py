@@ -10,7 +10,7 @@ session's current record (its records table). A newer record replaces the
 older, whose extent is then punched out; a dropped session's record is
 punched out and synced before the index forgets the session, so a rebuild
 never brings back a dropped session. At start, the records the index
-names are read back (their heads), every other extent is punched out
+names are read back whole (checksum and key), every other extent is punched out
 (records a crash left between a record and its index commit) and the file
 cut after the last; sessions with no record there (an index of an earlier
 format, a records file lost) are described anew (recovery.py). A file that
@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from tierd.core.record_format import HEAD, MAGIC, Found, Record, decode, encode, leading_key
+from tierd.core.record_format import HEAD, MAGIC, Found, Record, checked, decode, encode, leading_key
 from tierd.core.rows import Row, piece_values, row_values
 from tierd.errors import Unavailable
 from tierd.tiers.allocator import ExtentAllocator, Piece
@@ -119,9 +119,9 @@ class Records:
         return out
 
     def start(self, named: dict[SessionKey, Record], punch: bool = True) -> dict[SessionKey, Record]:
-        """Hold the records the index names that are there (their head read
-        back: returned); punch out every other extent of the file, cut it
-        after the last record held (unless not punch)."""
+        """Hold the records the index names that are there (read back whole:
+        returned); punch out every other extent of the file, cut it after the
+        last record held (unless not punch)."""
         held: dict[SessionKey, Record] = {}
         end = 0
         for key, r in sorted(named.items(), key=lambda kv: kv[1].offset):
@@ -145,11 +145,11 @@ class Records:
         return held
 
     def _there(self, key: SessionKey, r: Record) -> bool:
-        """Whether the record's head is there, and its body begins with the key."""
+        """Whether the record is there whole (its checksum holds), of that gen and that session."""
         try:
-            data = os.pread(self.fd, min(r.nbytes, HEAD.size + 1024), r.offset)
+            data = os.pread(self.fd, r.nbytes, r.offset)
             return HEAD.unpack_from(data)[:3] == (MAGIC, r.gen, r.nbytes - HEAD.size) and \
-                leading_key(data[HEAD.size :]) == key
+                checked(data) is not None and leading_key(data[HEAD.size :]) == key
         except (OSError, ValueError, struct.error, UnicodeDecodeError):
             return False
 
@@ -198,17 +198,29 @@ class Records:
             return [None] * len(out)
         return out
 
-    def wipe(self, record: Record | None) -> None:
+    def wipe(self, record: Record | None) -> bytes:
         """Punch the record out and sync (before the index forgets its session);
-        its extent stays held until free(). Unavailable where it cannot be."""
+        its extent stays held until free(). Its bytes, for put_back() where the
+        index cannot forget it after all. Unavailable where it cannot be."""
         if record is None:
-            return
+            return b""
         try:
+            data = os.pread(self.fd, record.nbytes, record.offset)
             self._punch(record.offset, self._alloc.round(record.nbytes))
             os.fdatasync(self.fd)
         except OSError as exc:
             raise Unavailable(f"the session's record could not be erased ({exc.strerror or exc}); nothing was "
                               "changed, try again", path=self.path) from None
+        return data
+
+    def put_back(self, record: Record | None, data: bytes) -> None:
+        """A wiped record written again (its session stays: the index could not forget it)."""
+        if record is not None:
+            try:
+                os.pwrite(self.fd, data, record.offset)
+                os.fdatasync(self.fd)
+            except OSError as exc:
+                self._failed(f"putting back a record: {exc.strerror or exc}")
 
     def free(self, record: Record | None) -> None:
         """Give a record's extent back (None, for the caller's field)."""
