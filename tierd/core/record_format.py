@@ -8,6 +8,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import xxhash
+
 from tierd.checksum import page_checksum
 from tierd.types import SessionKey
 
@@ -54,21 +56,25 @@ def encode(gen: int, row: tuple, pieces: list[tuple]) -> bytes:
     return HEAD.pack(MAGIC, gen, len(body), len(pieces), page_checksum(meta + body)) + body
 
 
-def checked(data: bytes | memoryview) -> tuple[int, int, bytes]:
+def checked(data: bytes | memoryview) -> tuple[int, int, memoryview]:
     """(gen, pieces, body) of a whole record whose checksum holds; ValueError else."""
     if len(data) < HEAD.size:
         raise ValueError("shorter than a record's head")
     magic, gen, size, n, checksum = HEAD.unpack_from(data)
-    body = bytes(data[HEAD.size : HEAD.size + size])
-    if magic != MAGIC or len(body) != size or page_checksum(struct.pack("<QII", gen, size, n) + body) != checksum:
+    body = memoryview(data)[HEAD.size : HEAD.size + size]
+    if magic != MAGIC or len(body) != size:
+        raise ValueError("not a sound record")
+    h = xxhash.xxh3_64(struct.pack("<QII", gen, size, n))
+    h.update(body)
+    if h.intdigest() != checksum:
         raise ValueError("not a sound record")
     return gen, n, body
 
 
 def decode(data: bytes | memoryview) -> tuple[int, tuple, list[tuple]]:
     """(gen, row, pieces) of a record; ValueError where it is not a whole, sound one."""
-    gen, n, body = checked(data)
-    size = len(body)
+    gen, n, view = checked(data)
+    body, size = bytes(view), len(view)
     values, at = [], 0
     while at < size:
         tag, at = body[at : at + 1], at + 1

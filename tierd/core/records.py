@@ -123,11 +123,15 @@ class Records:
         returned); punch out every other extent of the file, cut it after the
         last record held (unless not punch)."""
         held: dict[SessionKey, Record] = {}
-        end = 0
+        end, chunk, chunk_at = 0, b"", 0  # (read in chunks of the file, in order: not a call per record)
         for key, r in sorted(named.items(), key=lambda kv: kv[1].offset):
             size = -(-r.nbytes // GRANULE) * GRANULE
-            if r.offset % GRANULE == 0 and HEAD.size <= r.nbytes <= SPAN and r.offset >= end and \
-                    r.offset // SPAN == (r.offset + size - 1) // SPAN and self._there(key, r):
+            if not (r.offset % GRANULE == 0 and HEAD.size <= r.nbytes <= SPAN and r.offset >= end and
+                    r.offset // SPAN == (r.offset + size - 1) // SPAN):
+                continue
+            if not chunk_at <= r.offset <= r.offset + r.nbytes <= chunk_at + len(chunk):
+                chunk, chunk_at = self._read(max(8 << 20, r.nbytes), r.offset), r.offset
+            if _whole(key, r, memoryview(chunk)[r.offset - chunk_at : r.offset - chunk_at + r.nbytes]):
                 held[key], end = r, r.offset + size
         with self._lock:
             try:
@@ -144,14 +148,11 @@ class Records:
                 log.warning("records: could not punch out records no session holds (%s); the next start does", exc)
         return held
 
-    def _there(self, key: SessionKey, r: Record) -> bool:
-        """Whether the record is there whole (its checksum holds), of that gen and that session."""
+    def _read(self, nbytes: int, offset: int) -> bytes:
         try:
-            data = os.pread(self.fd, r.nbytes, r.offset)
-            return HEAD.unpack_from(data)[:3] == (MAGIC, r.gen, r.nbytes - HEAD.size) and \
-                checked(data) is not None and leading_key(data[HEAD.size :]) == key
-        except (OSError, ValueError, struct.error, UnicodeDecodeError):
-            return False
+            return os.pread(self.fd, nbytes, offset)
+        except OSError:
+            return b""
 
     # -- while running -------------------------------------------------------------
 
@@ -263,3 +264,12 @@ def _open_own(path: str) -> int:
         os.close(fd)
         raise OSError(errno.EEXIST, "not a regular file of its own (a link to another, or a device)")
     return fd
+
+
+def _whole(key: SessionKey, r: Record, data: memoryview) -> bool:
+    """Whether the bytes are record r whole (its checksum holds), of that session."""
+    try:
+        return HEAD.unpack_from(data)[:3] == (MAGIC, r.gen, r.nbytes - HEAD.size) and \
+            checked(data) is not None and leading_key(bytes(data[HEAD.size : HEAD.size + 1024])) == key
+    except (ValueError, struct.error, UnicodeDecodeError):
+        return False

@@ -54,8 +54,11 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
     top = index.highest_offset()
     lost = disk.open_existing(max(disk.max_slabs(), 0 if top is None else top // disk.slab_bytes + 1))
     named = _named(index)  # (read before recovery removes the rows of what it refuses)
-    found, problems = index.recover(lambda recs: extent_problems(recs, disk, lost))
-    found, problems, punch = _from_records(index, named, found, problems, lambda recs: extent_problems(recs, disk, lost))
+    def check(recs: list[Recovered]) -> list[Problem]:
+        return extent_problems(recs, disk, lost)
+
+    found, problems = index.recover(check)
+    found, problems, punch = _from_records(index, named, found, problems, check)
     allocations = {p.offset: (p, rec.key.tenant) for rec in found for p in rec.pieces}  # a shared one once
     disk.reserve(list(allocations.values()))
     for problem in problems:
@@ -66,7 +69,7 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
         else:
             log.warning("recovery: %s", problem)
     log.info("recovered %d sessions from the disk index", len(found))
-    named = index.named_records()
+    named = index.named_records() if problems or not named else named  # (unchanged where nothing was)
     records = index.records.start({rec.key: named[rec.key] for rec in found if rec.key in named}, punch)
     records.update(_describe_missing(index, [rec for rec in found if rec.key not in records]))
     return found, problems, records
@@ -91,7 +94,8 @@ def _from_records(index: DiskIndex, named: dict[SessionKey, Record], found: list
     try:
         # Damage found (or no session at all): every record in the file, as a damaged row may have taken its
         # records row with it; else the records the index names of sessions it did not serve.
-        candidates = index.records.scan() if not found or problems else index.records.read(named)
+        candidates = index.records.scan() if not found or problems else index.records.read(
+            {key: r for key, r in named.items() if key not in have})
         rebuilt = rebuild(index, {k: f for k, f in candidates.items() if k not in have and k not in lost}, found)
     except (OSError, TierdError) as exc:  # the records stay as they are for the next start
         log.error("recovery: sessions could not be rebuilt from the session records (%s)", exc)
@@ -149,7 +153,8 @@ def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recov
         for p in rec.pieces:
             end, at = p.offset + p.alloc_bytes, bisect.bisect_right(starts, p.offset) - 1
             shared = claimed.get(p.offset) == holder(rec, p)  # (its first page's checksum: not an older tenant)
-            if not shared and (at >= 0 and claimed[starts[at]][0] > p.offset or bisect.bisect_left(starts, end) > at + 1):
+            inside = bisect.bisect_left(starts, end) > at + 1  # (a piece taken starts inside this one)
+            if not shared and (at >= 0 and claimed[starts[at]][0] > p.offset or inside):
                 keep = p.first_page
                 break
         row = rec.row.cut(keep)
