@@ -54,6 +54,7 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
     top = index.highest_offset()
     lost = disk.open_existing(max(disk.max_slabs(), 0 if top is None else top // disk.slab_bytes + 1))
     named = _named(index)  # (read before recovery removes the rows of what it refuses)
+
     def check(recs: list[Recovered]) -> list[Problem]:
         return extent_problems(recs, disk, lost)
 
