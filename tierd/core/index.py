@@ -15,6 +15,7 @@ write the index before they change anything in memory. At start, rows that
 do not parse are quarantined (recover), and a file that is not a sound
 database any more is moved aside for a fresh one. The schema, its format
 version and how SQLite's failures read: core/index_schema.py; row checks: core/rows.py.
+It holds the session records beside it (core/records.py), each of which its records table names.
 """
 
 from __future__ import annotations
