@@ -42,25 +42,21 @@ def build_data_dir(data_dir: str, sessions: int, pages: int) -> int:
         with open(os.path.join(slabs, f"slab-{i:06d}.bin"), "wb") as f:
             f.truncate(slab)
     index = DiskIndex(os.path.join(data_dir, "index.db"))
-    sums = np.arange(pages, dtype="<u8").tobytes()
-    token_hashes = np.random.default_rng(0).bytes(16 * pages)  # as an engine that gives token ids leaves them
-    stmts = []
+    sums = np.arange(pages, dtype="<u8")
+    hashes = np.random.default_rng(0).integers(0, 256, (pages, 16), dtype=np.uint8)  # as an engine with token ids
+    row = Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0)
+    stmts, states = [], []
     per_slab = slab // per_session
     for s in range(sessions):
         key = SessionKey("default", f"session-{s:06d}")
-        offset = (s // per_slab) * slab + (s % per_slab) * per_session
-        stmts.append(("INSERT INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                      (*key, 0, pages, offset, per_session, sums, token_hashes, "", b"")))
-        stmts.append(DiskIndex.row_stmt(key, Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0)))
+        piece = Piece((s // per_slab) * slab + (s % per_slab) * per_session, per_session, 0, pages)
+        stmts += DiskIndex.piece_stmts(key, [(piece, sums, hashes)]) + [DiskIndex.row_stmt(key, row)]
+        states.append((key, row, [(piece, sums, hashes)]))
     # Each session's record beside the slab files, as the daemon writes them (synced once: a fixture).
-    hashes = np.frombuffer(token_hashes, dtype=np.uint8).reshape(pages, -1)
     for first in range(0, sessions, 10_000):
-        keys = [SessionKey("default", f"session-{s:06d}") for s in range(first, min(first + 10_000, sessions))]
-        states = [(key, Row(SPEC, 1, pages, per_session, 1.0, 1.0, 0),
-                   [(Piece(int(s // per_slab * slab + s % per_slab * per_session), per_session, 0, pages),
-                     np.frombuffer(sums, dtype="<u8"), hashes)]) for s, key in enumerate(keys, first)]
-        records = index.records.describe_many(states)
-        stmts += [DiskIndex.record_stmt(key, r) for key, r in zip(keys, records) if r is not None]
+        batch = states[first : first + 10_000]
+        stmts += [DiskIndex.record_stmt(key, r) for (key, _, _), r in zip(batch, index.records.describe_many(batch))
+                  if r is not None]
     index.apply(stmts)  # one transaction: building the fixture, not measuring writes
     index.close()
     return slab

@@ -264,6 +264,14 @@ class Session:
         self.remote_stored, self.remote_codec = m.stored, m.codec
         self.remote_error = m.rel_error
 
+    def remote_acked(self, version: int) -> bool:
+        """The remote tier holds snapshot `version` as durably as it promises:
+        whether that is the content now (remote-durable then)."""
+        self.remote_unacked = -1
+        if self.snap.version == version:
+            self.remote_at = version
+        return self.remote_at == version
+
     @property
     def durable(self) -> bool:
         """Every page of the current content is on disk and indexed."""

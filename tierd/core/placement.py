@@ -33,6 +33,7 @@ from tierd.core.faults import Faults
 from tierd.core.holders import Holders
 from tierd.core.ports import Lending, MakeRoom
 from tierd.core.index import DiskIndex, Row
+from tierd.core.rows import with_pages
 from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
 from tierd.tiers import durable_tier, tier_order, tier_rank
@@ -247,8 +248,7 @@ class Placement:
         row = Row(snap.spec, snap.num_tokens, snap.n_pages, snap.nbytes, session.created, session.last_access,
                   session.priority, snap.errors.astype("<f4").tobytes(), session.lossy)
         pieces += borrowed
-        entries = [(p, snap.checksums[p.first_page : p.first_page + p.n_pages],
-                    snap.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in snap.pieces(durable) + pieces]
+        entries = with_pages(snap.pieces(durable) + pieces, snap.checksums, snap.token_hashes)
         record = self.index.records.describe(session.key, row, entries)  # (the whole state) before the index
         try:
             self.index.add_pieces(session.key, entries[len(entries) - len(pieces):], row, record)

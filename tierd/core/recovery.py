@@ -35,7 +35,7 @@ import numpy as np
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.record_format import Found, Record
-from tierd.core.rows import Damaged, Problem, Recovered, parse
+from tierd.core.rows import Damaged, Problem, Recovered, parse, with_pages
 from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
 from tierd.tiers.disk import DiskTier
@@ -92,10 +92,11 @@ def _from_records(index: DiskIndex, named: dict[SessionKey, Record], found: list
     then be cut to what is held."""
     have = {rec.key for rec in found}
     lost = {p.key for p in problems if p.reason in ("missing_slab", "truncated_slab")}  # (its record would not help)
+    damage = any(p.reason != "partial" for p in problems)  # (pages a crash left past a complete state are none)
     try:
         # Damage found (or no session at all): every record in the file, as a damaged row may have taken its
         # records row with it; else the records the index names of sessions it did not serve.
-        candidates = index.records.scan() if not found or problems else index.records.read(
+        candidates = index.records.scan() if not found or damage else index.records.read(
             {key: r for key, r in named.items() if key not in have})
         rebuilt = rebuild(index, {k: f for k, f in candidates.items() if k not in have and k not in lost}, found)
     except (OSError, TierdError) as exc:  # the records stay as they are for the next start
@@ -114,10 +115,8 @@ def _from_records(index: DiskIndex, named: dict[SessionKey, Record], found: list
 def _describe_missing(index: DiskIndex, found: list[Recovered]) -> dict[SessionKey, Record]:
     """Records written now for sessions served with none there (an index of
     an earlier format, a records file lost or cut)."""
-    made = {rec.key: r for rec, r in zip(found, index.records.describe_many([(rec.key, rec.row, [
-        (p, rec.checksums[p.first_page : p.first_page + p.n_pages],
-         rec.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in rec.pieces]) for rec in found]))
-        if r is not None} if found else {}
+    states = [(rec.key, rec.row, with_pages(rec.pieces, rec.checksums, rec.token_hashes)) for rec in found]
+    made = {rec.key: r for rec, r in zip(found, index.records.describe_many(states)) if r is not None} if found else {}
     try:
         index.apply([index.record_stmt(key, r) for key, r in made.items()])
     except TierdError as exc:
@@ -167,8 +166,7 @@ def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recov
                 bisect.insort(starts, p.offset)
             claimed[p.offset] = holder(rec, p)
         stmts.append(index.row_stmt(key, row))
-        stmts += index.piece_stmts(key, [(p, rec.checksums[p.first_page : p.first_page + p.n_pages],
-                                          rec.token_hashes[p.first_page : p.first_page + p.n_pages]) for p in pieces])
+        stmts += index.piece_stmts(key, with_pages(pieces, rec.checksums, rec.token_hashes))
         if row is rec.row:  # (a record of more pages than kept describes it no more: punched out)
             stmts.append(index.record_stmt(key, found.record))
     if stmts:

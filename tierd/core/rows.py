@@ -117,6 +117,13 @@ def _codes(spec: KVSpec, first: int, n: int, alloc: int, codec: object, raw: obj
     return codes
 
 
+def with_pages(pieces: list[Piece], checksums: np.ndarray, hashes: np.ndarray,
+               ) -> list[tuple[Piece, np.ndarray, np.ndarray]]:
+    """Each piece with its pages' checksums and token hashes (what the index and records take)."""
+    return [(p, checksums[p.first_page : p.first_page + p.n_pages], hashes[p.first_page : p.first_page + p.n_pages])
+            for p in pieces]
+
+
 def row_values(key: SessionKey, row: Row) -> tuple:
     """The sessions table's values for a session's row."""
     return (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes, row.created,

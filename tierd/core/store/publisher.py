@@ -220,6 +220,4 @@ class Publisher:
         """Record that the remote tier holds snapshot `version` as manifest m."""
         with self.table.lock:
             session.remote_is(m)
-            session.remote_unacked = -1
-            if session.snap.version == version:
-                session.remote_at = version
+            session.remote_acked(version)

@@ -65,11 +65,8 @@ class Sweeper:
         done = 0
         with self.table.lock:
             for (session, version), yes in zip(waiting, ok):
-                if yes and session.remote_unacked == version:
-                    session.remote_unacked = -1
-                    if session.snap.version == version:
-                        session.remote_at = version
-                        done += 1
+                if yes and session.remote_unacked == version and session.remote_acked(version):
+                    done += 1
         return done
 
     def sweep(self) -> int:

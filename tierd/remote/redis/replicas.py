@@ -50,6 +50,18 @@ class Replicas:
             out.append(by_primary[where])
         return out
 
+    def write(self, name: str, barrier: str, what: str, first: Any, plain: Any) -> tuple[list[Any], bool]:
+        """A write (first(pipeline)) on the primary of key `name`, with WAIT:
+        its replies, and whether the replicas asked for acknowledged it in
+        time. Where the slot moved meanwhile, plain() through the cluster
+        client instead (its one reply), and then a replication check of its
+        own (barrier: a key of the same slot)."""
+        try:
+            replies, acked = self.on_primary(name, what, first)
+            return replies, self.enough(acked)
+        except Moved:
+            return [plain()], self.replicated([barrier])[0]
+
     def enough(self, acked: tuple[int, int] | None) -> bool:
         """Whether (replicas that acknowledged, replicas connected) is what `count` asks for."""
         return self.count == 0 or acked is not None and acked[0] >= min(self.count, acked[1])

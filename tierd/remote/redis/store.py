@@ -35,7 +35,7 @@ from tierd.remote.redis.fetch import Fetcher
 from tierd.remote.redis.link import CHUNK_BYTES, PIPELINE, Link, chunks_of, rechunk
 from tierd.remote.redis.manifests import Manifests
 from tierd.remote.redis.notices import Notices
-from tierd.remote.redis.replicas import Moved, Replicas
+from tierd.remote.redis.replicas import Replicas
 from tierd.remote.redis.tenants import Tenants
 from tierd.types import SessionKey
 
@@ -200,22 +200,20 @@ class RemoteStore:
         keys = [name] + [self.link.key(key, f"w{write}", str(i)) for i in range(chunks)]
         args = [expect, manifest.encode(), self.link.ttl_ms, self._channel, f"{manifest.version} {write}"]
         with self.notices.watching(name) if self.notices is not None else nullcontext() as seen:
-            acked: tuple[int, int] | None = None
-            try:
-                # Not as a call: the switch carries the manifest and checks every chunk (each read is bounded).
-                [reply], acked = self.replicas.on_primary(name, "the manifest switch",
-                                                          lambda pipe: self._cas(keys=keys, args=args, client=pipe))
-            except Moved:  # the slot moved meanwhile: through the cluster client, then asked again
-                reply = self.link.run("the manifest switch", self._cas, keys=keys, args=args)
+            # Not as a call: the switch carries the manifest and checks every chunk (each read is bounded).
+            [reply], durable = self.replicas.write(
+                name, self.link.key(key, "r"), "the manifest switch",
+                lambda pipe: self._cas(keys=keys, args=args, client=pipe),
+                lambda: self.link.run("the manifest switch", self._cas, keys=keys, args=args))
             if not isinstance(reply, list) or len(reply) != (3 if reply and reply[0] == 1 else 2):
                 raise Unavailable(f"the remote store answered the manifest switch with {str(reply)[:80]!r}")
             if reply[0] == 1:
                 self._sent(reply[2])
                 if seen is not None:
                     seen.found = (manifest.version, write)
-        if reply[0] == 1 and not (self.replicas.enough(acked) if acked is not None else self.replicated([key])[0]):
+        if reply[0] == 1 and not durable:
             raise Unreplicated(f"version {manifest.version} is published, but too few replicas acknowledged it in "
-                               f"time ({acked[0] if acked else '?'} of {acked[1] if acked else '?'})", manifest)
+                               "time", manifest)
         return reply[0], reply[1]
 
     def _take_buffers(self, count: int) -> list[bytearray]:
@@ -251,17 +249,15 @@ class RemoteStore:
         tombstone is taken but too few replicas acknowledged it in time."""
         name, barrier = self.link.key(key, "m"), self.link.key(key, "r")
         args = [self.link.ttl_ms, self._channel]
-        acked: tuple[int, int] | None = None
-        try:
-            try:
-                def first(pipe: Any) -> None:
-                    self._drop(keys=[name], args=args, client=pipe)
-                    if self.replicas.count:  # a write of its own: WAIT covers a tombstone an earlier drop left too
-                        pipe.set(barrier, b"", px=1000)
 
-                (reply, *_), acked = self.replicas.on_primary(name, "a drop", first)
-            except Moved:
-                reply = self.link.call("a drop", self._drop, keys=[name], args=args)
+        def first(pipe: Any) -> None:
+            self._drop(keys=[name], args=args, client=pipe)
+            if self.replicas.count:  # a write of its own: WAIT covers a tombstone an earlier drop left too
+                pipe.set(barrier, b"", px=1000)
+
+        try:
+            (reply, *_), durable = self.replicas.write(
+                name, barrier, "a drop", first, lambda: self.link.call("a drop", self._drop, keys=[name], args=args))
         finally:
             if self.notices is not None:
                 self.notices.forget(name)
@@ -278,7 +274,7 @@ class RemoteStore:
                 head = None  # unreadable: its chunks go by their TTL
             if head is not None and head.meta.get("owner", "") == owner_of(key):  # (another's names its own)
                 self._delete(key, head.write, chunks_of(head.stored))
-        if not (self.replicas.enough(acked) if acked is not None else self.replicated([key])[0]):
+        if not durable:
             raise Unreplicated("the drop is taken (a tombstone in the session's place), but too few replicas "
                                "acknowledged it in time", None)
         return there
