@@ -223,15 +223,6 @@ def read_all(chunks) -> bytes:
     return b"".join(bytes(c) for c in chunks)
 
 
-def tokens_file(root: Path, tokens: dict[str, str]) -> str:
-    """A --auth-tokens file under root for these tenants and their tokens; its path."""
-    import hashlib
-
-    path = Path(root) / "tokens"
-    path.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}\n" for t, s in tokens.items()))
-    return str(path)
-
-
 def wait_for(predicate, timeout: float = 30.0, what: str = "the condition", missing_ok: bool = False):
     """Poll predicate until it returns something true; fail after timeout seconds.
     With missing_ok, a session not found yet (NotFound) counts as not yet."""
@@ -294,19 +285,6 @@ class SmallFS:
 
     def free(self) -> None:
         self.filler.unlink()
-
-
-def wire_accounting(client) -> list[str]:
-    """What a client sees of the accounting invariant: per tier, the bytes the
-    daemon reports used are the sum of its sessions' bytes in that tier, less
-    what sharing saves (an allocation several sessions hold counts in each)."""
-    tiers = client.stats()["tiers"]
-    used = {t.name: t.used for t in tiers}
-    held = {t.name: -t.saved for t in tiers}
-    for info in client.list(all_tenants=True):
-        for tier, nbytes in info.tier_bytes.items():
-            held[tier] += nbytes
-    return [f"the {t} tier holds {used[t]} bytes, its sessions {held[t]}" for t in used if used[t] != held[t]]
 
 
 @contextmanager

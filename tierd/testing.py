@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tierd.client import Client
@@ -91,22 +92,52 @@ class Daemon:
             shm.remove_owned(prefix)
 
 
+def tokens_file(root: Path | str, tokens: dict[str, str], admins: tuple[str, ...] = ()) -> str:
+    """A --auth-tokens file under root for these tenants and their tokens
+    (those in `admins` with the admin role); its path."""
+    import hashlib
+
+    path = Path(root) / "tokens"
+    path.write_text("".join(f"{t}:{hashlib.sha256(s.encode()).hexdigest()}{':admin' if t in admins else ''}\n"
+                            for t, s in tokens.items()))
+    return str(path)
+
+
+def wire_accounting(client: Client) -> list[str]:
+    """What a client sees of the accounting invariant: per tier, the bytes the
+    daemon reports used are the sum of its sessions' bytes in that tier, less
+    what sharing saves (an allocation several sessions hold counts in each)."""
+    tiers = client.stats()["tiers"]
+    used = {t.name: t.used for t in tiers}
+    held = {t.name: -t.saved for t in tiers}
+    for info in client.list(all_tenants=True):
+        for tier, nbytes in info.tier_bytes.items():
+            held[tier] += nbytes
+    return [f"the {t} tier holds {used[t]} bytes, its sessions {held[t]}" for t in used if used[t] != held[t]]
+
+
 class RedisCluster:
     """A real Redis Cluster on loopback for tests and benchmarks: `masters`
     redis-server processes with `replicas` replicas each, under a directory
     you give, made a cluster by redis-cli. Needs Debian's redis-server (the
-    Makefile's install step installs it where it is missing)."""
+    Makefile's install step installs it where it is missing). With `front`, a
+    function of a node's port that returns the port of something in front of
+    it (a proxy), each node announces that port: clients and replicas reach
+    it only through there."""
 
-    def __init__(self, root: Path | str, masters: int = 3, replicas: int = 1, password: str | None = None) -> None:
+    def __init__(self, root: Path | str, masters: int = 3, replicas: int = 1, password: str | None = None,
+                 front: Callable[[int], int] | None = None) -> None:
         self.root = Path(root)
         self.masters, self.replicas, self.password = masters, replicas, password
+        self.front = front
         self.ports: list[int] = []
+        self.announced: dict[int, int] = {}  # a node's port -> the port it announces
         self.procs: dict[int, subprocess.Popen] = {}
 
     @property
     def url(self) -> str:
         """redis://host:port,... of every node (what `tierd serve --remote` takes)."""
-        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return "redis://" + ",".join(f"127.0.0.1:{self.announced.get(p, p)}" for p in self.ports)
 
     def _cli(self, *args: str, port: int | None = None, timeout: float = 30.0) -> str:
         cmd = ["redis-cli", "--no-auth-warning"] + (["-a", self.password] if self.password else [])
@@ -115,7 +146,21 @@ class RedisCluster:
         return out.stdout + out.stderr
 
     def start(self, timeout: float = 60.0) -> RedisCluster:
-        self.ports = [_free_port() for _ in range(self.masters * (1 + self.replicas))]
+        taken: set[int] = set()
+        while len(self.ports) < self.masters * (1 + self.replicas):
+            port = _free_port()
+            if not {port, port + 10000} & taken:  # no node's port another's bus port
+                self.ports.append(port)
+                taken |= {port, port + 10000}
+        self.announced = {p: self.front(p) for p in self.ports} if self.front else {}
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
         for port in self.ports:
             self._spawn(port)
         deadline = time.monotonic() + timeout
@@ -131,16 +176,18 @@ class RedisCluster:
         if "[OK] All 16384 slots covered" not in out and ">>> Nodes configuration updated" not in out:
             raise RuntimeError(f"redis-cli could not make the cluster:\n{out}")
         self.wait_ok(deadline - time.monotonic())
-        return self
 
     def _spawn(self, port: int) -> None:
         node = self.root / f"node-{port}"
         node.mkdir(parents=True, exist_ok=True)
-        auth = f"requirepass {self.password}\nmasterauth {self.password}\n" if self.password else ""
+        more = f"requirepass {self.password}\nmasterauth {self.password}\n" if self.password else ""
+        if port in self.announced:
+            more += (f"cluster-announce-ip 127.0.0.1\ncluster-announce-port {self.announced[port]}\n"
+                     f"cluster-announce-bus-port {port + 10000}\n")
         (node / "redis.conf").write_text(
             f"port {port}\nbind 127.0.0.1\ndir {node}\ncluster-enabled yes\ncluster-config-file nodes.conf\n"
             f"cluster-node-timeout 1000\nsave \"\"\nappendonly no\nrepl-diskless-sync-delay 0\n"
-            f"logfile {node / 'redis.log'}\n{auth}")
+            f"logfile {node / 'redis.log'}\n{more}")
         self.procs[port] = subprocess.Popen(["redis-server", str(node / "redis.conf")], stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL)
 
@@ -151,10 +198,12 @@ class RedisCluster:
     def nodes(self) -> list[tuple[int, str]]:
         """(port, "master" or "slave") of every node that answers, as the cluster sees them."""
         out = []
+        real = {a: p for p, a in self.announced.items()}
         for line in self._cli("cluster", "nodes", port=next(p for p in self.ports if self.alive(p))).splitlines():
             fields = line.split()
             if len(fields) > 2 and "fail" not in fields[2]:
-                out.append((int(fields[1].split(":")[1].split("@")[0]), "master" if "master" in fields[2] else "slave"))
+                port = int(fields[1].split(":")[1].split("@")[0])
+                out.append((real.get(port, port), "master" if "master" in fields[2] else "slave"))
         return sorted(out)
 
     def scripts_run(self) -> int:
@@ -207,6 +256,20 @@ class RedisCluster:
         self.procs[port].kill()
         self.procs[port].wait(30)
 
+    def restart(self, port: int, timeout: float = 120.0) -> None:
+        """Start a node that was killed again: it rejoins with the cluster
+        configuration it saved, as a replica of whoever took its slots; returns
+        once it has synced with that master (its copy is whole)."""
+        self._spawn(port)
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self._cli("info", "replication", port=port, timeout=5)
+            if "role:slave" in info and "master_link_status:up" in info and "master_sync_in_progress:0" in info:
+                return
+            if time.monotonic() > deadline or not self.alive(port):
+                raise RuntimeError(f"the restarted node {port} did not sync in {timeout:.0f} s:\n{info}")
+            time.sleep(0.1)
+
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -215,12 +278,13 @@ class RedisCluster:
 
 
 def _free_port() -> int:
-    """A port that is free, with the one 10,000 above it (a cluster node's bus) free too."""
+    """A port that is free, with the one 10,000 above it (a cluster node's bus) free too, both
+    below the range the system hands out to connections (32768 up)."""
     import random
     import socket
 
     while True:
-        port = random.randrange(20000, 45000)
+        port = random.randrange(20000, 22768)
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))

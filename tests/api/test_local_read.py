@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import SPEC, flip_in_arena, metric, wait_for
-from tests.security.test_isolation import TOKENS, tokens_file
+from tests.security.test_isolation import TOKENS
 from tierd.client import (
     Arena,
     DataLoss,
@@ -23,7 +23,7 @@ from tierd.client import (
     ResourceExhausted,
     SharedKVCache,
 )
-from tierd.testing import Daemon
+from tierd.testing import Daemon, tokens_file
 
 OPAQUE = KVSpec.opaque("test/state", page_bytes=8192)
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from tests.api.test_cli import tierd
-from tests.helpers import metric, tokens_file, wait_for, wire_accounting
+from tests.helpers import metric, wait_for
 from tierd.client import DataLoss, FailedPrecondition, InvalidArgument, KVSpec, NotFound, SharedKVCache
 from tierd.sizes import format_size
-from tierd.testing import ROOT, Daemon
+from tierd.testing import ROOT, Daemon, tokens_file, wire_accounting
 from tierd.transfer.runs import page_stride
 
 SPEC = KVSpec("test/llama-tiny", "r1", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)

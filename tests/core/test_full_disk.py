@@ -14,13 +14,13 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import SPEC, Harness, HostEngine, wait_for, wire_accounting
+from tests.helpers import SPEC, Harness, HostEngine, wait_for
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.core.store import make_key
 from tierd.errors import ResourceExhausted as StoreResourceExhausted
 from tierd.errors import Unavailable as StoreUnavailable
 from tierd.policy import PolicyConfig
-from tierd.testing import Daemon
+from tierd.testing import Daemon, wire_accounting
 
 MiB = 1 << 20
 A, B, C = (make_key("default", n) for n in "abc")

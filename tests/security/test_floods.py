@@ -17,11 +17,11 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.helpers import metric, tokens_file, wait_for
+from tests.helpers import metric, wait_for
 from tests.security.test_memory import peak_growth, settle
 from tierd.client import FailedPrecondition, InvalidArgument, KVSpec, ResourceExhausted, SharedKVCache
 from tierd.daemon import HANDSHAKE_SECONDS
-from tierd.testing import Daemon
+from tierd.testing import Daemon, tokens_file
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire.convert import spec_to_pb

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.helpers import flip_in_arena, tokens_file
+from tests.helpers import flip_in_arena
 from tierd.client import (
     Arena,
     DataLoss,
@@ -33,7 +33,7 @@ from tierd.client import (
 from tierd.client.shm import sealed_memfd
 from tierd.core import engines as engines_module
 from tierd.core.engines import EngineRegistry
-from tierd.testing import Daemon
+from tierd.testing import Daemon, tokens_file
 from tierd.tiers import shm
 from tierd.types import Lease, Slot
 from tierd.v1 import tierd_pb2 as pb
