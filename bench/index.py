@@ -19,6 +19,8 @@ from bench.common import Result
 from tierd.clock import FakeClock
 from tierd.config import Config
 from tierd.core.index import DiskIndex, Row
+from tierd.core.records import record_stmt
+from tierd.core.rows import piece_stmts, row_stmt
 from tierd.layout import KVSpec
 from tierd.machine import build
 from tierd.policy import PolicyConfig
@@ -50,12 +52,12 @@ def build_data_dir(data_dir: str, sessions: int, pages: int) -> int:
     for s in range(sessions):
         key = SessionKey("default", f"session-{s:06d}")
         piece = Piece((s // per_slab) * slab + (s % per_slab) * per_session, per_session, 0, pages)
-        stmts += DiskIndex.piece_stmts(key, [(piece, sums, hashes)]) + [DiskIndex.row_stmt(key, row)]
+        stmts += piece_stmts(key, [(piece, sums, hashes)]) + [row_stmt(key, row)]
         states.append((key, row, [(piece, sums, hashes)]))
     # Each session's record beside the slab files, as the daemon writes them (synced once: a fixture).
     for first in range(0, sessions, 10_000):
         batch = states[first : first + 10_000]
-        stmts += [DiskIndex.record_stmt(key, r) for (key, _, _), r in zip(batch, index.records.describe_many(batch))
+        stmts += [record_stmt(key, r) for (key, _, _), r in zip(batch, index.records.describe_many(batch))
                   if r is not None]
     index.apply(stmts)  # one transaction: building the fixture, not measuring writes
     index.close()

@@ -76,7 +76,7 @@ def test_an_index_of_an_earlier_format_is_upgraded_in_place(tmp_path, found):
     assert rec.row.errors == b""  # exact, as every page of an earlier format was
     assert all(p.codes is None for p in rec.pieces)  # as they are, as every page of an earlier format was
     assert rec.row.lossy is None  # no save said: the tenant's setting
-    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "6"
+    assert sqlite3.connect(path).execute("SELECT value FROM meta WHERE key='format'").fetchone()[0] == "7"
 
 
 def test_the_errors_pages_carry_are_recovered_and_cut_with_them(tmp_path):

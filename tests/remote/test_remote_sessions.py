@@ -389,6 +389,50 @@ def test_a_node_started_again_gives_its_disk_copies_way_to_a_drop_or_a_newer_tur
         read(b, own)  # its tombstone: dropped too
 
 
+def test_a_session_stored_again_after_its_drop_survives_a_crash_before_its_publish(nodes):
+    """Found by the chaos campaign (seed 6, "durable session gone"): a
+    session dropped, stored again from token 0 on a node and written to its
+    disk, then the node stopped before its new history was published. Started
+    again, the node took its disk copy for one the tombstone had dropped and
+    forgot it, though the drop came first. The index records that the copy
+    is the node's own history: served, and published over the tombstone."""
+    a = nodes("a").store
+    hb = nodes("b", remote_write="back")  # publishes only sessions idle on disk for a minute
+    key = SessionKey("alice", "again")
+    eng = HostEngine(seed=51)
+    stored(a, key, eng, [0, 1], 32)
+    a.drop(key)  # a tombstone at its key
+    save(hb.store, key, eng, [2, 3], 32)
+    hb.store.write_back(key)
+    assert hb.store.stat(key).durable and not hb.store.stat(key).remote_durable
+    hb.close()
+    hb.remote_write = "through"
+    b = hb.open()
+    assert read(b, key) == b"".join(eng.pages([2, 3]))
+    published(b, key)
+    assert read(a, key) == b"".join(eng.pages([2, 3]))
+
+
+def test_a_copy_whose_publish_started_gives_way_to_a_drop_made_after_it(nodes):
+    """The other side: a node's own copy on disk whose publish started may be
+    the version another node dropped since. Started again, the node gives it
+    way to the tombstone, as a copy of a published version does."""
+    a = nodes("a").store
+    hb = nodes("b", remote_write="back", remote_idle=1)
+    key = SessionKey("alice", "published-then-dropped")
+    eng = HostEngine(seed=52)
+    save(hb.store, key, eng, [0, 1], 32)
+    hb.store.write_back(key)  # on disk as the node's own history, not published
+    hb.store.release(key)
+    hb.clock.advance(2.0)
+    published(hb.store, key)
+    a.drop(key)
+    hb.close()
+    b = hb.open()
+    with pytest.raises(NotFound):
+        read(b, key)
+
+
 def test_a_node_started_again_keeps_serving_from_disk_what_the_remote_tier_holds_as_it_is(nodes):
     """A recovered copy that is the remote tier's current version (the same
     page checksums) is recorded as published, not fetched again."""

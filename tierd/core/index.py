@@ -16,6 +16,7 @@ do not parse are quarantined (recover), and a file that is not a sound
 database any more is moved aside for a fresh one. The schema, its format
 version and how SQLite's failures read: core/index_schema.py; row checks: core/rows.py.
 It holds the session records beside it (core/records.py), each of which its records table names.
+Its own table names the rows that are histories of this node's own (the remote tier's publisher never had them).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from tierd.core import tokens
 from tierd.core.index_schema import (FORMAT_VERSION, MIGRATIONS, SCHEMA, IndexFormatError, IndexUnavailable,
                                      columns, failed, set_aside, tierd_columns, unsound)
 from tierd.core.record_format import Record
-from tierd.core.records import Records
-from tierd.core.rows import Damaged, Problem, Recovered, Row, parse, piece_values, row_values
+from tierd.core.records import Records, record_stmt
+from tierd.core.rows import Damaged, Problem, Recovered, Row, own_stmt, parse, piece_stmts, row_stmt
 from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
 from tierd.types import SessionKey
@@ -135,26 +136,15 @@ class DiskIndex:
                     self._db.execute("ROLLBACK")
                 raise
 
-    @staticmethod
-    def row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
-        return "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row_values(key, row)
-
-    @staticmethod
-    def piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple[str, tuple]]:
-        return [("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
-                for values in piece_values(key, pieces)]
-
-    @staticmethod
-    def record_stmt(key: SessionKey, record: Record) -> tuple[str, tuple]:
-        return "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)", (*key, record.offset, record.nbytes, record.gen)
-
     def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
-                   row: Row | None, record: Record | None = None) -> None:
+                   row: Row | None, record: Record | None = None, own: bool | None = None) -> None:
         """Record pieces already written and synced (or held by another session
         already: shared prefix pages), with their pages' checksums and token
-        hashes; with row, mark a complete state (described by `record`)."""
-        stmts = self.piece_stmts(key, pieces) + ([self.row_stmt(key, row)] if row is not None else [])
-        self._tx(stmts + ([self.record_stmt(key, record)] if record is not None else []))
+        hashes; with row, mark a complete state (described by `record`; with
+        own, a history of this node's own, or not)."""
+        stmts = piece_stmts(key, pieces) + ([row_stmt(key, row)] if row is not None else [])
+        stmts += [own_stmt(key, own)] if own is not None else []
+        self._tx(stmts + ([record_stmt(key, record)] if record is not None else []))
 
     def truncate(self, key: SessionKey, n_pages: int, row: Row | None,
                  pieces: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None, unrecord: bool = False) -> None:
@@ -162,7 +152,7 @@ class DiskIndex:
         in the same transaction). row is the state that remains complete on
         disk, or None when no complete state remains; unrecord: its record
         describes it no more."""
-        self._tx(self._truncate_stmts(key, n_pages, row) + self.piece_stmts(key, pieces or []) +
+        self._tx(self._truncate_stmts(key, n_pages, row) + piece_stmts(key, pieces or []) +
                  ([("DELETE FROM records WHERE tenant=? AND session_id=?", tuple(key))] if unrecord else []))
 
     def _truncate_stmts(self, key: SessionKey, n_pages: int, row: Row | None) -> list[tuple[str, tuple]]:
@@ -184,7 +174,7 @@ class DiskIndex:
         if row is None:
             stmts.append(("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)))
         else:
-            stmts.append(self.row_stmt(key, row))
+            stmts.append(row_stmt(key, row))
         return stmts
 
     @staticmethod
@@ -193,6 +183,7 @@ class DiskIndex:
             ("DELETE FROM pieces WHERE tenant=? AND session_id=?", tuple(key)),
             ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),
             ("DELETE FROM records WHERE tenant=? AND session_id=?", tuple(key)),
+            own_stmt(key, False),
         ]
 
     def delete(self, key: SessionKey, record: Record | None = None) -> None:
@@ -292,6 +283,11 @@ class DiskIndex:
             rows = self._db.execute("SELECT * FROM records").fetchall()
         return {SessionKey(t, s): Record(o, n, g) for t, s, o, n, g in rows
                 if all(type(v) is int for v in (o, n, g))}
+
+    def own(self) -> set[SessionKey]:
+        """The sessions whose row is a history of this node's own."""
+        with self._lock, self._sqlite("read its own table"):
+            return {SessionKey(t, s) for t, s in self._db.execute("SELECT * FROM own")}
 
     def apply(self, stmts: list[tuple[str, tuple]]) -> None:
         """Commit these statements in one transaction (a rebuild from records)."""

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tierd.core import tokens
+from tierd.core.pages import ranges
 from tierd.layout import KVSpec
 from tierd.tiers import MEMORY, kind_of, tier_order, tier_rank
 from tierd.tiers.allocator import Piece
@@ -128,7 +129,7 @@ class Snapshot:
         mask = ~self.covered(tiers)
         if among is not None:
             mask &= self.covered(among)
-        return _ranges(mask)
+        return ranges(mask)
 
     def best_spans(self, usable: tuple[str, ...] | list[str] | None = None, served: bool = True) -> list[Span]:
         """For each page, the fastest copy among usable tiers (default: all), as
@@ -142,7 +143,7 @@ class Snapshot:
             for p in self.pieces(tier) if served or kind_of(tier).medium != MEMORY else \
                     [p for p in self.pieces(tier) if p.codes is None]:
                 part = todo[p.first_page : p.first_page + p.n_pages]
-                for first, count in _ranges(part):
+                for first, count in ranges(part):
                     codes = p.codes.part(first, count) if p.codes is not None else None
                     spans.append(Span(p.first_page + first, count, tier, p.offset + p.bytes_before(first, stride),
                                       codes))
@@ -198,24 +199,6 @@ class Snapshot:
         return self.placement.pop(tier, [])
 
 
-def pages_within(errors: np.ndarray, n_pages: int, bound: float | None) -> int:
-    """How many of n_pages leading pages carry at most `bound` relative error
-    (errors: each page's, empty where all are exact; None: no bound)."""
-    if bound is None or not errors.size:
-        return n_pages
-    past = np.flatnonzero(~(errors[:n_pages] <= bound))
-    return int(past[0]) if past.size else n_pages
-
-
-def _ranges(mask: np.ndarray) -> list[tuple[int, int]]:
-    """(start, length) of each run of True in a bool array."""
-    if not mask.any():
-        return []
-    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
-    edges = np.flatnonzero(np.diff(padded))
-    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
-
-
 @dataclass(eq=False)
 class Session:
     key: SessionKey
@@ -257,6 +240,23 @@ class Session:
     # The snapshot version of this node's last publish that the store took but did not yet hold as durably as
     # it promises (no replica acknowledged it in time; -1: none): remote-durable once it does.
     remote_unacked: int = -1
+    # Whether the index names this content's row a history of this node's own (stored from token 0 here, never
+    # handed to the publisher: recovered, it is served and published as it is), the durable writes deciding that
+    # now, and whether a publish of it runs (one starts once no write decides, and takes the name off first).
+    own_row: bool = False
+    own_writes: int = 0
+    publishing: bool = False
+
+    def own_begin(self) -> bool:
+        """With the store lock: a durable write starts; whether its row is a history of this node's own."""
+        self.own_writes += 1
+        return self.remote_fresh > self.remote_at and not self.publishing
+
+    def own_end(self, own: bool | None) -> None:
+        """With the store lock: that write ended, committed (own: what its row is) or not (None)."""
+        self.own_writes -= 1
+        if own is not None:
+            self.own_row = own
 
     def remote_is(self, m: Any) -> None:
         """Record the remote version this content builds on: manifest m's."""

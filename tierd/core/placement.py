@@ -1,10 +1,10 @@
 """Placement: moving a session's pages between tiers, two-phase.
 
 Runs inside the store, called with the session's op lock held. Every move is
-prepare (allocate in the destination), copy, complete: the new pieces join
-the snapshot only after the copy succeeded (and, for the durable tier, after
-fdatasync and the index commit); on failure they are freed and the old copies stay
-authoritative. Where to make room is the store's business (make_room).
+prepare (allocate in the destination, room made by the store's make_room),
+copy, complete: the new pieces join the snapshot only after the copy succeeded
+(and, for the durable tier, after fdatasync and the index commit, which names a
+history of this node's own); on failure they are freed, the old copies stay authoritative.
 
 An allocation may be held by several snapshots of one tenant (shared
 prefix pages: core/store/sharing.py), each holding a piece cut to the
@@ -61,8 +61,6 @@ class Placement:
         self._copy_locks = {t: threading.RLock() for t in tiers}  # re-entrant: making room copies too
         self.held = holders  # allocations several pieces hold (prefix sharing)
         self.faults = faults
-
-    # -- allocation ------------------------------------------------------------
 
     def alloc(self, tier: str, ranges: list[tuple[int, int]], stride: int, protect: SessionKey,
               io_class: IOClass, evict: bool) -> list[Piece]:
@@ -132,8 +130,6 @@ class Placement:
             pieces, session.deferred = session.deferred, []
         for tier, p in pieces:
             self.free(tier, [p])
-
-    # -- moves -------------------------------------------------------------------
 
     def promote(self, session: Session, target: str, io_class: IOClass) -> int:
         """Copy into `target` every page whose fastest copy is slower; returns bytes moved."""
@@ -250,13 +246,18 @@ class Placement:
         pieces += borrowed
         entries = with_pages(snap.pieces(durable) + pieces, snap.checksums, snap.token_hashes)
         record = self.index.records.describe(session.key, row, entries)  # (the whole state) before the index
+        with self.lock:
+            own = session.own_begin()
         try:
-            self.index.add_pieces(session.key, entries[len(entries) - len(pieces):], row, record)
+            self.index.add_pieces(session.key, entries[len(entries) - len(pieces):], row, record, own)
         except BaseException:
+            with self.lock:
+                session.own_end(None)
             self.free(durable, pieces)
             self.index.records.discard(record)
             raise
         with self.lock:
+            session.own_end(own)
             snap.add_pieces(durable, pieces)
             session.row, session.row_version = row, snap.version
             replaced, session.record = (session.record, record) if record is not None else (None, session.record)

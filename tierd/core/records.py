@@ -51,6 +51,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
+def record_stmt(key: SessionKey, record: Record) -> tuple[str, tuple]:
+    """The index's records-table row naming a session's record."""
+    return "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?)", (*key, record.offset, record.nbytes, record.gen)
+
+
 class Records:
     def __init__(self, path: str) -> None:
         self.path = path

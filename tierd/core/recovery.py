@@ -35,7 +35,8 @@ import numpy as np
 from tierd.core.events import StoreEvents
 from tierd.core.index import DiskIndex
 from tierd.core.record_format import Found, Record
-from tierd.core.rows import Damaged, Problem, Recovered, parse, with_pages
+from tierd.core.records import record_stmt
+from tierd.core.rows import Damaged, Problem, Recovered, parse, piece_stmts, row_stmt, with_pages
 from tierd.errors import TierdError
 from tierd.tiers.allocator import Piece
 from tierd.tiers.disk import DiskTier
@@ -118,7 +119,7 @@ def _describe_missing(index: DiskIndex, found: list[Recovered]) -> dict[SessionK
     states = [(rec.key, rec.row, with_pages(rec.pieces, rec.checksums, rec.token_hashes)) for rec in found]
     made = {rec.key: r for rec, r in zip(found, index.records.describe_many(states)) if r is not None} if found else {}
     try:
-        index.apply([index.record_stmt(key, r) for key, r in made.items()])
+        index.apply([record_stmt(key, r) for key, r in made.items()])
     except TierdError as exc:
         log.warning("recovery: the records of %d sessions could not be named in the index (%s)", len(made), exc)
         for r in made.values():
@@ -165,10 +166,10 @@ def rebuild(index: DiskIndex, newest: dict[SessionKey, Found], taken: list[Recov
             if p.offset not in claimed:
                 bisect.insort(starts, p.offset)
             claimed[p.offset] = holder(rec, p)
-        stmts.append(index.row_stmt(key, row))
-        stmts += index.piece_stmts(key, with_pages(pieces, rec.checksums, rec.token_hashes))
+        stmts.append(row_stmt(key, row))
+        stmts += piece_stmts(key, with_pages(pieces, rec.checksums, rec.token_hashes))
         if row is rec.row:  # (a record of more pages than kept describes it no more: punched out)
-            stmts.append(index.record_stmt(key, found.record))
+            stmts.append(record_stmt(key, found.record))
     if stmts:
         index.apply(stmts)
     return sum(1 for sql, _ in stmts if "INTO sessions" in sql)

@@ -1,5 +1,6 @@
 """What the disk index's rows mean: a session's complete state (Row), what
-recovery reads back (Recovered), and the checks a row must pass to be served.
+recovery reads back (Recovered), the checks a row must pass to be served, and
+the statements that write them.
 
 Runs inside the index at start (DiskIndex.recover). A row that fails a check
 raises Damaged, and its session becomes a Problem: quarantined, with a reason
@@ -128,6 +129,21 @@ def row_values(key: SessionKey, row: Row) -> tuple:
     """The sessions table's values for a session's row."""
     return (key.tenant, key.session_id, row.spec.to_json(), row.num_tokens, row.num_pages, row.nbytes, row.created,
             row.last_access, row.priority, row.errors, row.lossy)
+
+
+def row_stmt(key: SessionKey, row: Row) -> tuple[str, tuple]:
+    return "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row_values(key, row)
+
+
+def piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple[str, tuple]]:
+    return [("INSERT OR REPLACE INTO pieces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+            for values in piece_values(key, pieces)]
+
+
+def own_stmt(key: SessionKey, own: bool) -> tuple[str, tuple]:
+    """The row is (or is no longer) a history of this node's own (index_schema.py)."""
+    return ("INSERT OR IGNORE INTO own VALUES (?, ?)" if own else "DELETE FROM own WHERE tenant=? AND session_id=?",
+            tuple(key))
 
 
 def piece_values(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple]:

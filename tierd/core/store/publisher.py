@@ -16,13 +16,14 @@ from tierd.clock import Clock
 from tierd.core.events import StoreEvents
 from tierd.core.model import Session
 from tierd.core.placement import Placement
+from tierd.core.rows import own_stmt
 from tierd.core.roles import TierRoles
 from tierd.core.store.coding import PageCoder
 from tierd.core.store.link import RemoteLink
 from tierd.core.store.finder import Finder
 from tierd.core.store.remote import PublishQueue, Remote, RemoteBusy
 from tierd.core.store.table import SessionTable
-from tierd.errors import DataLoss, FailedPrecondition, Unavailable, shown
+from tierd.errors import DataLoss, FailedPrecondition, TierdError, Unavailable, shown
 from tierd.remote.backend import Unreplicated
 from tierd.remote.coded import holds
 from tierd.remote.manifest import Manifest
@@ -127,7 +128,10 @@ class Publisher:
             base_write = session.remote_write
             unacked = session.remote_unacked == version  # this content, published: waits for a replica
             session.readers += 1
+            session.publishing = True
         try:
+            if not self._unown(session):
+                return
             unusable = False
             try:
                 m, expect = self.link.call("manifest", backend.head, key)
@@ -190,8 +194,38 @@ class Publisher:
                 self.queue.add(key)
             log.info("%s/%s not published: %s", *key, exc)
         finally:
+            with self.table.lock:
+                session.publishing = False
             self.placement.end_read(session)
             self.busy.end_publish(key)
+
+    def _unown(self, session: Session) -> bool:
+        """Before a publish: where the index names the session's row a history
+        of this node's own, the name taken off (once the publish may have
+        landed, a copy recovered from disk is no longer this node's alone:
+        another node may drop or continue what was published), after any
+        durable write deciding it ends. False where the index cannot take it
+        off: not published now, queued again."""
+        deadline = time.monotonic() + 30.0
+        while True:
+            with self.table.lock:
+                writing, own = session.own_writes, session.own_row
+            if not writing or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)  # a write of its pages to disk commits: milliseconds
+        index = self.placement.index
+        try:
+            if writing:
+                raise Unavailable("a durable write of it did not end in 30 s")
+            if own and index is not None:
+                index.apply([own_stmt(session.key, False)])
+        except TierdError as exc:
+            log.warning("%s/%s not published now: %s", *session.key, exc)
+            self.queue.add(session.key)
+            return False
+        with self.table.lock:
+            session.own_row = False
+        return True
 
     def _within_quota(self, key: SessionKey, nbytes: int) -> bool:
         """Whether a version of nbytes fits the tenant's remote quota (in place of

@@ -15,7 +15,8 @@ import numpy as np
 from tierd.core import tokens
 from tierd.clock import Clock
 from tierd.core.events import StoreEvents
-from tierd.core.model import Session, Snapshot, pages_within
+from tierd.core.model import Session, Snapshot
+from tierd.core.pages import pages_within
 from tierd.core.placement import Placement
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_blocks, check_identity, check_readable

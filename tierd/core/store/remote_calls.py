@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 
 from tierd.core import tokens
-from tierd.core.model import Session, Snapshot, pages_within
+from tierd.core.model import Session, Snapshot
+from tierd.core.pages import pages_within
 from tierd.core.roles import TierRoles
 from tierd.core.store.checks import check_identity
 from tierd.core.store.fetcher import Fetcher

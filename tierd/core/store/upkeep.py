@@ -11,7 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from tierd.core.model import Session, pages_within
+from tierd.core.model import Session
+from tierd.core.pages import pages_within
 from tierd.core.store.checks import check_bound
 from tierd.clock import Clock
 from tierd.core.move_queue import Job, MoveQueue
