@@ -25,7 +25,7 @@ LLAMA_SERVER_SRC := $(LLAMACPP_VENV)/src/llama_cpp_python-$(LLAMACPP_PY)/vendor/
 LLAMA_SERVER_CMAKE := -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
 
-.PHONY: install serve test test-vllm test-llamacpp bench bench-vllm bench-llamacpp proto clean
+.PHONY: install serve test test-vllm test-llamacpp bench bench-vllm bench-llamacpp chaos proto clean
 
 install: $(STAMP)
 
@@ -41,6 +41,10 @@ $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || (test "$$(id -u)" = 0 && apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null) || \
 		echo "redis-server is not available (install it as root): the remote tier's tests will be skipped"
+	@# libfiu (fiu-utils) fails the disk calls of the chaos campaign's daemons, libfaketime moves their clocks.
+	test -e /usr/lib/fiu/fiu_posix_preload.so || (test "$$(id -u)" = 0 && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fiu-utils faketime >/dev/null) || \
+		echo "fiu-utils is not available (install it as root): the chaos campaign will not fail disk calls"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -91,6 +95,13 @@ test-llamacpp: $(LLAMACPP_STAMP) $(LLAMA_SERVER_STAMP)
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench --quick --json bench/out/results.json --plots bench/out
+
+# A seeded chaos campaign: two daemons on a Redis Cluster, every fault at once, every read checked
+# (MINUTES long, SEED replays it); the summary line is printed last.
+MINUTES ?= 10
+SEED ?= 1
+chaos: install
+	$(BIN)/python -m bench.chaos --minutes $(MINUTES) --seed $(SEED) --json bench/out/chaos.json
 
 # Turn-2 time to first token on a real vLLM server, with and without tierd.
 bench-vllm: $(VLLM_STAMP)
