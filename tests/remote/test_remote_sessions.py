@@ -413,6 +413,67 @@ def test_a_session_stored_again_after_its_drop_survives_a_crash_before_its_publi
     assert read(a, key) == b"".join(eng.pages([2, 3]))
 
 
+def test_a_newer_history_on_disk_whose_publish_failed_survives_a_crash(nodes, cluster):
+    """Found by the chaos campaign (seed 8, "older than durable"): a node's
+    newer history (a store from token 0) on its disk, its publish tried
+    while the remote tier was down, then the node killed. Started again, it
+    gave its copy way to the older version the tier held. The index records
+    the version the tier held when the publish was tried: where it still
+    holds that one, nothing this node published landed, and its copy is the
+    session."""
+    hb = nodes("b", remote_write="back", remote_idle=1)
+    key = SessionKey("alice", "newer-while-down")
+    eng = HostEngine(seed=53)
+    save(hb.store, key, eng, [0, 1], 32)
+    hb.store.write_back(key)
+    hb.store.release(key)
+    hb.clock.advance(2.0)
+    published(hb.store, key)  # the remote tier holds this version
+    with masters_stopped(cluster):
+        save(hb.store, key, eng, [2, 3], 32)  # a new history, on disk
+        hb.store.write_back(key)
+        hb.store.release(key)
+        hb.clock.advance(2.0)  # idle: its publish is tried, and fails
+        wait_for(hb.store.link.down.is_set, what="the publish tried, and the remote tier marked down")
+        hb.close()  # as a kill: nothing more is published or written
+    b = hb.open()
+    assert read(b, key) == b"".join(eng.pages([2, 3]))
+
+
+def test_a_newer_history_whose_publish_call_failed_survives_a_crash_where_the_tier_holds_what_it_did(nodes,
+                                                                                                     monkeypatch):
+    """The same, the publish failing in its call (it may or may not have
+    landed): started again, the node finds the key still at the version the
+    publish was tried over, so its copy is the session, and is published."""
+    hb = nodes("b", remote_write="back", remote_idle=1)
+    key = SessionKey("alice", "publish-cut")
+    eng = HostEngine(seed=54)
+    save(hb.store, key, eng, [0, 1], 32)
+    hb.store.write_back(key)
+    hb.store.release(key)
+    hb.clock.advance(2.0)
+    published(hb.store, key)
+    tried = []
+
+    def cut(*args, **kw):
+        tried.append(args[0])
+        raise Unavailable("the connection was reset in the middle of the publish")
+
+    monkeypatch.setattr(hb.store.remote.store, "publish", cut)
+    save(hb.store, key, eng, [2, 3], 32)
+    hb.store.write_back(key)
+    hb.store.release(key)
+    hb.clock.advance(2.0)
+    wait_for(lambda: tried, what="the publish tried")
+    hb.close()
+    b = hb.open()
+    assert read(b, key) == b"".join(eng.pages([2, 3]))
+    b.release(key)
+    hb.clock.advance(2.0)
+    published(b, key)
+    assert read(nodes("c").store, key) == b"".join(eng.pages([2, 3]))
+
+
 def test_a_copy_whose_publish_started_gives_way_to_a_drop_made_after_it(nodes):
     """The other side: a node's own copy on disk whose publish started may be
     the version another node dropped since. Started again, the node gives it

@@ -16,7 +16,7 @@ do not parse are quarantined (recover), and a file that is not a sound
 database any more is moved aside for a fresh one. The schema, its format
 version and how SQLite's failures read: core/index_schema.py; row checks: core/rows.py.
 It holds the session records beside it (core/records.py), each of which its records table names.
-Its own table names the rows that are histories of this node's own (the remote tier's publisher never had them).
+Its own table names the rows that are histories of this node's own, not known to be in the remote tier.
 """
 
 from __future__ import annotations
@@ -137,13 +137,13 @@ class DiskIndex:
                 raise
 
     def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
-                   row: Row | None, record: Record | None = None, own: bool | None = None) -> None:
+                   row: Row | None, record: Record | None = None, own: tuple[bool, int | None] | None = None) -> None:
         """Record pieces already written and synced (or held by another session
         already: shared prefix pages), with their pages' checksums and token
         hashes; with row, mark a complete state (described by `record`; with
-        own, a history of this node's own, or not)."""
+        own, whether it is a history of this node's own, and over what a publish of it was tried)."""
         stmts = piece_stmts(key, pieces) + ([row_stmt(key, row)] if row is not None else [])
-        stmts += [own_stmt(key, own)] if own is not None else []
+        stmts += [own_stmt(key, *own)] if own is not None else []
         self._tx(stmts + ([record_stmt(key, record)] if record is not None else []))
 
     def truncate(self, key: SessionKey, n_pages: int, row: Row | None,
@@ -284,10 +284,12 @@ class DiskIndex:
         return {SessionKey(t, s): Record(o, n, g) for t, s, o, n, g in rows
                 if all(type(v) is int for v in (o, n, g))}
 
-    def own(self) -> set[SessionKey]:
-        """The sessions whose row is a history of this node's own."""
+    def own(self) -> dict[SessionKey, int | None]:
+        """The sessions whose row is a history of this node's own, each with
+        the version its key held when a publish of it was tried (None: none was)."""
         with self._lock, self._sqlite("read its own table"):
-            return {SessionKey(t, s) for t, s in self._db.execute("SELECT * FROM own")}
+            return {SessionKey(t, s): e for t, s, e in self._db.execute("SELECT * FROM own")
+                    if e is None or type(e) is int}
 
     def apply(self, stmts: list[tuple[str, tuple]]) -> None:
         """Commit these statements in one transaction (a rebuild from records)."""

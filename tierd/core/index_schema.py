@@ -49,15 +49,20 @@ CREATE TABLE IF NOT EXISTS records (
     gen INTEGER NOT NULL,
     PRIMARY KEY (tenant, session_id)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS own (tenant TEXT NOT NULL, session_id TEXT NOT NULL, PRIMARY KEY (tenant, session_id))
-    WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS own (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    expect INTEGER,
+    PRIMARY KEY (tenant, session_id)
+) WITHOUT ROWID;
 """
 FORMAT_VERSION = "7"  # 2: pieces record the token hashes of their pages (empty: not known); 3: sessions record
 # the errors their pages carry (empty: exact); 4: pieces record the codec their pages are coded with and each
 # page's coded size and checksum (empty: as they are); 5: sessions record a save's consent to lossy codes (NULL:
 # the tenant's setting); 6: the records table names each session's record (core/records.py; the script creates
 # it); 7: the own table names the sessions whose row is a history of this node's own, stored from token 0 here
-# and never handed to the remote tier's publisher (the script creates it). A codec added later comes with a
+# and not known to be in the remote tier, with the version its key held when a publish of it was tried (NULL:
+# none was; the script creates it). A codec added later comes with a
 # format of its own.
 # What takes an index of an earlier format to this one, by the format found.
 _CODES = ["ALTER TABLE pieces ADD COLUMN codec TEXT NOT NULL DEFAULT ''",

@@ -240,23 +240,24 @@ class Session:
     # The snapshot version of this node's last publish that the store took but did not yet hold as durably as
     # it promises (no replica acknowledged it in time; -1: none): remote-durable once it does.
     remote_unacked: int = -1
-    # Whether the index names this content's row a history of this node's own (stored from token 0 here, never
-    # handed to the publisher: recovered, it is served and published as it is), the durable writes deciding that
-    # now, and whether a publish of it runs (one starts once no write decides, and takes the name off first).
+    # Whether the index names this content's row a history of this node's own (stored from token 0 here, not known
+    # to be in the remote tier), the version its key held when a publish of it was tried (None: none was; recovered,
+    # it is this node's own only where the key still holds that), and the durable writes deciding the row now.
     own_row: bool = False
+    own_expect: int | None = None
     own_writes: int = 0
-    publishing: bool = False
 
-    def own_begin(self) -> bool:
-        """With the store lock: a durable write starts; whether its row is a history of this node's own."""
+    def own_begin(self) -> tuple[bool, int | None]:
+        """With the store lock: a durable write starts; whether its row is a
+        history of this node's own, and over what a publish of it was tried."""
         self.own_writes += 1
-        return self.remote_fresh > self.remote_at and not self.publishing
+        return self.remote_fresh > self.remote_at, self.own_expect
 
-    def own_end(self, own: bool | None) -> None:
-        """With the store lock: that write ended, committed (own: what its row is) or not (None)."""
+    def own_end(self, own: tuple[bool, int | None] | None) -> None:
+        """With the store lock: that write ended, committed (own: as own_begin said) or not (None)."""
         self.own_writes -= 1
         if own is not None:
-            self.own_row = own
+            self.own_row = own[0]
 
     def remote_is(self, m: Any) -> None:
         """Record the remote version this content builds on: manifest m's."""

@@ -140,10 +140,12 @@ def piece_stmts(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarra
             for values in piece_values(key, pieces)]
 
 
-def own_stmt(key: SessionKey, own: bool) -> tuple[str, tuple]:
-    """The row is (or is no longer) a history of this node's own (index_schema.py)."""
-    return ("INSERT OR IGNORE INTO own VALUES (?, ?)" if own else "DELETE FROM own WHERE tenant=? AND session_id=?",
-            tuple(key))
+def own_stmt(key: SessionKey, own: bool, expect: int | None = None) -> tuple[str, tuple]:
+    """The row is (or is no longer) a history of this node's own, a publish
+    of it tried over version `expect` of its key (None: none was; index_schema.py)."""
+    if own:
+        return "INSERT OR REPLACE INTO own VALUES (?, ?, ?)", (*key, expect)
+    return "DELETE FROM own WHERE tenant=? AND session_id=?", tuple(key)
 
 
 def piece_values(key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]]) -> list[tuple]:

@@ -85,7 +85,7 @@ def build(tiers: dict, copier: CopyEngine, index: DiskIndex | None = None, *, cl
         busy = RemoteBusy(table.changed)
         committed.append(Committed(lock, queue, remote))
         if remote.write == "through":  # recovered histories of this node's own, published as its stores are
-            for session in table.sessions(lambda s: s.own_row):
+            for session in table.sessions(lambda s: s.own_row and s.own_expect is None):
                 queue.add(session.key)
     writer = Writer(table, sharing, placement, describe, index, roles, policy, clock, events, committed)
     saves = Saves(writer, copier, tiers, roles)
@@ -120,7 +120,7 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
     (with_remote), each is asked about there before it is served (another node
     may have dropped it, or stored a newer turn, while this one was down)."""
     kept, problems, records = recovery.recover(index, disk, events)
-    own = index.own() if with_remote else set()  # histories of this node's own: served and published as they are
+    own = index.own() if with_remote else {}  # histories of this node's own, and over what a publish was tried
     now = clock.now()
     held: set[int] = set()
     for rec in kept:
@@ -131,8 +131,11 @@ def recover(table: SessionTable, holders: Holders, idle: IdleChecks, index: Disk
         snap.set_errors(0, np.frombuffer(rec.row.errors, dtype="<f4").copy() if rec.row.errors else None)
         session = Session(rec.key, snap, rec.row.created, rec.row.last_access, released_at=now,
                           priority=rec.row.priority, lossy=rec.row.lossy, row=rec.row, row_version=snap.version,
-                          record=records.get(rec.key), remote_version=UNKNOWN if rec.key not in own and with_remote
-                          else 0, remote_fresh=snap.version if rec.key in own else -1, own_row=rec.key in own)
+                          record=records.get(rec.key), own_row=rec.key in own, own_expect=own.get(rec.key))
+        if with_remote and (rec.key not in own or session.own_expect is not None):
+            session.remote_version = UNKNOWN  # asked about there first (finder.stale)
+        elif rec.key in own:
+            session.remote_fresh = snap.version  # served, and published as a new history
         table.add(session)
         idle.schedule(session)
     return problems

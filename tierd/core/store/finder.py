@@ -80,6 +80,9 @@ class Finder:
             if version > 0:
                 self.gone(session, version, write)  # no node resumes it from there: published again
             return None
+        if session is not None and version == UNKNOWN and session.own_expect == at:
+            self._own(session, fresh=True)  # a history of this node's own, none of whose publishes landed
+            return None
         if session is not None and self.settle(session, version, m, at) == "kept":
             return None
         if session is not None and version == UNKNOWN and m is not None and self._recognised(session, m):
@@ -119,12 +122,16 @@ class Finder:
             session.remote_at = snap.version
             return True
 
-    def _own(self, session: Session) -> None:
-        """A recovered copy the remote tier holds nothing of: this node's own, served and published."""
+    def _own(self, session: Session, fresh: bool = False) -> None:
+        """A recovered copy the remote tier holds nothing of (fresh: nothing
+        of since this node tried to publish it): this node's own, served and
+        published (fresh: as a new history, over whatever the key holds)."""
         with self.table.lock:
             if session.remote_version != UNKNOWN:
                 return
             session.remote_version = 0
+            if fresh:
+                session.remote_fresh = session.snap.version
         if self.remote.write == "through":
             self.queue.add(session.key)
 

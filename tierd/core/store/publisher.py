@@ -128,10 +128,7 @@ class Publisher:
             base_write = session.remote_write
             unacked = session.remote_unacked == version  # this content, published: waits for a replica
             session.readers += 1
-            session.publishing = True
         try:
-            if not self._unown(session):
-                return
             unusable = False
             try:
                 m, expect = self.link.call("manifest", backend.head, key)
@@ -170,6 +167,8 @@ class Publisher:
             coding = self.coder.coding_for(bound, geom.n_pages, errors)
             if coding is not None:  # coded as they are read
                 data = self.coder.encode(data, spec, geom, sums, coding, errors, bound)
+            if not self._trying(session, expect):
+                return
             new = self.link.call("publish", backend.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data, coding=coding)
@@ -194,23 +193,24 @@ class Publisher:
                 self.queue.add(key)
             log.info("%s/%s not published: %s", *key, exc)
         finally:
-            with self.table.lock:
-                session.publishing = False
             self.placement.end_read(session)
             self.busy.end_publish(key)
 
-    def _unown(self, session: Session) -> bool:
-        """Before a publish: where the index names the session's row a history
-        of this node's own, the name taken off (once the publish may have
-        landed, a copy recovered from disk is no longer this node's alone:
-        another node may drop or continue what was published), after any
-        durable write deciding it ends. False where the index cannot take it
-        off: not published now, queued again."""
+    def _trying(self, session: Session, expect: int) -> bool:
+        """Before the publish call: the version its key holds now recorded as
+        the one the publish is tried over, in the index too where it names the
+        row a history of this node's own (after any durable write deciding
+        that ends). Recovered, the copy is this node's own only where the key
+        still holds that version: nothing this node published landed. False
+        where the index cannot record it: not published now, queued again."""
         deadline = time.monotonic() + 30.0
         while True:
             with self.table.lock:
-                writing, own = session.own_writes, session.own_row
-            if not writing or time.monotonic() > deadline:
+                writing = session.own_writes
+                if not writing:
+                    session.own_expect, own = expect, session.own_row
+                    break
+            if time.monotonic() > deadline:
                 break
             time.sleep(0.002)  # a write of its pages to disk commits: milliseconds
         index = self.placement.index
@@ -218,13 +218,11 @@ class Publisher:
             if writing:
                 raise Unavailable("a durable write of it did not end in 30 s")
             if own and index is not None:
-                index.apply([own_stmt(session.key, False)])
+                index.apply([own_stmt(session.key, True, expect)])
         except TierdError as exc:
             log.warning("%s/%s not published now: %s", *session.key, exc)
             self.queue.add(session.key)
             return False
-        with self.table.lock:
-            session.own_row = False
         return True
 
     def _within_quota(self, key: SessionKey, nbytes: int) -> bool:

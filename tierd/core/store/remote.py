@@ -214,6 +214,7 @@ class Committed:
                 return
             if w.first_page == 0:
                 session.remote_fresh = session.snap.version
+                session.own_expect = None  # a new history: no publish of it tried yet
         if self.remote.write == "through":
             self.queue.add(w.key)
 
