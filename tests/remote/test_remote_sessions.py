@@ -413,6 +413,15 @@ def test_a_session_stored_again_after_its_drop_survives_a_crash_before_its_publi
     assert read(a, key) == b"".join(eng.pages([2, 3]))
 
 
+def written_back(h, key, eng, blocks):
+    """Store a new history on node h (remote_write back, remote_idle 1), write
+    it to disk and let it go idle past remote_idle: its publish is tried."""
+    save(h.store, key, eng, blocks, 32)
+    h.store.write_back(key)
+    h.store.release(key)
+    h.clock.advance(2.0)
+
+
 def test_a_newer_history_on_disk_whose_publish_failed_survives_a_crash(nodes, cluster):
     """Found by the chaos campaign (seed 8, "older than durable"): a node's
     newer history (a store from token 0) on its disk, its publish tried
@@ -424,16 +433,10 @@ def test_a_newer_history_on_disk_whose_publish_failed_survives_a_crash(nodes, cl
     hb = nodes("b", remote_write="back", remote_idle=1)
     key = SessionKey("alice", "newer-while-down")
     eng = HostEngine(seed=53)
-    save(hb.store, key, eng, [0, 1], 32)
-    hb.store.write_back(key)
-    hb.store.release(key)
-    hb.clock.advance(2.0)
+    written_back(hb, key, eng, [0, 1])
     published(hb.store, key)  # the remote tier holds this version
     with masters_stopped(cluster):
-        save(hb.store, key, eng, [2, 3], 32)  # a new history, on disk
-        hb.store.write_back(key)
-        hb.store.release(key)
-        hb.clock.advance(2.0)  # idle: its publish is tried, and fails
+        written_back(hb, key, eng, [2, 3])  # a new history: its publish is tried, and fails
         wait_for(hb.store.link.down.is_set, what="the publish tried, and the remote tier marked down")
         hb.close()  # as a kill: nothing more is published or written
     b = hb.open()
@@ -448,10 +451,7 @@ def test_a_newer_history_whose_publish_call_failed_survives_a_crash_where_the_ti
     hb = nodes("b", remote_write="back", remote_idle=1)
     key = SessionKey("alice", "publish-cut")
     eng = HostEngine(seed=54)
-    save(hb.store, key, eng, [0, 1], 32)
-    hb.store.write_back(key)
-    hb.store.release(key)
-    hb.clock.advance(2.0)
+    written_back(hb, key, eng, [0, 1])
     published(hb.store, key)
     tried = []
 
@@ -460,10 +460,7 @@ def test_a_newer_history_whose_publish_call_failed_survives_a_crash_where_the_ti
         raise Unavailable("the connection was reset in the middle of the publish")
 
     monkeypatch.setattr(hb.store.remote.store, "publish", cut)
-    save(hb.store, key, eng, [2, 3], 32)
-    hb.store.write_back(key)
-    hb.store.release(key)
-    hb.clock.advance(2.0)
+    written_back(hb, key, eng, [2, 3])
     wait_for(lambda: tried, what="the publish tried")
     hb.close()
     b = hb.open()
@@ -482,10 +479,7 @@ def test_a_copy_whose_publish_started_gives_way_to_a_drop_made_after_it(nodes):
     hb = nodes("b", remote_write="back", remote_idle=1)
     key = SessionKey("alice", "published-then-dropped")
     eng = HostEngine(seed=52)
-    save(hb.store, key, eng, [0, 1], 32)
-    hb.store.write_back(key)  # on disk as the node's own history, not published
-    hb.store.release(key)
-    hb.clock.advance(2.0)
+    written_back(hb, key, eng, [0, 1])  # on disk as the node's own history, then published
     published(hb.store, key)
     a.drop(key)
     hb.close()
