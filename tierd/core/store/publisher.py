@@ -157,6 +157,8 @@ class Publisher:
                 return
             if self.remote.tenant_quota and not self._within_quota(key, geom.nbytes):
                 return
+            if not self._trying(session, expect):
+                return
             t0 = time.perf_counter()
             # A move to another tier, checked as moves are: every reader checks every page against the
             # manifest, so a page damaged here is never served from there either.
@@ -167,8 +169,6 @@ class Publisher:
             coding = self.coder.coding_for(bound, geom.n_pages, errors)
             if coding is not None:  # coded as they are read
                 data = self.coder.encode(data, spec, geom, sums, coding, errors, bound)
-            if not self._trying(session, expect):
-                return
             new = self.link.call("publish", backend.publish, key, expect, spec.to_dict(),
                              spec.fingerprint, num_tokens, spec.page_bytes, sums,
                              hashes if tokens.known(hashes) else tokens.empty(0), data, coding=coding)
