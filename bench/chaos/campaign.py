@@ -100,8 +100,9 @@ class Campaign:
 
     def check_accounting(self) -> None:
         """Per tier, bytes used = the sessions' bytes (less sharing's saving),
-        asked until it holds while the movers run and leases end, for 15 s at
-        most (a lease a failed call left open ends in 5 s)."""
+        and no more than its budget: asked until it holds while the movers run
+        and leases end, for 15 s at most (a lease a failed call left open ends
+        in 5 s)."""
         for node in self.nodes:
             if not node.lock.acquire(timeout=5):
                 continue
@@ -110,7 +111,9 @@ class Campaign:
                     problems = ["?"]
                     for _ in range(50):
                         try:
-                            problems = wire_accounting(c)
+                            problems = wire_accounting(c) + [
+                                f"the {t.name} tier uses {t.used} bytes of its budget of {t.budget}"
+                                for t in c.stats()["tiers"] if t.budget and t.used > t.budget]
                         except TierdError:
                             problems = ["?"]
                         if not problems:
