@@ -73,7 +73,7 @@ def kill9(c, rng: random.Random) -> str:
 
 def sigstop(c, rng: random.Random) -> str:
     with _node(c, rng) as node:
-        if node is None:
+        if node is None or not node.up:  # (one that did not start again: its failure is counted)
             return ""
         node.pause(True)
         time.sleep(rng.uniform(0.5, 6))

@@ -149,6 +149,41 @@ def test_tables_that_are_not_tierds_are_moved_aside(tmp_path):
     assert idx.recover() == ([], []) and idx.count() == (0, 0)
 
 
+def garbled(path, *changes):
+    """The file with each (found bytes, offset past them, new bytes) written over."""
+    data = bytearray(open(path, "rb").read())
+    for found, past, new in changes:
+        at = data.index(found) + past
+        data[at : at + len(new)] = new
+    open(path, "wb").write(data)
+
+
+def test_an_index_whose_schema_names_a_table_in_bytes_that_are_not_text_is_moved_aside(tmp_path):
+    """Found by the chaos campaign's hour (seed 1, an index garbled at random):
+    SQLite's message about the malformed schema quoted the table's name, which
+    was not UTF-8, and Python's UnicodeDecodeError stopped the daemon's start."""
+    path = str(tmp_path / "i.db")
+    DiskIndex(path).close()
+    garbled(path, (b"CREATE TABLE sessions", 0, b"\xd5" * 6), (b"tablesessions", 5, b"\xd5\xd5"))
+    with pytest.raises(UnicodeDecodeError):
+        sqlite3.connect(path).execute("PRAGMA journal_mode=WAL")
+    idx = DiskIndex(path)
+    assert idx.set_aside is not None and os.path.exists(idx.set_aside)
+    assert idx.recover() == ([], []) and idx.count() == (0, 0)
+
+
+def test_an_index_whose_rows_hold_text_that_is_not_text_is_moved_aside(tmp_path):
+    """A row's spec that is not UTF-8: SQLite cannot hand it over, and the
+    start failed (UNAVAILABLE); it is damage, moved aside."""
+    path = str(tmp_path / "i.db")
+    idx = DiskIndex(path)
+    idx.add_pieces(K, [piece(0, 8192, 0, 2)], row(2))
+    idx.close()
+    garbled(path, (b'{"', 2, b"\xd5\xd5"))
+    idx = DiskIndex(path)
+    assert idx.recover() == ([], []) and idx.set_aside is not None and os.path.exists(idx.set_aside)
+
+
 def test_an_index_that_cannot_be_opened_is_not_moved_aside(tmp_path):
     path = tmp_path / "i.db"
     path.mkdir()  # SQLite cannot open it, and nothing says the data in it is damaged

@@ -52,8 +52,8 @@ class DiskIndex:
         self.set_aside: str | None = None  # where an unreadable index was moved at start
         try:
             self._open()
-        except sqlite3.Error as exc:
-            if not unsound(exc):
+        except (sqlite3.Error, UnicodeDecodeError) as exc:
+            if isinstance(exc, sqlite3.Error) and not unsound(exc):
                 raise IndexUnavailable(f"cannot open the disk index {path}: {exc}") from None
             self._set_aside(str(exc))
             try:
@@ -225,8 +225,8 @@ class DiskIndex:
                 verdict = self._db.execute("PRAGMA quick_check(3)").fetchall()
             if verdict != [("ok",)]:
                 raise sqlite3.DatabaseError("quick_check: " + " ".join(str(r[0]).replace("\n", " ") for r in verdict))
-        except sqlite3.Error as exc:
-            if not unsound(exc):
+        except (sqlite3.Error, UnicodeDecodeError) as exc:
+            if isinstance(exc, sqlite3.Error) and not unsound(exc):
                 raise failed(exc, "read its rows", self.path) from exc
             self._db.close()
             self._set_aside(str(exc))  # before anything was written to it: as it was found

@@ -90,11 +90,14 @@ class IndexUnavailable(RuntimeError):
     a file system with no room for a new database): nothing was changed."""
 
 
-def unsound(exc: sqlite3.Error) -> bool:
-    """Whether SQLite says the file is not a sound database. It raises bare
-    DatabaseError for that alone (SQLITE_CORRUPT, SQLITE_NOTADB), and
-    subclasses for I/O errors, a full disk, locks."""
-    return type(exc) is sqlite3.DatabaseError
+def unsound(exc: sqlite3.Error | UnicodeDecodeError) -> bool:
+    """Whether the file is not a sound database. SQLite raises bare
+    DatabaseError for that (SQLITE_CORRUPT, SQLITE_NOTADB), and subclasses for
+    I/O errors, a full disk, locks; text that is not UTF-8 (a table's name in
+    the schema, a row's column) is damage too, whether Python meets it in
+    SQLite's message or in a row."""
+    return type(exc) is sqlite3.DatabaseError or isinstance(exc, UnicodeDecodeError) or \
+        (isinstance(exc, sqlite3.OperationalError) and str(exc).startswith("Could not decode to UTF-8"))
 
 
 def failed(exc: sqlite3.Error, doing: str, path: str) -> TierdError:
