@@ -13,11 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from tests import helpers
 from tests.helpers import metric
 from tierd.client import KVSpec, ResourceExhausted
 from tierd.errors import DeadlineExceeded
-from tierd.testing import Daemon
+from tierd.testing import Daemon, tokens_file as tokens_file_of
 from tierd.v1 import tierd_pb2 as pb
 from tierd.v1 import tierd_pb2_grpc as pb_grpc
 from tierd.wire.convert import spec_to_pb
@@ -29,7 +28,7 @@ MiB = 1 << 20
 
 
 def tokens_file(root):
-    return helpers.tokens_file(root, TOKENS)
+    return tokens_file_of(root, TOKENS)
 
 
 def until(predicate, timeout=20.0, what="the condition"):
