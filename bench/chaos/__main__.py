@@ -18,9 +18,11 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the tally here too")
+    ap.add_argument("--logs", default="bench/out/chaos-logs",
+                    help="where the daemons' and Redis nodes' logs are kept when the campaign finds anything")
     args = ap.parse_args()
     campaign, model = run(args.seed, args.minutes * 60, os.environ.get("TIERD_BENCH_DIR"),
-                          log=lambda line: print(line, flush=True))
+                          log=lambda line: print(line, flush=True), keep=args.logs)
     for (op, err), text in sorted(model.tally.samples.items()):
         print(f"first {err} of {op}: {text}")
     for finding in model.tally.findings:

@@ -8,6 +8,7 @@ workers, fault threads and a sampler on threads of their own."""
 from __future__ import annotations
 
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -232,8 +233,17 @@ class Campaign:
         return self.heap_start[index] + len(TENANTS) * INFLIGHT + HEAP_ALLOWANCE
 
 
-def run(seed: int, seconds: float, root: str | None = None, log=print) -> tuple[Campaign, Model]:
+def run(seed: int, seconds: float, root: str | None = None, log=print,
+        keep: str | None = None) -> tuple[Campaign, Model]:
+    """One campaign under a temporary directory; with keep, where the daemons'
+    and Redis nodes' logs are copied when it found anything."""
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         campaign = Campaign(Path(tmp), seed, seconds, log)
         model = campaign.run()
+        if keep and model.tally.findings:
+            for path in Path(tmp).glob("**/*.log"):
+                dest = Path(keep) / path.relative_to(tmp)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, dest)
+            log(f"logs of the daemons and Redis nodes: {keep}")
     return campaign, model
