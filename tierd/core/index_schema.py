@@ -126,7 +126,8 @@ def set_aside(path: str, why: str) -> str:
 
 
 def columns(db: sqlite3.Connection) -> dict[str, list[str]]:
-    return {t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")] for t in ("sessions", "pieces", "meta", "records", "own")}
+    return {t: [c[1] for c in db.execute(f"PRAGMA table_info({t})")]
+            for t in ("sessions", "pieces", "meta", "records", "own")}
 
 
 @functools.cache
