@@ -240,18 +240,18 @@ class Session:
     # The snapshot version of this node's last publish that the store took but did not yet hold as durably as
     # it promises (no replica acknowledged it in time; -1: none): remote-durable once it does.
     remote_unacked: int = -1
-    # Whether the index names this content's row a history of this node's own (stored from token 0 here, not known
-    # to be in the remote tier), the version its key held when a publish of it was tried (None: none was; recovered,
-    # it is this node's own only where the key still holds that), and the durable writes deciding the row now.
+    # Whether the index names this row a history of this node's own (stored from token 0 here, not known to be in the
+    # remote tier), the version its key held when a publish was tried (None: none), and durable writes deciding it now.
     own_row: bool = False
     own_expect: int | None = None
     own_writes: int = 0
 
-    def own_begin(self) -> tuple[bool, int | None]:
-        """With the store lock: a durable write starts; whether its row is a
-        history of this node's own, and over what a publish of it was tried."""
+    def own_begin(self) -> tuple[bool, int | None] | None:
+        """With the store lock: a durable write starts; whether its row is a history of this node's own, and
+        over what a publish of it was tried (None: it is not, and the index names none: nothing to record)."""
         self.own_writes += 1
-        return self.remote_fresh > self.remote_at, self.own_expect
+        fresh = self.remote_fresh > self.remote_at
+        return (fresh, self.own_expect) if fresh or self.own_row else None
 
     def own_end(self, own: tuple[bool, int | None] | None) -> None:
         """With the store lock: that write ended, committed (own: as own_begin said) or not (None)."""
