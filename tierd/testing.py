@@ -146,12 +146,10 @@ class RedisCluster:
         return out.stdout + out.stderr
 
     def start(self, timeout: float = 60.0) -> RedisCluster:
-        taken: set[int] = set()
         while len(self.ports) < self.masters * (1 + self.replicas):
-            port = _free_port()
-            if not {port, port + 10000} & taken:  # no node's port another's bus port
+            port = _free_port()  # (bus ports are 10,000 above the range: never another node's port)
+            if port not in self.ports:
                 self.ports.append(port)
-                taken |= {port, port + 10000}
         self.announced = {p: self.front(p) for p in self.ports} if self.front else {}
         try:
             self._start(timeout)
