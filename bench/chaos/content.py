@@ -58,14 +58,14 @@ def identify(data: bytes) -> Label | None:
     return label if bytes(data[HEADER:]) == _rest(header, len(data) - HEADER) else None
 
 
-def pages(tenant: str, session: str, version: int, sizes: list[int], shared: tuple[str, int] | None = None,
-          part: int = 0) -> list[bytes]:
+def pages(tenant: str, session: str, version: int, sizes: list[int],
+          shared: tuple[str, int] | None = None) -> list[bytes]:
     """A version's pages; with shared=(family, n), its first n pages are the
     family's (the same tokens give the same KV whatever session holds them)."""
     out = []
     for i, nbytes in enumerate(sizes):
         if shared is not None and i < shared[1]:
-            out.append(page(Label(tenant, shared[0], 0, i, part), nbytes))
+            out.append(page(Label(tenant, shared[0], 0, i), nbytes))
         else:
-            out.append(page(Label(tenant, session, version, i, part), nbytes))
+            out.append(page(Label(tenant, session, version, i), nbytes))
     return out

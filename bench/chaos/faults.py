@@ -40,9 +40,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextmanager
-def _held(lock: threading.Lock) -> Iterator[bool]:
-    """The lock, where it can be had within a second (False: another fault has it now)."""
-    got = lock.acquire(timeout=1)
+def held(lock: threading.Lock, timeout: float = 1.0) -> Iterator[bool]:
+    """The lock, where it can be had within `timeout` seconds (False: another fault has it now)."""
+    got = lock.acquire(timeout=timeout)
     try:
         yield got
     finally:
@@ -54,7 +54,7 @@ def _held(lock: threading.Lock) -> Iterator[bool]:
 def _node(c, rng: random.Random) -> Iterator:
     """A daemon chosen by rng, its lock held (None: another fault has it now)."""
     node = rng.choice(c.nodes)
-    with _held(node.lock) as got:
+    with held(node.lock) as got:
         yield node if got else None
 
 
@@ -108,7 +108,7 @@ def damage(c, rng: random.Random) -> str:
 
 
 def redis_master(c, rng: random.Random) -> str:
-    with _held(c.redis_lock) as got:
+    with held(c.redis_lock) as got:
         if not got:
             return ""
         masters = [p for p, role in c.cluster.nodes() if role == "master"]
@@ -120,7 +120,7 @@ def redis_master(c, rng: random.Random) -> str:
 
 
 def redis_down(c, rng: random.Random) -> str:
-    with _held(c.redis_lock) as got:
+    with held(c.redis_lock) as got:
         if not got:
             return ""
         procs = [p for p in c.cluster.procs.values() if p.poll() is None]
@@ -134,7 +134,7 @@ def redis_down(c, rng: random.Random) -> str:
 
 
 def network(c, rng: random.Random) -> str:
-    with _held(c.net_lock) as got:
+    with held(c.net_lock) as got:
         if not got:
             return ""
         mode = rng.choice(["delay", "throttle", "reset", "blackhole"])

@@ -61,7 +61,6 @@ class Model:
         self.keys: dict[tuple[str, str], Key] = {}
         self.damage = [0] * nodes  # per node: how often its files were damaged
         self.tally = Tally()
-        self.started = self.tally.started
 
     def key(self, tenant: str, session: str) -> Key:
         with self.lock:
