@@ -51,15 +51,10 @@ def main(root: str, seed: int, codec: str) -> None:
         n = int(rng.integers(1, 5))
         blocks = rng.choice(64, size=n, replace=False)
         engine.randomize(blocks, seed * 100_000 + step, 256 if codec == "none" else 16)  # (16: pages that code smaller)
-        if action == "append" and name in content:
-            start = len(content[name])
-            pages = content[name] + engine.pages(blocks)
-            say("STATE", name, len(pages) * BT, digest(pages))
-            store.save(key, engine.memory, SPEC, blocks, len(pages) * BT, start_token=start * BT)
-        else:
-            pages = engine.pages(blocks)
-            say("REWRITE", name, len(pages) * BT, digest(pages))
-            store.save(key, engine.memory, SPEC, blocks, len(pages) * BT)
+        start = len(content[name]) if action == "append" and name in content else 0  # (0: stored again)
+        pages = (content[name] if start else []) + engine.pages(blocks)
+        say("STATE", name, len(pages) * BT, digest(pages))
+        store.save(key, engine.memory, SPEC, blocks, len(pages) * BT, start_token=start * BT)
         content[name] = pages
         store.write_back(key)
         say("DURABLE", name, len(pages) * BT, digest(pages))

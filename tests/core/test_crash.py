@@ -23,10 +23,8 @@ def _allowed(log: list[list[str]], durable: dict, pending: dict) -> None:
     the states written since (any of which may be what the disk holds)."""
     for words in log:
         kind, name = words[0], words[1] if len(words) > 1 else None
-        if kind == "STATE":
+        if kind == "STATE":  # (a store from token 0 too: the durable state stays until the new one is)
             pending.setdefault(name, set()).add((int(words[2]), words[3]))
-        elif kind == "REWRITE":
-            pending.setdefault(name, set()).update({(int(words[2]), words[3]), None})
         elif kind == "DROP":
             pending.setdefault(name, set()).add(None)
         elif kind == "DURABLE":

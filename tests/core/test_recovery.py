@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.helpers import SPEC, Harness, HostEngine, wait_for
+from tests.helpers import SPEC, Harness, HostEngine, read_all, wait_for
 from tierd.core.store import make_key
 from tierd.layout import KVSpec
 from tierd.metrics import Metrics
@@ -268,3 +268,51 @@ def assert_no_thread_left(data_dir: str, remote: str, monkeypatch, **kw) -> None
         return [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("tierd")]
 
     wait_for(lambda: ours() == [], timeout=10, what="tierd's threads to end")
+
+
+def test_a_durable_session_stored_again_from_token_0_is_recovered_as_it_was_until_the_new_one_is_durable(tmp_path):
+    """Found by the chaos campaign (seed 6, "older than durable"): a session
+    on disk, stored again from token 0 and killed before the new content was
+    written back, came back as nothing (or as an older copy the remote tier
+    held): the store had taken the durable version out of the index first.
+    The index holds it until the new content is durable."""
+    h = Harness(str(tmp_path))
+    store = h.open()
+    key = make_key("default", "again")
+    eng = HostEngine(seed=11)
+    store.save(key, eng.memory, SPEC, [0, 1, 2], 3 * SPEC.block_tokens)
+    store.demote(key)
+    assert store.stat(key).durable
+    store.save(key, eng.memory, SPEC, [4, 5], 2 * SPEC.block_tokens)
+    assert not store.stat(key).durable and store.check_accounting() == []
+    assert read_all(store.get(key)[1]) == b"".join(eng.pages([4, 5]))
+    h.close()  # as a kill: nothing more is written
+    store = h.open()
+    assert store.stat(key).durable and read_all(store.get(key)[1]) == b"".join(eng.pages([0, 1, 2]))
+    # Stored again and written back, the new content replaces it, and its room is given back.
+    used = store.stats()[-1].used
+    store.save(key, eng.memory, SPEC, [4, 5], 2 * SPEC.block_tokens)
+    store.demote(key)
+    assert store.stat(key).durable and store.scan() == [] and store.stats()[-1].used < used
+    h.close()
+    store = h.open()
+    assert read_all(store.get(key)[1]) == b"".join(eng.pages([4, 5]))
+    store.drop(key)
+    assert store.stats()[-1].used == 0 and store.scan() == []
+
+
+def test_a_session_stored_again_gives_up_the_state_kept_where_the_disk_holds_only_one_of_them(tmp_path):
+    """The durable state kept for a store from token 0 gives way when the disk
+    tier has no room for it and the new content: the write-back goes through."""
+    h = Harness(str(tmp_path), disk_budget=MiB, disk_slab=MiB)
+    store = h.open()
+    key = make_key("default", "big")
+    eng = HostEngine(seed=12)
+    store.save(key, eng.memory, SPEC, list(range(20)), 20 * SPEC.block_tokens)
+    store.demote(key)
+    store.save(key, eng.memory, SPEC, list(range(20, 40)), 20 * SPEC.block_tokens)
+    assert 2 * store.tiers["disk"].used > MiB  # no room for two
+    store.demote(key)
+    assert store.stat(key).durable and store.scan() == [] and store.check_accounting() == []
+    store = h.reopen()
+    assert read_all(store.get(key)[1]) == b"".join(eng.pages(range(20, 40)))

@@ -385,8 +385,8 @@ def test_a_session_being_stored_again_lends_nothing_midway(world):
     seen = []
     truncate = store.placement.truncate
 
-    def midway(session, n_pages, add=None):
-        freed = truncate(session, n_pages, add)
+    def midway(session, n_pages, add=None, keep=False):
+        freed = truncate(session, n_pages, add, keep)
         with pytest.raises(NotFound):  # (a 4-page answer, and then a session of 0 pages, before)
             store.lookup(new, t_toks, SPEC)
         with pytest.raises(NotFound):
@@ -446,3 +446,36 @@ def test_a_read_never_replaces_a_session_holding_other_tokens(world, tier, held,
     assert read_all(store.get(x)[1]) == data and {t: store.tiers[t].used for t in store.tiers} == used
     assert store.lookup(x, own_tokens(0), SPEC).num_pages == (4 if held.startswith("a prefix") else 0)
     assert store.check_accounting() == []
+
+
+def test_a_session_stored_again_over_shared_pages_on_disk_keeps_them_until_its_new_content_is_durable(world):
+    """A session whose durable state shares prefix pages on disk, stored
+    again from token 0: the index keeps that state (a crash finds it), its
+    allocations keep their holders, and the accounting holds, per tenant
+    too; written back, or dropped, it lets them go, and the other sessions
+    read as before."""
+    h, store = world
+    eng = HostEngine(seed=5)
+    save_all(store, eng, n=3)
+    for i in range(3):
+        store.demote(key(i))
+    disk = store.tiers["disk"]
+    used = disk.used
+    store.save(key(0), eng.memory, SPEC, [20, 21], 2 * SPEC.block_tokens)  # other tokens: nothing shared
+    assert disk.used == used and store.check_accounting() == [] and store.scan() == []
+    (tenant_disk,) = [t for t in store.stats("t") if t.name == "disk"]
+    assert tenant_disk.used == sum(store.stat(key(i)).tier_bytes.get("disk", 0) for i in range(3)) - tenant_disk.saved
+    store = h.reopen()
+    assert restored(store, key(0)) == eng.pages(list(range(8)) + [8])  # as it was: the new content was not durable
+    store.save(key(0), eng.memory, SPEC, [20, 21], 2 * SPEC.block_tokens)
+    store.save(key(1), eng.memory, SPEC, [22], SPEC.block_tokens)
+    store.demote(key(0))  # the new content durable: the state kept for it goes
+    store.drop(key(1))  # dropped: so does its
+    assert store.check_accounting() == [] and store.scan() == []
+    # s0's pages lie in the allocation s2 still holds; s1's own page goes, s0's new pages come
+    assert store.tiers["disk"].used == used - rounded(store, "disk", 1) + rounded(store, "disk", 2)
+    assert restored(store, key(2)) == eng.pages(list(range(8)) + [10])
+    assert restored(store, key(0), 2) == eng.pages([20, 21])
+    store = h.reopen()
+    assert sorted(store.keys()) == [key(0), key(2)] and store.scan() == [] and store.check_accounting() == []
+    assert restored(store, key(2)) == eng.pages(list(range(8)) + [10])

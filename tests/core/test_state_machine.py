@@ -34,6 +34,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.seed = 0
         self.model = {}  # key -> (pages, tokens)
         self.durable = {}  # key -> (pages, tokens) of the state on disk
+        self.replaced = set()  # keys whose state on disk a store from token 0 replaced since: kept whole till then
 
     def teardown(self):
         if hasattr(self, "h"):
@@ -50,6 +51,7 @@ class StoreMachine(RuleBasedStateMachine):
         for key, content in self.model.items():
             if self.store.stat(key).durable:
                 self.durable[key] = content
+                self.replaced.discard(key)
 
     @rule(key=st.sampled_from(KEYS), tokens=st.integers(1, MAX_PAGES * BT // 2),
           tier=st.sampled_from([None, "device"]))
@@ -61,7 +63,8 @@ class StoreMachine(RuleBasedStateMachine):
         except ResourceExhausted:
             return  # too big for the landing tier right now: nothing changed (the invariants check)
         self.model[key] = (self.engine.pages(blocks), tokens)
-        self.durable.pop(key, None)
+        if key in self.durable:
+            self.replaced.add(key)
         self._refresh_durable()
 
     @precondition(lambda self: self.model)
@@ -79,11 +82,11 @@ class StoreMachine(RuleBasedStateMachine):
         except ResourceExhausted:
             return
         self.model[key] = (pages[:start_page] + self.engine.pages(blocks), new_tokens)
-        if key in self.durable and len(self.durable[key][0]) > start_page:
+        if key in self.durable and start_page == 0:
+            self.replaced.add(key)
+        elif key in self.durable and key not in self.replaced and len(self.durable[key][0]) > start_page:
             d_pages, d_tokens = self.durable[key]
             self.durable[key] = (d_pages[:start_page], min(d_tokens, start_page * BT))
-            if start_page == 0:
-                del self.durable[key]
         self._refresh_durable()
 
     @precondition(lambda self: self.model)
@@ -123,6 +126,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.drop(key)
         del self.model[key]
         self.durable.pop(key, None)
+        self.replaced.discard(key)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), pin=st.booleans())
@@ -159,6 +163,7 @@ class StoreMachine(RuleBasedStateMachine):
         if not crash:
             self.durable = dict(self.model)
         self.model = dict(self.durable)
+        self.replaced.clear()
         assert sorted(self.store.keys()) == sorted(self.model)
         for key, (pages, tokens) in self.model.items():
             info = self.store.stat(key)

@@ -468,6 +468,30 @@ def test_a_newer_history_whose_publish_call_failed_survives_a_crash_where_the_ti
     b.release(key)
     hb.clock.advance(2.0)
     published(b, key)
+
+
+def test_a_history_on_disk_stored_again_survives_a_crash_over_the_older_version_the_tier_holds(nodes):
+    """Found by the chaos campaign (seed 6, "older than durable"): a node's
+    durable history, newer than the version the remote tier held, stored
+    again from token 0 and the node killed before the new content was on
+    disk. Started again, the node served the tier's older version: the store
+    had taken its durable history out of the index first."""
+    hb = nodes("b", remote_write="back", remote_idle=1)
+    key = SessionKey("alice", "again-over-the-tier")
+    eng = HostEngine(seed=56)
+    written_back(hb, key, eng, [0, 1])
+    published(hb.store, key)  # the remote tier holds this version
+    save(hb.store, key, eng, [2, 3], 32)
+    hb.store.write_back(key)  # durable here, not published (not idle)
+    info = hb.store.stat(key)
+    assert info.durable and not info.remote_durable
+    save(hb.store, key, eng, [4, 5], 32)  # stored again: in memory only
+    hb.close()  # as a kill
+    b = hb.open()
+    assert read(b, key) == b"".join(eng.pages([2, 3]))
+    b.release(key)
+    hb.clock.advance(2.0)
+    published(b, key)  # this node's history, published over the older version
     assert read(nodes("c").store, key) == b"".join(eng.pages([2, 3]))
 
 

@@ -137,12 +137,15 @@ class DiskIndex:
                 raise
 
     def add_pieces(self, key: SessionKey, pieces: list[tuple[Piece, np.ndarray, np.ndarray]],
-                   row: Row | None, record: Record | None = None, own: tuple[bool, int | None] | None = None) -> None:
+                   row: Row | None, record: Record | None = None, own: tuple[bool, int | None] | None = None,
+                   replace: bool = False) -> None:
         """Record pieces already written and synced (or held by another session
         already: shared prefix pages), with their pages' checksums and token
         hashes; with row, mark a complete state (described by `record`; with
-        own, whether it is a history of this node's own, and over what a publish of it was tried)."""
-        stmts = piece_stmts(key, pieces) + ([row_stmt(key, row)] if row is not None else [])
+        own, whether it is a history of this node's own, and over what a publish of it was tried);
+        with replace, in place of every piece, row and record of the session's the index holds."""
+        stmts = self._delete_stmts(key)[:3] if replace else []
+        stmts += piece_stmts(key, pieces) + ([row_stmt(key, row)] if row is not None else [])
         stmts += [own_stmt(key, *own)] if own is not None else []
         self._tx(stmts + ([record_stmt(key, record)] if record is not None else []))
 
@@ -179,6 +182,7 @@ class DiskIndex:
 
     @staticmethod
     def _delete_stmts(key: SessionKey) -> list[tuple[str, tuple]]:
+        """Its pieces, row, record and own row forgotten (in that order)."""
         return [
             ("DELETE FROM pieces WHERE tenant=? AND session_id=?", tuple(key)),
             ("DELETE FROM sessions WHERE tenant=? AND session_id=?", tuple(key)),

@@ -225,6 +225,9 @@ class Session(RemoteCopy):
     op: threading.Lock = field(default_factory=threading.Lock)
     readers: int = 0  # Get streams reading pages without the op lock
     deferred: list[tuple[str, Piece]] = field(default_factory=list)  # pieces to free once the readers are done
+    # After a store from token 0 over a durable state, the durable tier's pieces of that state: the index
+    # holds it until the new content is durable ([]: none), and they are freed then, or with the session.
+    kept: list[Piece] = field(default_factory=list)
 
     @property
     def durable(self) -> bool:

@@ -33,6 +33,7 @@ from tierd.core.faults import Faults
 from tierd.core.holders import Holders
 from tierd.core.ports import Lending, MakeRoom
 from tierd.core.index import DiskIndex, Row
+from tierd.core.index_edits import IndexEdits
 from tierd.core.rows import with_pages
 from tierd.core.model import Session
 from tierd.errors import DataLoss, ResourceExhausted, Unavailable, shown
@@ -45,7 +46,7 @@ from tierd.transfer.runs import Span
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
-class Placement:
+class Placement(IndexEdits):
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, events: StoreEvents,
                  lock: threading.RLock, holders: Holders, faults: Faults, lending: Lending = Lending(),
                  make_room: MakeRoom | None = None, quota: Callable[[str], int | None] = lambda tier: None) -> None:
@@ -214,7 +215,13 @@ class Placement:
         if not session.durable:
             missing = session.snap.missing([self.durable])
             with self._one_copy(session, self.durable, missing):
-                self._write_durable(session, missing, io_class, reason, evict)
+                try:
+                    self._write_durable(session, missing, io_class, reason, evict)
+                except ResourceExhausted:
+                    if not session.kept:
+                        raise
+                    self.give_up_kept(session)  # no room for it and the new content: it goes first
+                    self._write_durable(session, missing, io_class, reason, evict)
 
     def _write_durable(self, session: Session, missing: list[tuple[int, int]], io_class: IOClass,
                        reason: str, evict: bool) -> None:
@@ -248,8 +255,10 @@ class Placement:
         record = self.index.records.describe(session.key, row, entries)  # (the whole state) before the index
         with self.lock:
             own = session.own_begin()
+            replace = bool(session.kept)  # the index holds the state before a store from token 0: replaced
         try:
-            self.index.add_pieces(session.key, entries[len(entries) - len(pieces):], row, record, own)
+            self.index.add_pieces(session.key, entries if replace else entries[len(entries) - len(pieces):], row,
+                                  record, own, replace)
         except BaseException:
             with self.lock:
                 session.own_end(None)
@@ -260,41 +269,7 @@ class Placement:
             session.own_end(own)
             snap.add_pieces(durable, pieces)
             session.row, session.row_version = row, snap.version
-            replaced, session.record = (session.record, record) if record is not None else (None, session.record)
+            replaced, session.record = (session.record, record) if record is not None or replace else \
+                (None, session.record)
         self.index.records.discard(replaced)
-
-    def truncate(self, session: Session, n_pages: int,
-                 add: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None) -> list[tuple[str, Piece]]:
-        """Forget pages from n_pages on (the index first), recording in the
-        index, in the same transaction, the durable tier's pieces `add` (with
-        their checksums and token hashes) that the session takes from other
-        sessions; returns pieces to free."""
-        snap = session.snap
-        cut = n_pages < snap.n_pages
-        if not cut and not add:
-            return []
-        if self.index is not None and (add or snap.pieces(self.durable) or session.row is not None):
-            row = session.row.cut(n_pages) if session.row is not None else None
-            self.index.truncate(session.key, n_pages, row, add, unrecord=cut)
-            session.row = row
-        if not cut:
-            return []
-        session.record = self.index.records.discard(session.record) if session.record is not None else None
-        with self.lock:
-            freed = snap.truncate(n_pages)
-            snap.version += 1
-        return freed
-
-    def unindex(self, session: Session) -> None:
-        """Remove the session's index entry and record, the first step of forgetting
-        it: where either cannot be written, this raises and the session is served as before."""
-        if self.index is not None and (session.row is not None or session.snap.pieces(self.durable)):
-            self.index.delete(session.key, session.record)
-            session.row = session.record = None
-
-    def forget(self, session: Session) -> None:
-        """Free every copy of a session already unindexed."""
-        with self.lock:
-            placement = dict(session.snap.placement)
-            session.snap.placement.clear()
-        self.retire(session, [(t, p) for t, pieces in placement.items() for p in pieces])
+        self._let_go_kept(session)

@@ -36,6 +36,14 @@ class Describe:
         return s.durable and durable is not None and \
             not any(self.tiers[durable].retired(p.offset) for p in s.snap.pieces(durable))
 
+    def tier_bytes(self, s: Session) -> dict[str, int]:
+        """Bytes the session holds in each tier that holds any: its content's,
+        and in the durable tier, the durable state kept for a store from token 0 (Session.kept)."""
+        held = s.snap.tier_bytes()
+        if s.kept and self.roles.durable is not None:
+            held[self.roles.durable] = held.get(self.roles.durable, 0) + sum(p.alloc_bytes for p in s.kept)
+        return held
+
     def shares(self, snap: Snapshot) -> dict[str, int]:
         """What policy counts of a snapshot's bytes in each tier that holds
         any: an allocation it shares with other snapshots (prefix pages) split
@@ -75,7 +83,7 @@ class Describe:
                 coded.setdefault("tier_errors", {})[tier] = error
         return SessionInfo(
             tenant=s.key.tenant, session_id=s.key.session_id, tier=snap.slowest_tier(),
-            tier_bytes=snap.tier_bytes(), state=s.state.value,
+            tier_bytes=self.tier_bytes(s), state=s.state.value,
             num_tokens=snap.num_tokens, size_bytes=snap.nbytes, num_pages=snap.n_pages, durable=self.durable(s),
             last_access=s.last_access, created=s.created, priority=s.priority, pins=s.pins,
             model_id=snap.spec.model_id, fingerprint=snap.spec.fingerprint, spec=snap.spec,

@@ -82,8 +82,10 @@ class Inspection:
             if tenant is None or s.key.tenant == tenant:
                 for t in s.snap.tiers_held():
                     counts[t] += 1
-                    if tenant is not None:  # each holder's part of what its shared allocations save
-                        saved[t] += sum(p.alloc_bytes - p.alloc_bytes // n for p in s.snap.pieces(t)
+                if tenant is not None:  # each holder's part of what its shared allocations save (kept: Session.kept)
+                    for t in self.tiers:
+                        kept = s.kept if t == self.placement.durable else []
+                        saved[t] += sum(p.alloc_bytes - p.alloc_bytes // n for p in s.snap.pieces(t) + kept
                                         if (n := holders(t, p)) > 1)
         return [TierStats(name, t.budget, t.used if tenant is None else t.used_by(tenant),
                           t.capacity if tenant is None else 0, counts[name], t.backend, saved[name])
@@ -105,7 +107,7 @@ class Inspection:
         for key in self.table.keys():
             with self.table.held(key) as session:
                 snap = session.snap
-                pieces = snap.pieces(durable)
+                pieces = snap.pieces(durable) + session.kept  # (kept: indexed, not read back: not the content)
                 extents += [(p.offset, p.alloc_bytes, key) for p in pieces if p.offset not in seen]
                 seen.update(p.offset for p in pieces)  # an allocation of shared prefix pages: once
                 indexed_pieces += len(pieces)
@@ -139,6 +141,7 @@ class Inspection:
         with self.table.lock:
             sessions = self.table.sessions()
             holders = [(s.key.tenant, s.snap.placement) for s in sessions]
+            holders += [(s.key.tenant, {self.placement.durable: s.kept}) for s in sessions if s.kept]
             holders += [(w.key.tenant, {w.tier: w.pieces}) for w in writes] + [(w.key.tenant, w.lent) for w in writes]
             holders += [(s.key.tenant, {tier: [p]}) for s in sessions for tier, p in s.deferred]
             for tenant, placement in holders:
