@@ -468,11 +468,19 @@ def test_a_session_stored_again_over_shared_pages_on_disk_keeps_them_until_its_n
     store = h.reopen()
     assert restored(store, key(0)) == eng.pages(list(range(8)) + [8])  # as it was: the new content was not durable
     store.save(key(0), eng.memory, SPEC, [20, 21], 2 * SPEC.block_tokens)
-    store.save(key(1), eng.memory, SPEC, [22], SPEC.block_tokens)
-    store.demote(key(0))  # the new content durable: the state kept for it goes
-    store.drop(key(1))  # dropped: so does its
+    # s1 stored again over the same prefix: its new content takes the prefix pages on disk from s2, recorded
+    # in the index with it (the index holds the state kept until then)
+    store.save(key(1), eng.memory, SPEC, list(range(8)) + [22], 9 * SPEC.block_tokens, token_ids=own_tokens(7))
+    assert store.stat(key(1)).shared_bytes == 8 * SPEC.page_bytes
     assert store.check_accounting() == [] and store.scan() == []
-    # s0's pages lie in the allocation s2 still holds; s1's own page goes, s0's new pages come
+    store.demote(key(0))  # the new content durable: the state kept for it goes
+    store.demote(key(1))
+    assert store.check_accounting() == [] and store.scan() == []
+    store = h.reopen()
+    assert restored(store, key(1)) == eng.pages(list(range(8)) + [22])
+    store.drop(key(1))
+    assert store.check_accounting() == [] and store.scan() == []
+    # s0's pages lie in the allocation s2 still holds; s1's own pages go, s0's new pages come
     assert store.tiers["disk"].used == used - rounded(store, "disk", 1) + rounded(store, "disk", 2)
     assert restored(store, key(2)) == eng.pages(list(range(8)) + [10])
     assert restored(store, key(0), 2) == eng.pages([20, 21])

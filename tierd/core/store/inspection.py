@@ -107,10 +107,11 @@ class Inspection:
         for key in self.table.keys():
             with self.table.held(key) as session:
                 snap = session.snap
-                pieces = snap.pieces(durable) + session.kept  # (kept: indexed, not read back: not the content)
-                extents += [(p.offset, p.alloc_bytes, key) for p in pieces if p.offset not in seen]
-                seen.update(p.offset for p in pieces)  # an allocation of shared prefix pages: once
-                indexed_pieces += len(pieces)
+                pieces = snap.pieces(durable)
+                held = pieces + session.kept  # (a state kept for a store from token 0: the index holds it instead)
+                extents += [(p.offset, p.alloc_bytes, key) for p in held if p.offset not in seen]
+                seen.update(p.offset for p in held)  # an allocation of shared prefix pages: once
+                indexed_pieces += len(session.kept or pieces)
                 spans = snap.spans(durable)
                 try:
                     for _ in self.copier.windows(spans, snap.geometry, snap.checksums, IOClass.WRITEBACK):
