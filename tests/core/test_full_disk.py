@@ -61,7 +61,6 @@ def full(small_fs):
 
 CALLS = {
     "drop a durable session": lambda s, e: s.drop(A),
-    "cut it by save": lambda s, e: s.save(A, e.memory, SPEC, [9], 32, start_token=16),
     "write back a session": lambda s, e: s.write_back(C),
     "demote a session to disk": lambda s, e: s.demote(C),
     "drop a session on disk and in host": lambda s, e: s.drop(B),
@@ -98,7 +97,9 @@ def test_calls_that_need_no_room_still_work_on_a_full_disk(full):
     store.save(A, eng.memory, SPEC, [9], 80, start_token=64)  # an append forgets nothing on disk
     assert stored(store, A)[0] == 80
     store.restore(B, HostEngine(seed=2).memory, SPEC, [0, 1])
-    # Stored again from token 0, by any call: the state on disk stays in the index until the new one is durable.
+    # Stored again, from token 0 by any call or from a page before its end: the state on disk stays in the
+    # index until the new one is durable.
+    store.save(A, eng.memory, SPEC, [9], 32, start_token=16)
     store.put(A, SPEC, 16, SPEC.page_bytes, [bytes(SPEC.page_bytes)])
     store.save(B, eng.memory, SPEC, [9], 16)
     lease = store.begin_save(B, SPEC, 32)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.helpers import SPEC, Harness, HostEngine, read_all, wait_for
 from tierd.core.store import make_key
+from tierd.errors import ResourceExhausted
 from tierd.layout import KVSpec
 from tierd.metrics import Metrics
 from tierd.testing import Daemon
@@ -316,3 +317,53 @@ def test_a_session_stored_again_gives_up_the_state_kept_where_the_disk_holds_onl
     assert store.stat(key).durable and store.scan() == [] and store.check_accounting() == []
     store = h.reopen()
     assert read_all(store.get(key)[1]) == b"".join(eng.pages(range(20, 40)))
+
+
+def test_a_durable_session_appended_from_a_page_before_its_end_is_recovered_whole(tmp_path):
+    """Found by an outside attack: turn 1 saved 40 tokens (its last page part
+    full) and durable, turn 2 appended from token 32 (the README's engine
+    flow), then kill -9: the session came back as its first 32 tokens, a
+    state never stored, reported durable. The state on disk stays whole
+    until the new content is durable."""
+    h = Harness(str(tmp_path))
+    store = h.open()
+    key = make_key("default", "turns")
+    eng = HostEngine(seed=13)
+    bt = SPEC.block_tokens
+    store.save(key, eng.memory, SPEC, [0, 1, 2], 2 * bt + 8)
+    store.demote(key)
+    used = store.stats()[-1].used
+    store.save(key, eng.memory, SPEC, [3, 4], 4 * bt - 4, start_token=2 * bt)
+    assert not store.stat(key).durable and store.scan() == [] and store.check_accounting() == []
+    assert read_all(store.get(key)[1]) == b"".join(eng.pages([0, 1, 3, 4]))
+    assert store.stats()[-1].used == used  # its first two pages: one copy on disk, held by both
+    h.close()  # as a kill
+    store = h.open()
+    info = store.stat(key)
+    assert info.durable and info.num_tokens == 2 * bt + 8
+    assert read_all(store.get(key)[1]) == b"".join(eng.pages([0, 1, 2]))
+    store.save(key, eng.memory, SPEC, [3, 4], 4 * bt - 4, start_token=2 * bt)
+    store.demote(key)
+    assert store.stat(key).durable and store.scan() == [] and store.check_accounting() == []
+    store = h.reopen()
+    assert store.stat(key).num_tokens == 4 * bt - 4 and read_all(store.get(key)[1]) == b"".join(eng.pages([0, 1, 3, 4]))
+    assert store.scan() == [] and store.check_accounting() == []
+
+
+def test_a_session_stored_again_with_more_than_the_disk_holds_keeps_its_state_on_disk(tmp_path):
+    """Found by an outside attack: content that can never be written back (more
+    than the disk tier's budget) made the store give up the state kept for it
+    on every try, for nothing: a kill -9 then lost the session."""
+    h = Harness(str(tmp_path), disk_budget=MiB, disk_slab=MiB)
+    store = h.open()
+    key = make_key("default", "too-big")
+    eng = HostEngine(seed=14)
+    store.save(key, eng.memory, SPEC, list(range(4)), 4 * SPEC.block_tokens)
+    store.demote(key)
+    store.save(key, eng.memory, SPEC, list(range(4, 44)), 40 * SPEC.block_tokens)  # 40 pages: more than 1 MiB
+    with pytest.raises(ResourceExhausted):
+        store.write_back(key)
+    assert store.check_accounting() == [] and store.scan() == []
+    h.close()
+    store = h.open()
+    assert read_all(store.get(key)[1]) == b"".join(eng.pages(range(4)))

@@ -1,13 +1,15 @@
 """What the disk index is told when a session's content is cut, replaced
 or forgotten, and the pieces that go with it: a base of placement.Placement
-(its index, durable tier, store lock and retire). Runs inside the store,
-called with the session's op lock held.
+(its index, durable tier, holders, store lock and retire). Runs inside the
+store, called with the session's op lock held.
 
-A client's store from token 0 over a durable state leaves that state in the
-index, whole, and its pieces with the session (Session.kept), until the new
-content is durable (Placement._write_durable replaces it in one transaction)
-or the session is forgotten: a crash meanwhile finds it as it was, never
-nothing, nor an older copy another tier holds.
+A client's store that replaces pages of a durable state (from token 0, or
+from a page before its end) leaves that state in the index, whole, its
+pieces held by the session (Session.kept) as well as by the content where
+it keeps them, until the new content is durable (Placement._write_durable
+replaces the state in one transaction) or the session is forgotten: a crash
+meanwhile finds it as it was, never cut short, gone, or an older copy
+another tier holds.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class IndexEdits:
     index: Any  # the DiskIndex, or None
     durable: str | None
     lock: Any
+    held: Any  # Placement.held (holders.Holders)
     retire: Any  # Placement.retire
 
     def truncate(self, session: Session, n_pages: int,
@@ -42,11 +45,12 @@ class IndexEdits:
             return []
         if session.kept and not keep:
             self.give_up_kept(session)
-        # (A damaged state is not worth keeping.)
-        durable_state = n_pages == 0 and session.row is not None and not session.damaged and snap.pieces(self.durable)
-        if keep and self.index is not None and (session.kept or durable_state):
-            with self.lock:
-                session.kept = session.kept or snap.remove_tier(self.durable)  # (the index names each of them)
+        durable_state = session.row is not None and not session.damaged and snap.pieces(self.durable)
+        if keep and self.index is not None and (session.kept or cut and durable_state):
+            if not session.kept:  # (the index names each piece; a damaged state is not worth keeping)
+                with self.lock:  # held by the state kept too: the content lets go of those past n_pages below
+                    session.kept = list(snap.pieces(self.durable))
+                    self.held.hold(self.durable, session.kept)
         elif self.index is not None and (add or snap.pieces(self.durable) or session.row is not None):
             row = session.row.cut(n_pages) if session.row is not None else None
             self.index.truncate(session.key, n_pages, row, add, unrecord=cut)

@@ -60,9 +60,10 @@ class Describe:
         by their token hash."""
         snap = s.snap
         mask = np.zeros(snap.n_pages, dtype=bool)
+        kept = {(self.roles.durable, p.offset) for p in s.kept}  # (the state kept for a store holds some: not others)
         for t, pieces in snap.placement.items():
             for p in pieces:
-                if self.holders.holders(t, p) > 1:
+                if self.holders.holders(t, p) - ((t, p.offset) in kept) > 1:
                     mask[p.first_page : p.first_page + p.n_pages] = True
         if not mask.any():
             return 0

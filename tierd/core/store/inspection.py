@@ -108,7 +108,8 @@ class Inspection:
             with self.table.held(key) as session:
                 snap = session.snap
                 pieces = snap.pieces(durable)
-                held = pieces + session.kept  # (a state kept for a store from token 0: the index holds it instead)
+                # (A state kept for a store: the index holds it instead; it shares allocations with the content.)
+                held = {p.offset: p for p in pieces + session.kept}.values()
                 extents += [(p.offset, p.alloc_bytes, key) for p in held if p.offset not in seen]
                 seen.update(p.offset for p in held)  # an allocation of shared prefix pages: once
                 indexed_pieces += len(session.kept or pieces)
