@@ -367,3 +367,25 @@ def test_a_session_stored_again_with_more_than_the_disk_holds_keeps_its_state_on
     h.close()
     store = h.open()
     assert read_all(store.get(key)[1]) == b"".join(eng.pages(range(4)))
+
+
+def test_a_start_with_a_disk_budget_below_what_the_disk_holds_says_what_it_drops(tmp_path, caplog):
+    """Found by an outside attack: started again with a smaller --disk-budget,
+    the daemon dropped the least recently used durable sessions to fit it, and
+    said nothing. It still does (the budget is the operator's), and says so."""
+    h = Harness(str(tmp_path), disk_slab=MiB)
+    store = h.open()
+    eng = HostEngine(seed=15)
+    for i, key in enumerate(KEYS[:3]):
+        store.save(key, eng.memory, SPEC, list(range(8 * i, 8 * i + 8)), 8 * SPEC.block_tokens)
+        store.demote(key)
+        h.clock.advance(1)
+    h.close()
+    h.disk_budget = MiB // 2
+    with caplog.at_level(logging.WARNING, logger="tierd"):
+        store = h.open()
+    assert "the disk tier holds 768.0KiB, over its budget of 512.0KiB" in caplog.text
+    assert "--disk-budget 768.0KiB or more" in caplog.text
+    store.tick()
+    assert store.drain(30)
+    assert sorted(store.keys()) == KEYS[1:3] and store.check_accounting() == []  # the oldest went

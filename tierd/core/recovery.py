@@ -38,6 +38,7 @@ from tierd.core.record_format import Found, Record
 from tierd.core.records import record_stmt
 from tierd.core.rows import Damaged, Problem, Recovered, parse, piece_stmts, row_stmt, with_pages
 from tierd.errors import TierdError
+from tierd.sizes import format_size
 from tierd.tiers.allocator import Piece
 from tierd.tiers.disk import DiskTier
 from tierd.transfer.runs import page_stride
@@ -71,6 +72,10 @@ def recover(index: DiskIndex, disk: DiskTier, events: StoreEvents,
         else:
             log.warning("recovery: %s", problem)
     log.info("recovered %d sessions from the disk index", len(found))
+    if disk.used > disk.budget:  # (started with a smaller --disk-budget: policy drops what does not fit)
+        log.warning("recovery: the disk tier holds %s, over its budget of %s: the least recently used sessions "
+                    "there are dropped until it fits (start with --disk-budget %s or more to keep them)",
+                    format_size(disk.used), format_size(disk.budget), format_size(disk.used))
     named = index.named_records() if problems or not named else named  # (unchanged where nothing was)
     records = index.records.start({rec.key: named[rec.key] for rec in found if rec.key in named}, punch)
     records.update(_describe_missing(index, [rec for rec in found if rec.key not in records]))
