@@ -45,9 +45,10 @@ class IndexEdits:
             return []
         if session.kept and not keep:
             self.give_up_kept(session)
+        # A durable state the index holds (a damaged one is not worth keeping), its pieces each named there.
         durable_state = session.row is not None and not session.damaged and snap.pieces(self.durable)
         if keep and self.index is not None and (session.kept or cut and durable_state):
-            if not session.kept:  # (the index names each piece; a damaged state is not worth keeping)
+            if not session.kept:
                 with self.lock:  # held by the state kept too: the content lets go of those past n_pages below
                     session.kept = list(snap.pieces(self.durable))
                     self.held.hold(self.durable, session.kept)
@@ -65,9 +66,9 @@ class IndexEdits:
         return freed
 
     def give_up_kept(self, session: Session) -> None:
-        """Let the durable state kept for a store from token 0 go before the new
-        content is durable (there is no room for both; or a fetch replaces the
-        session): the index forgets it first, recording the durable tier's
+        """Let the durable state kept for a store go before the new content is
+        durable (there is no room for both; or a fetch replaces the session):
+        the index forgets it first, recording the durable tier's
         pieces the content holds (shared prefix pages) in the same transaction."""
         snap = session.snap
         self.index.truncate(session.key, 0, None, with_pages(snap.pieces(self.durable), snap.checksums,
