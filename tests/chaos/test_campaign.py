@@ -1,10 +1,9 @@
 """A short chaos campaign with a fixed seed (`make chaos` runs long ones):
 two daemons on a Redis Cluster behind a faulty network, three tenants'
 workers, every kind of fault at random, every read checked against the
-model. Nothing wrong is served, no tenant sees another's, the daemons answer
-after each fault, their accounting and memory hold. A session reported
-durable that a restart after kill -9 no longer serves is still found at
-times (a few in 12 minutes): the test says so (xfail) rather than fail."""
+model. Nothing wrong is served, no tenant sees another's, nothing reported
+durable is lost, the daemons answer after each fault, their accounting and
+memory hold."""
 
 import shutil
 
@@ -23,10 +22,7 @@ def test_a_seeded_campaign_serves_nothing_wrong_and_loses_nothing_durable(tmp_pa
     campaign, model = run(seed=6, seconds=SECONDS, root=str(tmp_path), log=lambda line: None)
     t = model.tally
     line = summary(campaign, model)
-    lost, t.durable_lost = t.durable_lost, 0
     assert not failed(campaign, model), line + "\n" + "\n".join(t.findings)
     # It ran: reads were checked and faults of several kinds injected.
     assert t.reads_checked > 200 and t.pages_checked > t.reads_checked, line
     assert len({kind.split()[0] for kind in t.faults}) >= 5 and sum(t.faults.values()) >= 15, line
-    if lost:  # open (issue 34): a daemon restarted after kill -9 at times no longer serves a Put it reported durable
-        pytest.xfail(f"{lost} durable sessions lost: " + "; ".join(f for f in t.findings if "durable" in f))
