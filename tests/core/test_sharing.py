@@ -383,7 +383,7 @@ def test_a_session_being_stored_again_lends_nothing_midway(world):
     x, new = make_key("t", "x"), make_key("t", "new")
     store.save(x, eng.memory, SPEC, [0, 1, 2, 3], 64, token_ids=t_toks)
     seen = []
-    truncate = store.placement.truncate
+    truncate = store.placement.edits.truncate
 
     def midway(session, n_pages, add=None, keep=False):
         freed = truncate(session, n_pages, add, keep)
@@ -394,9 +394,9 @@ def test_a_session_being_stored_again_lends_nothing_midway(world):
         seen.append(n_pages)
         return freed
 
-    store.placement.truncate = midway
+    store.placement.edits.truncate = midway
     store.save(x, eng.memory, SPEC, [8, 9, 10, 11], 64, token_ids=v_toks)
-    store.placement.truncate = truncate
+    store.placement.edits.truncate = truncate
     assert seen == [0]
     assert store.lookup(new, v_toks, SPEC).num_pages == 4 and restored(store, x, 4) == eng.pages([8, 9, 10, 11])
     assert store.check_accounting() == []

@@ -1,7 +1,7 @@
 """What the disk index is told when a session's content is cut, replaced
-or forgotten, and the pieces that go with it: a base of placement.Placement
-(its index, durable tier, holders, store lock and retire). Runs inside the
-store, called with the session's op lock held.
+or forgotten, and the pieces that go with it, for placement.Placement
+(Placement.edits: it hands in its index, durable tier, holders, store lock
+and retire). Runs inside the store, called with the session's op lock held.
 
 A client's store that replaces pages of a durable state (from token 0, or
 from a page before its end) leaves that state in the index, whole, its
@@ -14,21 +14,26 @@ another tier holds.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
 
 import numpy as np
 
+from tierd.core.holders import Holders
+from tierd.core.index import DiskIndex
 from tierd.core.model import Session
 from tierd.core.rows import with_pages
 from tierd.tiers.allocator import Piece
 
 
 class IndexEdits:
-    index: Any  # the DiskIndex, or None
-    durable: str | None
-    lock: Any
-    held: Any  # Placement.held (holders.Holders)
-    retire: Any  # Placement.retire
+    def __init__(self, index: DiskIndex | None, durable: str | None, lock: threading.RLock, held: Holders,
+                 retire: Callable[[Session, list[tuple[str, Piece]]], None]) -> None:
+        self.index = index
+        self.durable = durable
+        self.lock = lock
+        self.held = held
+        self.retire = retire  # Placement.retire
 
     def truncate(self, session: Session, n_pages: int,
                  add: list[tuple[Piece, np.ndarray, np.ndarray]] | None = None, keep: bool = False
@@ -75,9 +80,10 @@ class IndexEdits:
                                                              snap.token_hashes), unrecord=True)
         session.row = None
         session.record = self.index.records.discard(session.record) if session.record is not None else None
-        self._let_go_kept(session)
+        self.let_go_kept(session)
 
-    def _let_go_kept(self, session: Session) -> None:
+    def let_go_kept(self, session: Session) -> None:
+        """Free the pieces of the state kept for a store (the index holds it no more)."""
         with self.lock:
             kept, session.kept = session.kept, []
         self.retire(session, [(self.durable, p) for p in kept])
@@ -95,4 +101,4 @@ class IndexEdits:
             placement = dict(session.snap.placement)
             session.snap.placement.clear()
         self.retire(session, [(t, p) for t, pieces in placement.items() for p in pieces])
-        self._let_go_kept(session)
+        self.let_go_kept(session)

@@ -46,7 +46,7 @@ from tierd.transfer.runs import Span
 from tierd.types import SessionKey
 
 log = logging.getLogger("tierd.core.placement")
-class Placement(IndexEdits):
+class Placement:
     def __init__(self, tiers: dict, copier: CopyEngine, index: DiskIndex | None, events: StoreEvents,
                  lock: threading.RLock, holders: Holders, faults: Faults, lending: Lending = Lending(),
                  make_room: MakeRoom | None = None, quota: Callable[[str], int | None] = lambda tier: None) -> None:
@@ -62,6 +62,7 @@ class Placement(IndexEdits):
         self._copy_locks = {t: threading.RLock() for t in tiers}  # re-entrant: making room copies too
         self.held = holders  # allocations several pieces hold (prefix sharing)
         self.faults = faults
+        self.edits = IndexEdits(index, self.durable, lock, holders, self.retire)  # cuts, replacements, forgetting
 
     def alloc(self, tier: str, ranges: list[tuple[int, int]], stride: int, protect: SessionKey,
               io_class: IOClass, evict: bool) -> list[Piece]:
@@ -220,7 +221,7 @@ class Placement(IndexEdits):
                 except ResourceExhausted:
                     if not self._kept_makes_room(session, missing):
                         raise
-                    self.give_up_kept(session)  # no room for it and the new content: it goes first
+                    self.edits.give_up_kept(session)  # no room for it and the new content: it goes first
                     self._write_durable(session, missing, io_class, reason, evict)
 
     def _kept_makes_room(self, session: Session, missing: list[tuple[int, int]]) -> bool:
@@ -284,4 +285,4 @@ class Placement(IndexEdits):
             replaced, session.record = (session.record, record) if record is not None or replace else \
                 (None, session.record)
         self.index.records.discard(replaced)
-        self._let_go_kept(session)
+        self.edits.let_go_kept(session)

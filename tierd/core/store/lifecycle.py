@@ -81,10 +81,10 @@ class Lifecycle:
         session is served as before."""
         if not self.table.holds(session):
             return
-        self.placement.unindex(session)
+        self.placement.edits.unindex(session)
         self.table.remove(session)
         held = session.snap.tiers_held()
-        self.placement.forget(session)
+        self.placement.edits.forget(session)
         for t in held:
             self.events.evicted(t, reason)
         self.table.notify()

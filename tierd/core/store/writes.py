@@ -89,7 +89,7 @@ class Writer:
         carry, if fetched from a copy coded lossily; lossy: the save's consent
         to lossy codes, None to leave the session's as it is). The index forgets the
         replaced pages first (with keep, a client's store: not a durable state
-        it holds, until the new content is durable; placement.truncate): if it
+        it holds, until the new content is durable; core/index_edits.py): if it
         cannot, this raises before anything changed, and the caller still owns `pieces` and `lent`."""
         durable = self.roles.durable
         add = [(p, sums[p.first_page - first_page : p.first_page - first_page + p.n_pages],
@@ -99,7 +99,7 @@ class Writer:
             # Out of the prefix index while its hashes change (truncate cuts them): it lends nothing meanwhile.
             self.table.leaving(session)
             try:
-                freed = self.placement.truncate(session, first_page, add, keep)
+                freed = self.placement.edits.truncate(session, first_page, add, keep)
             except BaseException:
                 self.table.entered(session)  # unchanged: back in
                 raise
