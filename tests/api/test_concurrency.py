@@ -13,7 +13,7 @@ import pytest
 from tierd.testing import ROOT, Daemon
 
 CLIENTS = 16
-SECONDS = float(os.environ.get("TIERD_LOAD_SECONDS", "30"))
+SECONDS = float(os.environ.get("TIERD_LOAD_SECONDS", "15"))
 # After every session is dropped, the daemon may keep at most this much more
 # memory than it had warmed up: allocator caches and thread stacks, not data.
 RSS_SLACK = 64 << 20
@@ -24,7 +24,7 @@ def _rss(pid):
 
 
 @pytest.mark.slow
-def test_sixteen_clients_for_thirty_seconds(tmp_path):
+def test_sixteen_clients_for_fifteen_seconds(tmp_path):
     d = Daemon(tmp_path, "--writeback-idle", "0.5", "--host-idle", "2").start()
     try:
         # warm up: one short round, so imports and pools are counted in the baseline

@@ -14,7 +14,7 @@ from bench.chaos.report import failed, summary
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (make install installs it)")
-SECONDS = 75.0
+SECONDS = 60.0
 
 
 @pytest.mark.timeout(600)

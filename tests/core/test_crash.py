@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import Harness, read_all
 
-CYCLES = 50
+CYCLES = 30
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
