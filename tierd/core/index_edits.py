@@ -43,12 +43,13 @@ class IndexEdits:
         their checksums and token hashes) that the session takes from other
         sessions; returns pieces to free. With keep (a client's store), a
         durable state the index holds is kept (the module's docstring), and
-        `add` is recorded with the new content; without, a state kept is given up first."""
+        `add` is recorded with the new content; without, or once the session is
+        found damaged, a state kept is given up first."""
         snap = session.snap
         cut = n_pages < snap.n_pages
         if not cut and not add:
             return []
-        if session.kept and not keep:
+        if session.kept and (not keep or session.damaged):  # (a page of it may be what failed its check)
             self.give_up_kept(session)
         # A durable state the index holds (a damaged one is not worth keeping), its pieces each named there.
         durable_state = session.row is not None and not session.damaged and snap.pieces(self.durable)

@@ -216,25 +216,24 @@ class Placement:
         if not session.durable:
             missing = session.snap.missing([self.durable])
             with self._one_copy(session, self.durable, missing):
-                try:
-                    self._write_durable(session, missing, io_class, reason, evict)
-                except ResourceExhausted:
-                    if not self._kept_makes_room(session, missing):
-                        raise
-                    self.edits.give_up_kept(session)  # no room for it and the new content: it goes first
-                    self._write_durable(session, missing, io_class, reason, evict)
+                if session.kept and self._kept_gives_room(session, missing):
+                    self.edits.give_up_kept(session)  # what the new content lacks is its room: it goes first
+                self._write_durable(session, missing, io_class, reason, evict)
 
-    def _kept_makes_room(self, session: Session, missing: list[tuple[int, int]]) -> bool:
-        """Whether letting go of the state kept for a store (Session.kept) gives
-        the durable tier room for the pages the new content needs there (if not,
-        it would be lost for nothing: content that never fits leaves it as it is)."""
+    def _kept_gives_room(self, session: Session, missing: list[tuple[int, int]]) -> bool:
+        """Whether the durable tier lacks free room for the pages the new content
+        needs there, and letting go of the state kept for a store (Session.kept)
+        gives it: then it goes first, before any other session is moved out. Not
+        where that would not free enough (content that never fits; pieces a Get
+        stream still reads, freed only once it is done): it would be lost for nothing."""
         t, stride, tier = self.tiers[self.durable], session.snap.geometry.stride, self.durable
         need = sum(t.allocator.round(n * stride) for _, n in missing)
         with self.lock:
-            frees = sum(t.allocator.round(p.alloc_bytes) for p in session.kept if self.held.holders(tier, p) == 1)
+            frees = 0 if session.readers else sum(t.allocator.round(p.alloc_bytes) for p in session.kept
+                                                  if self.held.holders(tier, p) == 1)
         quota = self.quota(tier)
         room = t.budget - t.used if quota is None else min(t.budget - t.used, quota - t.used_by(session.key.tenant))
-        return bool(session.kept) and need <= room + frees
+        return room < need <= room + frees
 
     def _write_durable(self, session: Session, missing: list[tuple[int, int]], io_class: IOClass,
                        reason: str, evict: bool) -> None:

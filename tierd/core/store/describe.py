@@ -38,21 +38,29 @@ class Describe:
 
     def tier_bytes(self, s: Session) -> dict[str, int]:
         """Bytes the session holds in each tier that holds any: its content's,
-        and in the durable tier, the durable state kept for a store from token 0 (Session.kept)."""
+        and in the durable tier, the durable state kept for a store (Session.kept)
+        where the content holds none of the same allocations."""
         held = s.snap.tier_bytes()
         if s.kept and self.roles.durable is not None:
-            held[self.roles.durable] = held.get(self.roles.durable, 0) + sum(p.alloc_bytes for p in s.kept)
+            joint = self.joint(s)
+            held[self.roles.durable] = held.get(self.roles.durable, 0) + sum(p.alloc_bytes for p in s.kept
+                                                                             if p.offset not in joint)
         return held
 
-    def shares(self, snap: Snapshot) -> dict[str, int]:
+    def joint(self, s: Session) -> set[int]:
+        """Offsets of the durable tier's allocations that both the session's
+        content and the state kept for a store hold: one holder, as sharing counts."""
+        return {p.offset for p in s.snap.pieces(self.roles.durable)} & {p.offset for p in s.kept} if s.kept else set()
+
+    def shares(self, s: Session) -> dict[str, int]:
         """What policy counts of a snapshot's bytes in each tier that holds
         any: an allocation it shares with other snapshots (prefix pages) split
         evenly among its holders, so that evicting them all frees what the
         sums say. (Stat's tier_bytes counts such an allocation in full: the
         bytes the session reads from; Stats says what sharing saves.)"""
-        holders = self.holders.holders
-        return {t: sum(p.alloc_bytes // holders(t, p) for p in pieces) for t, pieces in snap.placement.items()
-                if pieces}
+        holders, joint, durable = self.holders.holders, self.joint(s), self.roles.durable
+        return {t: sum(p.alloc_bytes // (holders(t, p) - (t == durable and p.offset in joint)) for p in pieces)
+                for t, pieces in s.snap.placement.items() if pieces}
 
     def shared_bytes(self, s: Session) -> int:
         """The snapshot's bytes in pages of which other sessions hold the same
@@ -60,10 +68,10 @@ class Describe:
         by their token hash."""
         snap = s.snap
         mask = np.zeros(snap.n_pages, dtype=bool)
-        kept = {(self.roles.durable, p.offset) for p in s.kept}  # (the state kept for a store holds some: not others)
+        joint = self.joint(s)  # (allocations the state kept for a store holds too: not others)
         for t, pieces in snap.placement.items():
             for p in pieces:
-                if self.holders.holders(t, p) - ((t, p.offset) in kept) > 1:
+                if self.holders.holders(t, p) - (t == self.roles.durable and p.offset in joint) > 1:
                     mask[p.first_page : p.first_page + p.n_pages] = True
         if not mask.any():
             return 0
@@ -92,7 +100,7 @@ class Describe:
 
     def view(self, s: Session, busy: set[SessionKey] | frozenset = frozenset()) -> SessionView:
         recodable = (self.recoding.tier,) if self.recoding is not None and self.recoding.may(s) else ()
-        return SessionView(s.key, self.shares(s.snap), s.last_access, s.released_at, s.priority, s.pins > 0,
+        return SessionView(s.key, self.shares(s), s.last_access, s.released_at, s.priority, s.pins > 0,
                            s.op.locked() or s.key in busy or s.readers > 0, s.durable, s.awaited, s.retry_at,
                            recodable)
 

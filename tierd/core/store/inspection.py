@@ -82,11 +82,15 @@ class Inspection:
             if tenant is None or s.key.tenant == tenant:
                 for t in s.snap.tiers_held():
                     counts[t] += 1
-                if tenant is not None:  # each holder's part of what its shared allocations save (kept: Session.kept)
-                    for t in self.tiers:
-                        kept = s.kept if t == self.placement.durable else []
-                        saved[t] += sum(p.alloc_bytes - p.alloc_bytes // n for p in s.snap.pieces(t) + kept
-                                        if (n := holders(t, p)) > 1)
+            # An allocation the state kept for a store (Session.kept) holds beside the content saves nothing.
+            joint = self.describe.joint(s)
+            if tenant is None and joint:
+                saved[self.placement.durable] -= sum(p.alloc_bytes for p in s.kept if p.offset in joint)
+            elif s.key.tenant == tenant:  # each holder's part of what its shared allocations save
+                for t in self.tiers:
+                    kept = [p for p in s.kept if p.offset not in joint] if t == self.placement.durable else []
+                    saved[t] += sum(p.alloc_bytes - p.alloc_bytes // n for p in s.snap.pieces(t) + kept
+                                    if (n := holders(t, p) - (t == self.placement.durable and p.offset in joint)) > 1)
         return [TierStats(name, t.budget, t.used if tenant is None else t.used_by(tenant),
                           t.capacity if tenant is None else 0, counts[name], t.backend, saved[name])
                 for name, t in sorted(self.tiers.items(), key=lambda kv: tier_rank(kv[0]))]

@@ -88,8 +88,9 @@ class Writer:
         the token hashes of every page, if known; errors: what the new pages
         carry, if fetched from a copy coded lossily; lossy: the save's consent
         to lossy codes, None to leave the session's as it is). The index forgets the
-        replaced pages first (with keep, a client's store: not a durable state
-        it holds, until the new content is durable; core/index_edits.py): if it
+        replaced pages first (with keep, a client's store or the pages a restore
+        takes from other sessions: not a durable state it holds, until the new
+        content is durable; core/index_edits.py): if it
         cannot, this raises before anything changed, and the caller still owns `pieces` and `lent`."""
         durable = self.roles.durable
         add = [(p, sums[p.first_page - first_page : p.first_page - first_page + p.n_pages],
