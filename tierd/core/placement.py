@@ -267,7 +267,7 @@ class Placement:
         record = self.index.records.describe(session.key, row, entries)  # (the whole state) before the index
         with self.lock:
             own = session.own_begin()
-            replace = bool(session.kept)  # the index holds the state before a store from token 0: replaced
+            replace = bool(session.kept)  # the index holds the state a store replaced: replaced here
         try:
             self.index.add_pieces(session.key, entries if replace else entries[len(entries) - len(pieces):], row,
                                   record, own, replace)
