@@ -53,7 +53,7 @@ class DiskIndex:
         try:
             self._open()
         except (sqlite3.Error, UnicodeDecodeError) as exc:
-            if isinstance(exc, sqlite3.Error) and not unsound(exc):
+            if not unsound(exc):
                 raise IndexUnavailable(f"cannot open the disk index {path}: {exc}") from None
             self._set_aside(str(exc))
             try:
@@ -230,7 +230,7 @@ class DiskIndex:
             if verdict != [("ok",)]:
                 raise sqlite3.DatabaseError("quick_check: " + " ".join(str(r[0]).replace("\n", " ") for r in verdict))
         except (sqlite3.Error, UnicodeDecodeError) as exc:
-            if isinstance(exc, sqlite3.Error) and not unsound(exc):
+            if not unsound(exc):
                 raise failed(exc, "read its rows", self.path) from exc
             self._db.close()
             self._set_aside(str(exc))  # before anything was written to it: as it was found

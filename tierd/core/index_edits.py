@@ -3,13 +3,13 @@ or forgotten, and the pieces that go with it, for placement.Placement
 (Placement.edits: it hands in its index, durable tier, holders, store lock
 and retire). Runs inside the store, called with the session's op lock held.
 
-A client's store that replaces pages of a durable state (from token 0, or
-from a page before its end) leaves that state in the index, whole, its
-pieces held by the session (Session.kept) as well as by the content where
-it keeps them, until the new content is durable (Placement._write_durable
-replaces the state in one transaction) or the session is forgotten: a crash
-meanwhile finds it as it was, never cut short, gone, or an older copy
-another tier holds.
+A store that replaces pages of a durable state (from token 0, or from a
+page before its end; a client's, or the pages a restore takes from other
+sessions) leaves that state in the index, whole, its pieces held by the
+session (Session.kept) as well as by the content where it keeps them, until
+the new content is durable (Placement._write_durable replaces the state in
+one transaction) or the session is forgotten: a crash meanwhile finds it as
+it was, never cut short, gone, or an older copy another tier holds.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class IndexEdits:
         """Forget pages from n_pages on (the index first), recording in the
         index, in the same transaction, the durable tier's pieces `add` (with
         their checksums and token hashes) that the session takes from other
-        sessions; returns pieces to free. With keep (a client's store), a
+        sessions; returns pieces to free. With keep (any store but a fetch), a
         durable state the index holds is kept (the module's docstring), and
         `add` is recorded with the new content; without, or once the session is
         found damaged, a state kept is given up first."""

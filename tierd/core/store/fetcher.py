@@ -164,7 +164,7 @@ class Fetcher:
                 self.writer.abort_write(w)  # stored here meanwhile (this node's copy is the session), or fetched
                 return
             session = self.writer.install(key, lock, session, spec, 0, w.pieces, self.roles.landing, sums,
-                                          m.num_tokens, m.nbytes, None, hashes, errors=m.errors)
+                                          m.num_tokens, m.nbytes, None, hashes, errors=m.errors, fetched=True)
             w.pieces = []
             if into is not None:
                 into.session = session

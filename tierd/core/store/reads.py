@@ -228,8 +228,7 @@ class Reader:
         try:
             self.writer.check_append(key, session, spec, 0)
             session = self.writer.install(key, lock, session, spec, 0, [], self.roles.landing, sums,
-                                    min(upto * bt, len(request)), upto * spec.page_bytes, None, hashes[:upto], lent,
-                                    keep=True)  # (its state on disk, if any, stays until this one is durable)
+                                    min(upto * bt, len(request)), upto * spec.page_bytes, None, hashes[:upto], lent)
         except BaseException:
             self.writer.let_go(lent)
             raise

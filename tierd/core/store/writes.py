@@ -82,14 +82,14 @@ class Writer:
                 first_page: int, pieces: list, tier: str, sums: np.ndarray, num_tokens: int,
                 nbytes: int, priority: int | None, hashes: np.ndarray | None = None,
                 lent: dict[str, list[Piece]] | None = None, errors: np.ndarray | None = None,
-                lossy: float | None = None, keep: bool = False) -> Session:
+                lossy: float | None = None, fetched: bool = False) -> Session:
         """Complete a store: replace pages from first_page on with the new ones
         in `tier` and the pieces `lent` by other sessions, by tier (hashes:
         the token hashes of every page, if known; errors: what the new pages
         carry, if fetched from a copy coded lossily; lossy: the save's consent
         to lossy codes, None to leave the session's as it is). The index forgets the
-        replaced pages first (with keep, a client's store or the pages a restore
-        takes from other sessions: not a durable state it holds, until the new
+        replaced pages first (but for a fetch from the remote tier, which
+        replaces the session: not a durable state it holds, until the new
         content is durable; core/index_edits.py): if it
         cannot, this raises before anything changed, and the caller still owns `pieces` and `lent`."""
         durable = self.roles.durable
@@ -100,7 +100,7 @@ class Writer:
             # Out of the prefix index while its hashes change (truncate cuts them): it lends nothing meanwhile.
             self.table.leaving(session)
             try:
-                freed = self.placement.edits.truncate(session, first_page, add, keep)
+                freed = self.placement.edits.truncate(session, first_page, add, keep=not fetched)
             except BaseException:
                 self.table.entered(session)  # unchanged: back in
                 raise
@@ -207,7 +207,7 @@ class Writer:
                 self._check_lent(w)
                 session = self.install(w.key, lock, session, w.spec, w.first_page, w.pieces, w.tier,
                                         np.concatenate([w.lent_sums, sums]), w.num_tokens, w.nbytes, w.priority,
-                                        w.hashes, w.lent, lossy=w.lossy, keep=True)
+                                        w.hashes, w.lent, lossy=w.lossy)
             except (ResourceExhausted, Unavailable):
                 if not keep:
                     self.abort_write(w)
